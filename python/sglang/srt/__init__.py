@@ -1,0 +1,1 @@
+"""Server runtime: configs, model, attention backends, memory, executor and scheduler."""

@@ -1,0 +1,130 @@
+"""Built-in model shapes with random weights: tiny for CPU tests, mini for one GPU, and a
+four-layer slice of DeepSeek-V4-Flash for per-layer timings. Each call returns a fresh config."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from sglang.srt.configs.deepseek_v4 import DeepseekV4Config
+
+
+def _preset(**dims) -> DeepseekV4Config:
+    # What every preset shares with the released models: the block structure, not the sizes.
+    rope_factor, original_max = dims.pop("rope_factor"), dims.pop("original_max_position_embeddings")
+    return DeepseekV4Config(
+        rope_scaling={
+            "type": "yarn",
+            "factor": rope_factor,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": original_max,
+        },
+        rope_theta=10000.0,
+        compress_rope_theta=160000.0,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+        scoring_func="sqrtsoftplus",
+        swiglu_limit=10.0,
+        num_hash_layers=1,
+        n_shared_experts=1,
+        num_key_value_heads=1,
+        bos_token_id=0,
+        eos_token_id=1,
+        torch_dtype="bfloat16",
+        num_nextn_predict_layers=0,
+        **dims,
+    )
+
+
+def dsv4_tiny() -> DeepseekV4Config:
+    """CPU tests: every layer type in four layers, small enough to run in milliseconds."""
+    return _preset(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=4,
+        compress_ratios=[0, 4, 128, 4],
+        num_attention_heads=4,
+        head_dim=64,
+        qk_rope_head_dim=16,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        routed_scaling_factor=1.5,
+        sliding_window=8,
+        index_n_heads=8,
+        index_head_dim=32,
+        index_topk=4,
+        max_position_embeddings=4096,
+        rope_factor=4,
+        original_max_position_embeddings=256,
+    )
+
+
+def dsv4_mini() -> DeepseekV4Config:
+    """One GPU: the real head_dim, window and top-k, at a width that serves quickly."""
+    return _preset(
+        vocab_size=32768,
+        hidden_size=1024,
+        num_hidden_layers=8,
+        compress_ratios=[0, 0, 4, 128, 4, 128, 4, 0],
+        num_attention_heads=16,
+        head_dim=512,
+        qk_rope_head_dim=64,
+        q_lora_rank=384,
+        o_groups=4,
+        o_lora_rank=256,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=512,
+        routed_scaling_factor=1.5,
+        sliding_window=128,
+        index_n_heads=16,
+        index_head_dim=128,
+        index_topk=256,
+        max_position_embeddings=65536,
+        rope_factor=16,
+        original_max_position_embeddings=4096,
+    )
+
+
+def dsv4_flash_slice() -> DeepseekV4Config:
+    """Per-layer timings of DeepSeek-V4-Flash: its exact layer dims, fewer layers and experts."""
+    return _preset(
+        vocab_size=129280,
+        hidden_size=4096,
+        num_hidden_layers=4,
+        compress_ratios=[0, 4, 128, 4],
+        num_attention_heads=64,
+        head_dim=512,
+        qk_rope_head_dim=64,
+        q_lora_rank=1024,
+        o_groups=8,
+        o_lora_rank=1024,
+        n_routed_experts=16,
+        num_experts_per_tok=6,
+        moe_intermediate_size=2048,
+        routed_scaling_factor=1.5,
+        sliding_window=128,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=512,
+        max_position_embeddings=65536,
+        rope_factor=16,
+        original_max_position_embeddings=65536,
+    )
+
+
+PRESETS: dict[str, Callable[[], DeepseekV4Config]] = {
+    "dsv4-tiny": dsv4_tiny,
+    "dsv4-mini": dsv4_mini,
+    "dsv4-flash-slice": dsv4_flash_slice,
+}
+
+
+def get_preset(name: str) -> DeepseekV4Config:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[name]()

@@ -1,0 +1,92 @@
+"""DSV4 attention backend (plain torch; correct on CPU and CUDA). Builds the per-batch
+metadata, runs the attention core for the break op, and implements the breakable-CUDA-graph
+and decode-CUDA-graph metadata hooks."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.attention.dsv4.metadata import DSV4Metadata, match_num_queries
+from sglang.srt.layers.attention.dsv4.metadata_builder import build_dsv4_metadata
+from sglang.srt.layers.attention.dsv4.ops import sparse_attention_with_sink
+
+logger = logging.getLogger(__name__)
+
+
+class DeepseekV4AttnBackend(AttentionBackend):
+    use_captured_forward_metadata_for_breakable_cuda_graph = True
+
+    def __init__(self, config, kv_pool, req_to_token_pool, max_seq_len: int):
+        self.config = config
+        self.kv_pool = kv_pool
+        self.req_to_token_pool = req_to_token_pool
+        # Candidate-list width used whenever shapes must be static (graph capture/replay).
+        self.max_seq_len = max_seq_len
+        self.ratios = {config.layer_compress_ratio(i) for i in range(config.num_hidden_layers)} - {0}
+        self.scale = config.head_dim ** -0.5
+        self.forward_metadata: Optional[DSV4Metadata] = None
+
+    @property
+    def padding_ring_row(self):
+        """Flat ring-state row of the padding request, per ring size (a trash row)."""
+        return self.req_to_token_pool.padding_slot
+
+    def _build(self, forward_batch, static: bool) -> DSV4Metadata:
+        rtp = self.req_to_token_pool
+        return build_dsv4_metadata(
+            forward_batch,
+            rtp.req_to_token,
+            padding_slot=rtp.padding_slot,
+            page_size=rtp.page_size,
+            window=self.config.sliding_window,
+            index_topk=self.config.index_topk,
+            ratios=self.ratios,
+            fixed_max_seq_len=self.max_seq_len if static else None,
+            max_num_reqs=rtp.max_num_reqs,
+        )
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        self.forward_metadata = self._build(forward_batch, static=False)
+
+    # ---- breakable CUDA graph hooks -------------------------------------------------------
+    def init_forward_metadata_for_breakable_cuda_graph_capture(self, forward_batch) -> DSV4Metadata:
+        self.forward_metadata = self._build(forward_batch, static=True)
+        return self.forward_metadata
+
+    def prepare_forward_metadata_for_breakable_cuda_graph_replay(
+        self, capture_metadata: DSV4Metadata, forward_batch, static_forward_batch=None
+    ) -> None:
+        # Build from the padded static batch so every per-token tensor has the bucket's
+        # shape, then refresh the captured object in place: segments keep reading the
+        # tensors they captured; the break reads the replaced assign fields.
+        source = forward_batch if static_forward_batch is None else static_forward_batch
+        fresh = self._build(source, static=True)
+        capture_metadata.refresh_for_breakable_cuda_graph_replay_(fresh)
+        self.forward_metadata = capture_metadata
+
+    # ---- the attention core (runs eagerly, as the break op) --------------------------------
+    def forward(self, q: torch.Tensor, sink: torch.Tensor, output: torch.Tensor, layer_id: int,
+                num_tokens: int) -> None:
+        meta = self.forward_metadata
+        n = num_tokens
+        ratio = self.config.layer_compress_ratio(layer_id)
+        a = meta.attn
+        kv_b = idx_b = len_b = None
+        if ratio == 4:
+            kv_b = self.kv_pool.compressed[layer_id]
+            idx_b = match_num_queries(meta.indexer.topk_slots, n)
+            len_b = match_num_queries(meta.indexer.topk_len, n, 0)
+        elif ratio == 128:
+            kv_b = self.kv_pool.compressed[layer_id]
+            idx_b = match_num_queries(a.c128_slots, n)
+            len_b = match_num_queries(a.c128_len, n, 0)
+        out = sparse_attention_with_sink(
+            q[:n], self.kv_pool.raw[layer_id],
+            match_num_queries(a.window_slots, n), match_num_queries(a.window_len, n, 0),
+            kv_b, idx_b, len_b, sink, self.scale,
+        )
+        output[:n].copy_(out)

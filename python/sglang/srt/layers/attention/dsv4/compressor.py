@@ -1,0 +1,46 @@
+"""DSV4 KV compressor (ratio 4 overlapping, or 128): softmax-gated pooling of projected
+tokens into one entry per block, then RMSNorm and RoPE at the block's first position.
+
+Incremental by construction: emissions read their source rows from this step's fresh
+projections or from the per-request ring state, so chunked prefill and decode reproduce the
+full-prefill entries exactly. Projections run in fp32 (the checkpoint stores them in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.attention.dsv4.metadata import DSV4CompressorMetadata
+from sglang.srt.layers.attention.dsv4.ops import compressor_pool, scatter_rows_
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_
+from sglang.srt.mem_cache.dsv4_kv_pool import CompressorState
+
+
+class Compressor(nn.Module):
+    def __init__(self, dim: int, head_dim: int, ratio: int, eps: float):
+        super().__init__()
+        self.ratio = ratio
+        coff = 2 if ratio == 4 else 1
+        self.wkv = nn.Linear(dim, coff * head_dim, bias=False, dtype=torch.float32)
+        self.wgate = nn.Linear(dim, coff * head_dim, bias=False, dtype=torch.float32)
+        self.ape = nn.Parameter(torch.zeros(ratio, coff * head_dim, dtype=torch.float32), requires_grad=False)
+        self.norm = RMSNorm(head_dim, eps)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: DSV4CompressorMetadata,
+                state: CompressorState, pool: torch.Tensor, rope: RotaryTable, trash_ring_row: int) -> None:
+        xf = x.float()
+        kv = self.wkv(xf)
+        score = self.wgate(xf) + self.ape[positions % self.ratio]
+        pooled = compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio)
+        # Ring update after pooling: this step's emissions read the previous contents.
+        C = kv.shape[-1]
+        scatter_rows_(state.kv.view(-1, C), meta.ring_write_loc, kv, trash_ring_row)
+        scatter_rows_(state.score.view(-1, C), meta.ring_write_loc, score, trash_ring_row)
+        entry = self.norm(pooled.to(x.dtype))
+        cos, sin = rope.lookup(meta.positions.long())
+        apply_rope_(entry, cos, sin)
+        scatter_rows_(pool, meta.out_loc, entry, trash=0)

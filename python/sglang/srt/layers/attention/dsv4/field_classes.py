@@ -1,0 +1,107 @@
+"""Field classes of attention metadata under breakable CUDA graphs (DESIGN 4.4).
+
+Every dataclass field of a metadata object declares exactly one class next to it:
+- copy:     read by kernels inside captured segments. Refresh copies the new contents into
+            the captured tensor in place (`copy_`); its storage is never replaced. A nested
+            metadata object declared `copy` is refreshed recursively and keeps its identity.
+- assign:   read only by the eager break op. Refresh replaces it with the new object.
+- static:   configuration that must be equal at capture and replay; a mismatch raises.
+- produced: written inside a segment and read by the break (e.g. the indexer's selected
+            indices). Refresh keeps the captured storage and never touches it.
+`refresh_for_breakable_cuda_graph_replay_` is derived from these declarations, so a new field
+cannot be forgotten: an unclassified field makes the refresh raise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+COPY, ASSIGN, STATIC, PRODUCED = "copy", "assign", "static", "produced"
+FIELD_CLASSES = (COPY, ASSIGN, STATIC, PRODUCED)
+_KEY = "bcg_field_class"
+
+
+class MetadataContractError(RuntimeError):
+    pass
+
+
+def copy_field(**kw):
+    return dataclasses.field(metadata={_KEY: COPY}, **kw)
+
+
+def assign_field(**kw):
+    return dataclasses.field(metadata={_KEY: ASSIGN}, **kw)
+
+
+def static_field(**kw):
+    return dataclasses.field(metadata={_KEY: STATIC}, **kw)
+
+
+def produced_field(**kw):
+    return dataclasses.field(metadata={_KEY: PRODUCED}, **kw)
+
+
+def field_class(f: dataclasses.Field) -> str | None:
+    return f.metadata.get(_KEY)
+
+
+def field_classes(obj_or_cls) -> dict[str, str | None]:
+    return {f.name: field_class(f) for f in dataclasses.fields(obj_or_cls)}
+
+
+def unclassified_fields(cls) -> list[str]:
+    """Names of fields (recursively, through nested metadata types) with no class."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if field_class(f) not in FIELD_CLASSES:
+            out.append(f"{cls.__name__}.{f.name}")
+    return out
+
+
+def refresh_(captured: Any, fresh: Any, path: str = "") -> None:
+    """Make `captured` (the object the graph captured) hold `fresh`'s values per the contract."""
+    if type(captured) is not type(fresh):
+        raise MetadataContractError(
+            f"{path or type(captured).__name__}: captured {type(captured).__name__}, fresh {type(fresh).__name__}"
+        )
+    for f in dataclasses.fields(captured):
+        cls = field_class(f)
+        name = f"{path}{type(captured).__name__}.{f.name}"
+        old, new = getattr(captured, f.name), getattr(fresh, f.name)
+        if cls == COPY:
+            _copy_into(old, new, name)
+        elif cls == ASSIGN:
+            setattr(captured, f.name, new)
+        elif cls == STATIC:
+            if not _static_equal(old, new):
+                raise MetadataContractError(f"{name}: static field differs (captured {old!r}, replay {new!r})")
+        elif cls == PRODUCED:
+            continue
+        else:
+            raise MetadataContractError(f"{name}: field has no breakable-cuda-graph class")
+
+
+def _copy_into(old: Any, new: Any, name: str) -> None:
+    if old is None or new is None:
+        if old is not new:
+            raise MetadataContractError(f"{name}: present at capture xor replay")
+        return
+    if isinstance(old, torch.Tensor):
+        if old.shape != new.shape:
+            raise MetadataContractError(
+                f"{name}: copy field shape {tuple(new.shape)} at replay, {tuple(old.shape)} at capture"
+            )
+        old.copy_(new)
+    elif dataclasses.is_dataclass(old):
+        refresh_(old, new, path=f"{name} -> ")
+    else:
+        raise MetadataContractError(f"{name}: copy field must be a tensor or nested metadata")
+
+
+def _static_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b

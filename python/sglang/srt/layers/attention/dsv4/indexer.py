@@ -1,0 +1,32 @@
+"""DSV4 lightning indexer (c4 layers): scores every visible c4 entry with
+I(t,s) = sum_h w(t,h) relu(q_I(t,h) . K_I(s)) and keeps the top-k. Runs inside captured
+segments: static shapes, output written into the metadata's produced `topk_slots`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.attention.dsv4.compressor import Compressor
+from sglang.srt.layers.attention.dsv4.ops import indexer_topk
+from sglang.srt.layers.rotary_embedding import apply_rope_
+
+
+class Indexer(nn.Module):
+    def __init__(self, config, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False, dtype=dtype)
+        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        self.compressor = Compressor(config.hidden_size, self.head_dim, 4, config.rms_norm_eps)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x, qr, cos, sin, meta, state, key_pool, rope, trash_ring_row) -> None:
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        apply_rope_(q, cos, sin)
+        self.compressor(x, meta.positions, meta.c4_compressor, state, key_pool, rope, trash_ring_row)
+        w = self.weights_proj(x).float() * self.weight_scale
+        im = meta.indexer
+        im.topk_slots.copy_(indexer_topk(q, w, key_pool, im.cand_slots, im.cand_len, im.topk))

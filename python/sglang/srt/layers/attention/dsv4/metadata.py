@@ -1,0 +1,85 @@
+"""DSV4 attention metadata. Each field declares its breakable-CUDA-graph class
+(see field_classes.py). Shapes: T = tokens of the (possibly padded) batch; E = emissions
+(compressed entries produced this step, padded to a static bound under capture)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sglang.srt.layers.attention.dsv4.field_classes import (
+    assign_field,
+    copy_field,
+    produced_field,
+    refresh_,
+    static_field,
+)
+
+
+class _Refreshable:
+    def refresh_for_breakable_cuda_graph_replay_(self, fresh) -> None:
+        refresh_(self, fresh)
+
+
+@dataclass
+class DSV4CompressorMetadata(_Refreshable):
+    """One per ratio; the c4 layers' main and indexer compressors share it (same ring layout)."""
+
+    ratio: int = static_field()
+    # [E, R] source rows: >= 0 ring-state row, <= -2 fresh token (-idx-2), -1 empty
+    gather_idx: torch.Tensor = copy_field()
+    out_loc: torch.Tensor = copy_field()  # [E] compressed-pool slot (c4_out_loc / c128_out_loc); -1 pad
+    positions: torch.Tensor = copy_field()  # [E] RoPE position of each entry (i * ratio)
+    ring_write_loc: torch.Tensor = copy_field()  # [T] flat ring row, -1 = keep nothing
+
+
+@dataclass
+class DSV4IndexerMetadata(_Refreshable):
+    topk: int = static_field()
+    cand_slots: torch.Tensor = copy_field()  # [T, C4] c4-pool slots of entries 0..C4-1; -1 pad
+    cand_len: torch.Tensor = copy_field()  # [T] visible c4 entries: floor((pos+1)/4)
+    topk_len: torch.Tensor = copy_field()  # [T] min(topk, cand_len): the c4 top-k lengths
+    topk_slots: torch.Tensor = produced_field()  # [T, topk] written by the indexer in-segment
+
+
+@dataclass
+class DSV4AttnMetadata(_Refreshable):
+    """Read only by the eager attention break: replaced wholesale at replay."""
+
+    window_slots: torch.Tensor = assign_field()  # [T, window] raw slots, left-aligned, -1 pad
+    window_len: torch.Tensor = assign_field()  # [T]
+    c128_slots: torch.Tensor = assign_field()  # [T, C128] c128-pool slots, -1 pad
+    c128_len: torch.Tensor = assign_field()  # [T]
+
+
+@dataclass
+class DSV4Metadata(_Refreshable):
+    page_size: int = static_field()
+    window: int = static_field()
+    c4_sparse_topk: int = static_field()
+    # Width of the candidate lists; fixed (max context) under capture, per batch in eager.
+    max_seq_len: int = static_field()
+    num_tokens: int = static_field()
+    raw_out_loc: torch.Tensor = copy_field()  # [T] raw-KV write slot; -1 for padding rows
+    positions: torch.Tensor = copy_field()  # [T]
+    attn: DSV4AttnMetadata = copy_field()
+    indexer: Optional[DSV4IndexerMetadata] = copy_field(default=None)
+    c4_compressor: Optional[DSV4CompressorMetadata] = copy_field(default=None)
+    c128_compressor: Optional[DSV4CompressorMetadata] = copy_field(default=None)
+
+    def compressor(self, ratio: int) -> DSV4CompressorMetadata:
+        return self.c4_compressor if ratio == 4 else self.c128_compressor
+
+
+def match_num_queries(t: torch.Tensor, num_queries: int, pad_value: int = -1) -> torch.Tensor:
+    """Match bucket-sized per-token metadata to the query count: slice, or pad with a
+    neutral value (-1 slot / 0 length) when there are more queries than metadata rows."""
+    n = t.shape[0]
+    if n == num_queries:
+        return t
+    if n > num_queries:
+        return t[:num_queries]
+    pad = t.new_full((num_queries - n, *t.shape[1:]), pad_value)
+    return torch.cat([t, pad], dim=0)

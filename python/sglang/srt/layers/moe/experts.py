@@ -1,0 +1,82 @@
+"""DSV4 MoE: routed experts with clamped SwiGLU plus a shared expert.
+
+Expert weights are stacked ([E, I, d]) so the whole MoE has static shapes and can live
+inside a captured graph segment. The portable path computes every expert for every row
+and weights by the (mostly zero) dense routing matrix: exact, graph-safe, and fine for the
+small presets; `sgl-kernel`'s fused grouped GEMM replaces it on GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.srt.layers.moe.router import Gate
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    return F.silu(gate) * up
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, dim: int, inter: int, limit: float, dtype: torch.dtype):
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(dim, inter, bias=False, dtype=dtype)
+        self.w2 = nn.Linear(inter, dim, bias=False, dtype=dtype)
+        self.w3 = nn.Linear(dim, inter, bias=False, dtype=dtype)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+
+
+class RoutedExperts(nn.Module):
+    def __init__(self, n_experts: int, dim: int, inter: int, limit: float, dtype: torch.dtype):
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Parameter(torch.zeros(n_experts, inter, dim, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.zeros(n_experts, dim, inter, dtype=dtype), requires_grad=False)
+        self.w3 = nn.Parameter(torch.zeros(n_experts, inter, dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, d], weights/ids [T, k] -> fp32 [T, d]."""
+        n_experts = self.w1.shape[0]
+        dense = torch.zeros(x.shape[0], n_experts, dtype=torch.float32, device=x.device)
+        # scatter, not scatter_add: an expert listed twice for a token (hash tables can do
+        # that) contributes once, exactly as the reference's `y[idx] += expert(...)` does.
+        dense.scatter_(1, ids, weights)
+        gate = torch.einsum("td,eid->eti", x, self.w1)
+        up = torch.einsum("td,eid->eti", x, self.w3)
+        # Routing weight applied before W2, as the reference does (matters in bf16).
+        act = clamped_swiglu(gate, up, self.limit) * dense.t().unsqueeze(-1)
+        return torch.einsum("eti,edi->td", act.to(x.dtype), self.w2).float()
+
+
+class DeepseekV4MoE(nn.Module):
+    def __init__(self, config, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        d, inter = config.hidden_size, config.moe_intermediate_size
+        limit = config.swiglu_limit
+        hash_vocab = config.vocab_size if config.is_hash_layer(layer_id) else None
+        self.gate = Gate(d, config.n_routed_experts, config.num_experts_per_tok,
+                         config.routed_scaling_factor, config.scoring_func, hash_vocab, dtype)
+        self.experts = RoutedExperts(config.n_routed_experts, d, inter, limit, dtype)
+        shared_limit = limit if config.shared_expert_swiglu_limit else 0.0
+        self.shared_experts = (
+            SharedExpert(d, inter * config.n_shared_experts, shared_limit, dtype)
+            if config.n_shared_experts > 0 else None
+        )
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        y = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x).float()
+        return y.to(x.dtype)

@@ -1,0 +1,52 @@
+"""DSV4 router: sqrt-softplus scores in fp32; a selection-only bias; hash routing on the
+first layers (a frozen token -> experts table). Weights are the raw scores at the chosen
+experts, normalised to sum 1, times routed_scaling_factor. Static shapes: graph-safe."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def route(logits: torch.Tensor, topk: int, scaling: float, scoring_func: str,
+          bias: Optional[torch.Tensor] = None, tid2eid: Optional[torch.Tensor] = None,
+          input_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32 -> (weights [T, k] fp32, expert ids [T, k] int64)."""
+    if scoring_func == "sqrtsoftplus":
+        scores = F.softplus(logits).sqrt()
+    elif scoring_func == "sigmoid":
+        scores = logits.sigmoid()
+    elif scoring_func == "softmax":
+        scores = logits.softmax(dim=-1)
+    else:
+        raise ValueError(f"unknown scoring_func {scoring_func!r}")
+    if tid2eid is not None:
+        ids = tid2eid[input_ids].long()
+    else:
+        selection = scores if bias is None else scores + bias
+        ids = selection.topk(topk, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if scoring_func != "softmax":
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * scaling, ids
+
+
+class Gate(nn.Module):
+    def __init__(self, dim: int, n_experts: int, topk: int, scaling: float, scoring_func: str,
+                 hash_vocab: Optional[int], dtype: torch.dtype):
+        super().__init__()
+        self.topk, self.scaling, self.scoring_func = topk, scaling, scoring_func
+        self.weight = nn.Parameter(torch.zeros(n_experts, dim, dtype=dtype), requires_grad=False)
+        if hash_vocab is not None:
+            self.register_buffer("tid2eid", torch.zeros(hash_vocab, topk, dtype=torch.int32))
+            self.bias = None
+        else:
+            self.tid2eid = None
+            self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor):
+        logits = F.linear(x.float(), self.weight.float())
+        return route(logits, self.topk, self.scaling, self.scoring_func, self.bias, self.tid2eid, input_ids)

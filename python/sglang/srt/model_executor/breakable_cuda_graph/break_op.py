@@ -1,0 +1,151 @@
+"""Break ops: functions that split a breakable graph and run eagerly between its segments.
+
+Also owns the per-thread "which graph is capturing" state, because a break op has to find
+the graph that is capturing it without being handed one (it is called from model code).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.breakable_cuda_graph.base import BreakableGraph
+
+SPLIT_OP_NAMESPACE = "sglang"
+SPLIT_OPERATOR_PREFIX = f"{SPLIT_OP_NAMESPACE}::"
+
+# Thread-local: a scheduler thread replaying eagerly must not be split by a capture that
+# another thread happens to be running.
+_capture_state = threading.local()
+
+
+def current_graph() -> Optional["BreakableGraph"]:
+    """The breakable graph capturing on this thread, or None."""
+    return getattr(_capture_state, "graph", None)
+
+
+def is_capturing() -> bool:
+    """True while a breakable graph captures on this thread (break ops included)."""
+    return current_graph() is not None
+
+
+def _set_current_graph(graph: Optional["BreakableGraph"]) -> None:
+    if graph is not None and current_graph() is not None:
+        raise RuntimeError("a breakable graph is already capturing on this thread")
+    _capture_state.graph = graph
+
+
+def _split_or_run(name: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    graph = current_graph()
+    if graph is None or graph.in_break_op:
+        # Outside capture, and for break ops nested in a running break op: just run.
+        return fn(*args, **kwargs)
+    graph.run_break_op(name, fn, args, kwargs)
+    return None
+
+
+def eager_on_graph(fn: Optional[Callable] = None, *, name: Optional[str] = None):
+    """Mark `fn` as a break op: under capture it ends the segment, runs eagerly, is recorded
+    with its exact arguments and is called again with them at every replay.
+
+    `fn` must return None and write results in place into its tensor arguments, because a
+    replay ignores return values. Usable as `@eager_on_graph` or `@eager_on_graph(name=...)`.
+    """
+
+    def decorate(f: Callable) -> Callable:
+        op_name = name or f.__name__
+
+        @functools.wraps(f)
+        def break_op(*args, **kwargs):
+            return _split_or_run(op_name, f, args, kwargs)
+
+        break_op.break_op_name = op_name
+        return break_op
+
+    return decorate(fn) if fn is not None else decorate
+
+
+# name -> the callable register_split_op returned; tooling lists them via get_split_ops().
+_split_ops: dict[str, Callable] = {}
+# Kept alive for the process: dropping a Library (or a CustomOpDef) deregisters its ops.
+_fallback_library: Optional[torch.library.Library] = None
+_custom_op_defs: dict[str, Any] = {}
+
+
+def get_split_ops() -> dict[str, Callable]:
+    """Registered split ops by name (a copy)."""
+    return dict(_split_ops)
+
+
+def is_split_op(func: Any) -> bool:
+    """True when `func` is the dispatcher overload of a registered split op."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.name.startswith(SPLIT_OPERATOR_PREFIX):
+        return False
+    return schema.name[len(SPLIT_OPERATOR_PREFIX) :] in _split_ops
+
+
+def _no_output_fake(*args, **kwargs) -> None:
+    # Split ops return nothing and only mutate declared arguments, so tracing needs no shapes.
+    return None
+
+
+def _define_with_custom_op(name: str, impl: Callable, schema: str, mutates_args) -> None:
+    op = torch.library.custom_op(
+        f"{SPLIT_OPERATOR_PREFIX}{name}", impl, mutates_args=mutates_args, schema=schema
+    )
+    op.register_fake(_no_output_fake)
+    _custom_op_defs[name] = op
+
+
+def _define_with_library(name: str, impl: Callable, schema: str) -> None:
+    global _fallback_library
+    if _fallback_library is None:
+        _fallback_library = torch.library.Library(SPLIT_OP_NAMESPACE, "FRAGMENT")
+    _fallback_library.define(name + schema)
+    _fallback_library.impl(name, impl, "CompositeExplicitAutograd")
+    _fallback_library.impl(name, _no_output_fake, "Meta")
+
+
+def register_split_op(
+    name: str,
+    fn: Callable,
+    mutates_args: tuple[str, ...],
+    *,
+    schema: Optional[str] = None,
+) -> Callable:
+    """Register `fn` as the dispatcher op `torch.ops.sglang.<name>` and as a split op.
+
+    Returns a callable that calls the dispatcher op. The op's kernel splits the capturing
+    graph (like `eager_on_graph`), so the split also happens when compiled code calls the op
+    directly. `schema` (e.g. "(Tensor q, Tensor(a!) output) -> ()") defaults to one inferred
+    from `fn`'s type hints.
+    """
+    if name in _split_ops:
+        raise ValueError(f"split op {name!r} is already registered")
+    mutates_args = tuple(mutates_args)
+    if schema is None:
+        schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
+
+    @functools.wraps(fn)
+    def kernel(*args, **kwargs):
+        _split_or_run(name, fn, args, kwargs)
+
+    if hasattr(torch.library, "custom_op"):
+        _define_with_custom_op(name, kernel, schema, mutates_args)
+    else:
+        _define_with_library(name, kernel, schema)
+    overload = getattr(getattr(torch.ops, SPLIT_OP_NAMESPACE), name).default
+
+    @functools.wraps(fn)
+    def split_op(*args, **kwargs) -> None:
+        overload(*args, **kwargs)
+
+    split_op.break_op_name = name
+    split_op.op = overload
+    _split_ops[name] = split_op
+    return split_op

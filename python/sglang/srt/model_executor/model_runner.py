@@ -1,0 +1,116 @@
+"""ModelRunner: owns the model, the KV pools and the attention backend; runs one forward
+(ForwardBatch in, logits out), through a graph runner when one can take the batch.
+
+Be paranoid about adding lines here: this is the hot path. Rare features live in helpers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from sglang.srt.configs.deepseek_v4 import load_model_config
+from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
+from sglang.srt.layers.logits_processor import LogitsOutput, compute_logits
+from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
+from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.forward_context import forward_context
+from sglang.srt.model_loader.random_init import init_random_weights
+from sglang.srt.model_loader.safetensors_io import load_checkpoint
+from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelRunnerConfig:
+    """What the runner needs from the server arguments, with every "auto" resolved."""
+
+    model_path: str = "dsv4-tiny"
+    load_format: str = "auto"  # "auto": checkpoint for directories, seeded random for presets
+    dtype: str = "float32"
+    device: str = "cpu"
+    random_seed: int = 0
+    context_length: int = 1024
+    page_size: int = 128
+    max_num_reqs: int = 16
+    max_total_tokens: int = 16384
+    enable_breakable_cuda_graph: bool = False
+    breakable_cuda_graph_max_tokens: int = 512
+    breakable_cuda_graph_tokens: Optional[Sequence[int]] = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 16
+    debug_cuda_graph: bool = False
+
+    @staticmethod
+    def from_server_args(args) -> "ModelRunnerConfig":
+        if isinstance(args, ModelRunnerConfig):
+            return args
+        names = {f.name for f in dataclasses.fields(ModelRunnerConfig)}
+        kw = {n: getattr(args, n) for n in names if hasattr(args, n)}
+        if hasattr(args, "max_running_requests"):
+            kw["max_num_reqs"] = args.max_running_requests
+        return ModelRunnerConfig(**kw)
+
+
+class ModelRunner:
+    def __init__(self, server_args):
+        cfg = ModelRunnerConfig.from_server_args(server_args)
+        self.runner_config = cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = _DTYPES[cfg.dtype]
+        self.config = load_model_config(cfg.model_path)
+        self.max_context_len = min(cfg.context_length, self.config.max_position_embeddings)
+        self.max_num_reqs = cfg.max_num_reqs
+        self.model = self._load_model(cfg)
+        num_pages = 1 + -(-cfg.max_total_tokens // cfg.page_size)  # + the padding page
+        self.req_to_token_pool = ReqToTokenPool(cfg.max_num_reqs, self.max_context_len, num_pages,
+                                                cfg.page_size, self.device)
+        self.kv_pool = DSV4KVPool(self.config, num_pages * cfg.page_size, cfg.max_num_reqs, self.dtype, self.device)
+        self.attn_backend = DeepseekV4AttnBackend(self.config, self.kv_pool, self.req_to_token_pool,
+                                                  max_seq_len=self.max_context_len)
+        self.stats = {"forward_eager": 0}
+        self.graph_runners = []  # BCG / decode graph runners register here (first match wins)
+
+    def _load_model(self, cfg: ModelRunnerConfig) -> DeepseekV4ForCausalLM:
+        model = DeepseekV4ForCausalLM(self.config, self.dtype)
+        from_dir = os.path.isdir(cfg.model_path)
+        if cfg.load_format == "dummy" or (cfg.load_format == "auto" and not from_dir):
+            init_random_weights(model, cfg.random_seed)
+        else:
+            load_checkpoint(model, cfg.model_path, self.config.fp8_weight_block_size)
+        return model.to_device(self.device).eval()
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> LogitsOutput:
+        for runner in self.graph_runners:
+            if runner.can_run(forward_batch):
+                return runner.replay(forward_batch)
+        return self.forward_eager(forward_batch)
+
+    @torch.inference_mode()
+    def forward_eager(self, forward_batch: ForwardBatch) -> LogitsOutput:
+        self.stats["forward_eager"] += 1
+        self.attn_backend.init_forward_metadata(forward_batch)
+        with forward_context(forward_batch, self.attn_backend):
+            hidden = self.model(forward_batch.input_ids, forward_batch.input_embeds)
+        return compute_logits(self.model, hidden, forward_batch)
+
+    def get_stats(self) -> dict:
+        out = dict(self.stats)
+        for runner in self.graph_runners:
+            out.update(runner.get_stats())
+        return out
+
+    def shutdown(self) -> None:
+        for runner in self.graph_runners:
+            runner.release()
+        self.graph_runners = []

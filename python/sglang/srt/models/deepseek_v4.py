@@ -1,0 +1,159 @@
+"""DeepSeek-V4: mHC residual streams, hybrid sparse attention (sliding window + c4 indexer
+top-k + c128), sqrt-softplus MoE with hash-routed first layers.
+
+Parameter names follow the checkpoint (`layers.{i}.attn.wq_a.weight`, ...) except for the
+few the loader renames (stacked experts, hc_* tensors). The attention core is the only
+break op of a breakable CUDA graph; everything else has static shapes and no host syncs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.srt.layers.attention.dsv4.compressor import Compressor
+from sglang.srt.layers.attention.dsv4.indexer import Indexer
+from sglang.srt.layers.attention.dsv4.ops import scatter_rows_
+from sglang.srt.layers.layernorm import RMSNorm, rms_normalize
+from sglang.srt.layers.mhc import HyperConnection, HyperHead
+from sglang.srt.layers.moe.experts import DeepseekV4MoE
+from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_
+from sglang.srt.model_executor.breakable_cuda_graph import register_split_op
+from sglang.srt.model_executor.forward_context import get_forward_context
+
+
+def _attention_with_output(q: torch.Tensor, sink: torch.Tensor, output: torch.Tensor, layer_id: int) -> None:
+    """The break op: reads the live batch from the forward context, attends with the real
+    (unpadded) token count and writes output[:n]; padded rows are left untouched."""
+    ctx = get_forward_context()
+    ctx.attn_backend.forward(q, sink, output, layer_id, ctx.num_live_tokens)
+
+
+deepseek_v4_attention_with_output = register_split_op(
+    "deepseek_v4_attention_with_output", _attention_with_output, mutates_args=("output",)
+)
+
+
+def rope_table_for(config, ratio: int, device=None) -> RotaryTable:
+    if ratio == 0:
+        return RotaryTable(config.qk_rope_head_dim, config.max_position_embeddings, config.rope_theta,
+                           device=device)
+    return RotaryTable(config.qk_rope_head_dim, config.max_position_embeddings, config.compress_rope_theta,
+                       config.rope_factor, config.original_max_position_embeddings,
+                       config.beta_fast, config.beta_slow, device=device)
+
+
+class DeepseekV4Attention(nn.Module):
+    def __init__(self, config, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        c = config
+        self.layer_id = layer_id
+        self.ratio = c.layer_compress_ratio(layer_id)
+        self.n_heads, self.head_dim = c.num_attention_heads, c.head_dim
+        self.n_groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
+        self.eps = c.rms_norm_eps
+        lin = lambda i, o: nn.Linear(i, o, bias=False, dtype=dtype)  # noqa: E731
+        self.wq_a = lin(c.hidden_size, c.q_lora_rank)
+        self.q_norm = RMSNorm(c.q_lora_rank, self.eps)
+        self.wq_b = lin(c.q_lora_rank, self.n_heads * self.head_dim)
+        self.wkv = lin(c.hidden_size, self.head_dim)
+        self.kv_norm = RMSNorm(self.head_dim, self.eps)
+        self.wo_a = lin(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank)
+        self.wo_b = lin(self.n_groups * self.o_lora_rank, c.hidden_size)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32), requires_grad=False)
+        self.compressor = Compressor(c.hidden_size, self.head_dim, self.ratio, self.eps) if self.ratio else None
+        self.indexer = Indexer(c, dtype) if self.ratio == 4 else None
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.rope: RotaryTable = rope_table_for(c, self.ratio)
+
+    def to_device_tables(self, device) -> None:
+        self.rope.cos, self.rope.sin = self.rope.cos.to(device), self.rope.sin.to(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        backend = ctx.attn_backend
+        meta, pool = backend.forward_metadata, backend.kv_pool
+        T = x.shape[0]
+        cos, sin = self.rope.lookup(meta.positions)
+
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = rms_normalize(q, self.eps).to(x.dtype)  # per-head, weight-free
+        apply_rope_(q, cos, sin)
+
+        kv = self.kv_norm(self.wkv(x))
+        apply_rope_(kv, cos, sin)
+        scatter_rows_(pool.raw[self.layer_id], meta.raw_out_loc, kv, trash=0)
+
+        trash_row = backend.padding_ring_row
+        if self.ratio:
+            state = pool.compressor_state[self.layer_id]
+            self.compressor(x, meta.positions, meta.compressor(self.ratio), state,
+                            pool.compressed[self.layer_id], self.rope, trash_row * state.ring)
+        if self.ratio == 4:
+            istate = pool.indexer_state[self.layer_id]
+            self.indexer(x, qr, cos, sin, meta, istate, pool.indexer_keys[self.layer_id], self.rope,
+                         trash_row * istate.ring)
+
+        o = torch.zeros_like(q)
+        deepseek_v4_attention_with_output(q, self.attn_sink, o, self.layer_id)
+        apply_rope_(o, cos, sin, inverse=True)
+
+        o = o.view(T, self.n_groups, -1)
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        o = torch.einsum("tgd,grd->tgr", o.float(), wo_a.float()).to(x.dtype)
+        return self.wo_b(o.flatten(1))
+
+
+class DeepseekV4DecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        c = config
+        self.attn = DeepseekV4Attention(c, layer_id, dtype)
+        self.ffn = DeepseekV4MoE(c, layer_id, dtype)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        hc = (c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.hc_attn = HyperConnection(*hc)
+        self.hc_ffn = HyperConnection(*hc)
+
+    def forward(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        x, post, comb = self.hc_attn.pre(h)
+        h = HyperConnection.post(self.attn(self.attn_norm(x)), h, post, comb)
+        x, post, comb = self.hc_ffn.pre(h)
+        return HyperConnection.post(self.ffn(self.ffn_norm(x), input_ids), h, post, comb)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, config, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        c = config
+        self.config = c
+        self.dtype = dtype
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(c, i, dtype) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
+        self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=torch.float32)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def to_device(self, device) -> "DeepseekV4ForCausalLM":
+        self.to(device)
+        for layer in self.layers:
+            layer.attn.to_device_tables(device)
+        return self
+
+    def forward(self, input_ids: torch.Tensor, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [T] -> final hidden states [T, d] (after the hc head and the final norm).
+        The caller runs this inside forward_context(); logits come from compute_logits."""
+        x = self.embed(input_ids) if input_embeds is None else input_embeds.to(self.dtype)
+        h = x.unsqueeze(1).repeat(1, self.config.hc_mult, 1)
+        for layer in self.layers:
+            h = layer(h, input_ids)
+        return self.norm(self.hc_head(h))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.float(), self.head.weight.float())

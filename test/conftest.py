@@ -1,0 +1,27 @@
+"""Test tiers and shared fixtures: GPU tests skip cleanly on CPU-only machines."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if item.get_closest_marker("gpu") and num_gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if item.get_closest_marker("multi_gpu") and num_gpus < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2+ CUDA GPUs, found {num_gpus}"))
+
+
+@pytest.fixture(scope="session")
+def dsv4_reference_dir() -> Path:
+    """The shared DeepSeek-V4 reference data, read in place (it is not copied into the repo)."""
+    path = Path(os.environ.get("DSV4_REFERENCE_DIR", REPO_ROOT.parent / "shared" / "dsv4-reference"))
+    if not path.is_dir():
+        pytest.skip(f"DSV4 reference data not found at {path} (set DSV4_REFERENCE_DIR)")
+    return path

@@ -1,0 +1,192 @@
+"""DeepseekV4Config: real release configs load unchanged, presets are well-formed, bad configs
+fail with an error that names the field."""
+
+import json
+
+import pytest
+
+from sglang.srt.configs import (
+    PRESETS,
+    ConfigError,
+    DeepseekV4Config,
+    estimate_num_parameters,
+    get_preset,
+    load_model_config,
+)
+
+
+def test_real_pro_config_loads_with_its_values(dsv4_reference_dir):
+    c = load_model_config(str(dsv4_reference_dir / "DeepSeek-V4-Pro.config.json"))
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.head_dim) == (7168, 61, 128, 512)
+    assert c.nope_head_dim == 448
+    assert len(c.compress_ratios) == 62  # 61 layers + 1 MTP layer
+    assert c.layer_compress_ratio(0) == 128
+    assert c.layer_compress_ratio(2) == 4
+    assert c.layer_compress_ratio(60) == 4  # last main layer
+    assert c.layer_compress_ratio(61) == 0  # the MTP layer
+    assert c.fp8_weight_block_size == (128, 128)
+    assert c.rope_factor == 16.0 and c.original_max_position_embeddings == 65536
+    assert (c.beta_fast, c.beta_slow) == (32.0, 1.0)
+    assert c.rope_theta == 10000.0 and isinstance(c.rope_theta, float)
+    assert c.num_hash_layers == 3 and c.is_hash_layer(2) and not c.is_hash_layer(3)
+    assert c.expert_dtype == "fp4" and c.routed_scaling_factor == 2.5
+    assert c.extra["hidden_act"] == "silu" and c.extra["use_cache"] is True
+    with pytest.raises(IndexError):
+        c.layer_compress_ratio(62)
+
+
+def test_conformance_tiny_config_loads_from_its_directory(dsv4_reference_dir):
+    c = load_model_config(str(dsv4_reference_dir / "conformance-tiny"))
+    assert [c.layer_compress_ratio(i) for i in range(4)] == [0, 4, 128, 4]
+    assert c.num_nextn_predict_layers == 1 and c.layer_compress_ratio(4) == 0
+    assert (c.sliding_window, c.index_topk, c.hidden_size) == (8, 4, 128)
+
+
+def test_parameter_count_matches_the_conformance_checkpoint(dsv4_reference_dir):
+    # 1833733 = elements of every non-MTP tensor in conformance-tiny/model.safetensors.
+    c = load_model_config(str(dsv4_reference_dir / "conformance-tiny"))
+    assert estimate_num_parameters(c) == 1833733
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_loads_by_name_with_every_layer_type(name):
+    c = load_model_config(name)
+    assert set(c.compress_ratios) == {0, 4, 128}
+    assert len(c.compress_ratios) == c.num_hidden_layers
+    assert c.is_hash_layer(0) and not c.is_hash_layer(1)
+    assert c.rope_scaling["type"] == "yarn" and (c.beta_fast, c.beta_slow) == (32.0, 1.0)
+    assert (c.hc_mult, c.hc_sinkhorn_iters, c.swiglu_limit) == (4, 20, 10.0)
+    assert load_model_config(name) is not c  # fresh object each time
+
+
+def test_tiny_preset_dims():
+    c = get_preset("dsv4-tiny")
+    assert (c.sliding_window, c.index_topk, c.compress_ratios) == (8, 4, [0, 4, 128, 4])
+    assert (c.hidden_size, c.head_dim, c.nope_head_dim, c.vocab_size) == (64, 64, 48, 512)
+    assert c.rope_factor == 4.0 and c.original_max_position_embeddings == 256
+
+
+def test_flash_slice_preset_has_flash_layer_dims():
+    c = get_preset("dsv4-flash-slice")
+    assert (c.hidden_size, c.num_attention_heads, c.head_dim, c.qk_rope_head_dim) == (4096, 64, 512, 64)
+    assert (c.q_lora_rank, c.o_groups, c.o_lora_rank) == (1024, 8, 1024)
+    assert (c.num_experts_per_tok, c.moe_intermediate_size, c.vocab_size) == (6, 2048, 129280)
+    assert (c.index_n_heads, c.index_head_dim, c.index_topk, c.sliding_window) == (64, 128, 512, 128)
+
+
+def test_preset_parameter_count_matches_the_model():
+    import torch
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    config = get_preset("dsv4-tiny")
+    model = DeepseekV4ForCausalLM(config, torch.float32)
+    tensors = list(model.parameters()) + list(model.buffers())
+    assert estimate_num_parameters(config) == sum(t.numel() for t in tensors)
+    # The GPU presets are the sizes their names promise.
+    assert 2e8 < estimate_num_parameters(get_preset("dsv4-mini")) < 6e8
+    assert 2e9 < estimate_num_parameters(get_preset("dsv4-flash-slice")) < 5e9
+
+
+def test_to_dict_round_trips_hf_names(dsv4_reference_dir):
+    raw = json.loads((dsv4_reference_dir / "DeepSeek-V4-Pro.config.json").read_text())
+    c = DeepseekV4Config.from_dict(raw)
+    d = c.to_dict()
+    # Every field, unknown ones included, under its Hugging Face name, plus this runtime's own
+    # shared-expert clamp flag (not a field of the release config).
+    assert d == raw | {"shared_expert_swiglu_limit": True}
+    assert "extra" not in d
+    assert DeepseekV4Config.from_dict(d) == c
+
+
+def test_unknown_fields_are_kept_in_extra():
+    d = get_preset("dsv4-tiny").to_dict() | {"some_future_field": [1, 2], "use_cache": False}
+    c = DeepseekV4Config.from_dict(d)
+    assert c.extra == {"some_future_field": [1, 2], "use_cache": False}
+    assert c.to_dict()["some_future_field"] == [1, 2]
+
+
+def test_missing_optional_fields_take_defaults():
+    d = get_preset("dsv4-tiny").to_dict()
+    for key in ("hc_mult", "hc_eps", "scoring_func", "swiglu_limit", "num_hash_layers", "rope_scaling"):
+        del d[key]
+    c = DeepseekV4Config.from_dict(d)
+    assert (c.hc_mult, c.hc_eps, c.scoring_func, c.swiglu_limit, c.num_hash_layers) == (4, 1e-6, "sqrtsoftplus", 0.0, 0)
+    assert (c.rope_factor, c.original_max_position_embeddings) == (1.0, 0)
+    assert c.fp8_weight_block_size is None
+
+
+def test_unknown_model_path_lists_presets():
+    with pytest.raises(ValueError) as e:
+        load_model_config("no-such-model")
+    for name in ("dsv4-tiny", "dsv4-mini", "dsv4-flash-slice"):
+        assert name in str(e.value)
+
+
+def test_config_is_frozen():
+    c = get_preset("dsv4-tiny")
+    with pytest.raises(AttributeError):
+        c.hidden_size = 128
+
+
+# (field the message must start with, changes applied to dsv4-tiny)
+INVALID = [
+    ("hidden_size", {"hidden_size": None}),
+    ("hidden_size", {"hidden_size": 0}),
+    ("hidden_size", {"hidden_size": "64"}),
+    ("num_hidden_layers", {"num_hidden_layers": 4.0}),
+    ("num_attention_heads", {"num_attention_heads": True}),
+    ("num_key_value_heads", {"num_key_value_heads": 2}),
+    ("head_dim", {"head_dim": 16}),
+    ("qk_rope_head_dim", {"qk_rope_head_dim": 15}),
+    ("qk_rope_head_dim", {"qk_rope_head_dim": 0}),
+    ("o_groups", {"o_groups": 3}),
+    ("num_experts_per_tok", {"num_experts_per_tok": 9}),
+    ("num_hash_layers", {"num_hash_layers": 5}),
+    ("compress_ratios", {"compress_ratios": [0, 4, 128]}),
+    ("compress_ratios", {"compress_ratios": [0, 4, 64, 4]}),
+    ("compress_ratios", {"compress_ratios": "0,4,128,4"}),
+    ("scoring_func", {"scoring_func": "relu"}),
+    ("rope_scaling", {"rope_scaling": {"type": "linear", "factor": 2.0}}),
+    ("rope_scaling", {"rope_scaling": {"type": "yarn", "factor": 4.0}}),
+    ("rope_scaling", {"rope_scaling": "yarn"}),
+    ("sliding_window", {"sliding_window": 0}),
+    ("index_topk", {"index_topk": 0}),
+    ("index_head_dim", {"index_head_dim": 16}),
+    ("hc_mult", {"hc_mult": 0}),
+    ("rms_norm_eps", {"rms_norm_eps": 0.0}),
+    ("rms_norm_eps", {"rms_norm_eps": "1e-6"}),
+    ("routed_scaling_factor", {"routed_scaling_factor": -1.0}),
+    ("vocab_size", {"eos_token_id": [1, 512]}),
+    ("vocab_size", {"bos_token_id": 600}),
+    ("eos_token_id", {"eos_token_id": "</s>"}),
+    ("norm_topk_prob", {"norm_topk_prob": "yes"}),
+    ("quantization_config", {"quantization_config": ["fp8"]}),
+]
+
+
+@pytest.mark.parametrize("field,changes", INVALID, ids=[f"{f}-{i}" for i, (f, _) in enumerate(INVALID)])
+def test_invalid_config_names_the_field(field, changes):
+    d = get_preset("dsv4-tiny").to_dict() | changes
+    with pytest.raises(ConfigError) as e:
+        DeepseekV4Config.from_dict(d)
+    assert str(e.value).startswith(f"{field}:"), str(e.value)
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "head_dim", "compress_ratios", "index_topk"])
+def test_missing_required_field_names_it(field):
+    d = get_preset("dsv4-tiny").to_dict()
+    del d[field]
+    with pytest.raises(ConfigError, match=f"^{field}: required field is missing"):
+        DeepseekV4Config.from_dict(d)
+
+
+def test_o_groups_message():
+    d = get_preset("dsv4-tiny").to_dict() | {"num_attention_heads": 6, "o_groups": 4}
+    with pytest.raises(ConfigError) as e:
+        DeepseekV4Config.from_dict(d)
+    assert str(e.value) == "o_groups: num_attention_heads (6) must be divisible by o_groups (4)"
+
+
+def test_index_topk_unused_without_c4_layers():
+    d = get_preset("dsv4-tiny").to_dict() | {"compress_ratios": [0, 128, 0, 128], "index_topk": 0}
+    assert DeepseekV4Config.from_dict(d).index_topk == 0
