@@ -79,6 +79,16 @@ class ModelRunner:
                                                   max_seq_len=self.max_context_len)
         self.stats = {"forward_eager": 0}
         self.graph_runners = []  # BCG / decode graph runners register here (first match wins)
+        self._init_graph_runners(cfg)
+
+    def _init_graph_runners(self, cfg: ModelRunnerConfig) -> None:
+        if cfg.enable_breakable_cuda_graph:
+            from sglang.srt.model_executor.breakable_cuda_graph_runner import BreakableCudaGraphRunner
+
+            bcg = BreakableCudaGraphRunner(self, cfg.breakable_cuda_graph_tokens,
+                                           cfg.breakable_cuda_graph_max_tokens, debug=cfg.debug_cuda_graph)
+            bcg.capture()
+            self.graph_runners.append(bcg)
 
     def _load_model(self, cfg: ModelRunnerConfig) -> DeepseekV4ForCausalLM:
         model = DeepseekV4ForCausalLM(self.config, self.dtype)

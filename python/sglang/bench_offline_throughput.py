@@ -1,0 +1,180 @@
+"""Offline throughput: random token-id prompts, all submitted at once to an in-process Engine.
+
+    python -m sglang.bench_offline_throughput --model-path dsv4-tiny --num-prompts 64 \
+        --random-input-len 64 --random-output-len 16 [--enable-mixed-chunk] [any server arg]
+
+Requests go straight to the engine's scheduler (streaming every token) so the first token of
+each request is timestamped when its step returns. ignore_eos keeps output lengths exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import random
+import time
+from typing import Dict, List
+
+from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs, add_cli_args, from_cli_args
+
+_FIRST_TOKEN_ID = 3  # keep prompts clear of bos / eos / pad
+
+
+@dataclasses.dataclass
+class BenchArgs:
+    num_prompts: int = 64
+    random_input_len: int = 64
+    random_output_len: int = 16
+    dataset_seed: int = 1
+    warmup_prompts: int = 1
+    result_file: str = ""
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=BenchArgs.num_prompts)
+    parser.add_argument("--random-input-len", type=int, default=BenchArgs.random_input_len)
+    parser.add_argument("--random-output-len", type=int, default=BenchArgs.random_output_len)
+    parser.add_argument("--dataset-seed", type=int, default=BenchArgs.dataset_seed, help="seed of the prompts")
+    parser.add_argument("--warmup-prompts", type=int, default=BenchArgs.warmup_prompts,
+                        help="short requests served (and not measured) before the run")
+    parser.add_argument("--result-file", type=str, default="", help="append one JSON line with the results")
+
+
+def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> List[List[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(_FIRST_TOKEN_ID, vocab_size) for _ in range(length)] for _ in range(n)]
+
+
+def percentiles(values: List[float]) -> Dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
+    s = sorted(values)
+
+    def pct(q: float) -> float:  # linear interpolation between closest ranks
+        pos = (len(s) - 1) * q
+        lo = int(pos)
+        hi = min(lo + 1, len(s) - 1)
+        return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+    return {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)}
+
+
+def run_requests(scheduler, prompts: List[List[int]], output_len: int, rid_prefix: str) -> Dict[str, dict]:
+    """Submit all prompts at once and step until done; per-request timestamps (seconds)."""
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    recs = {}
+    for i, ids in enumerate(prompts):
+        rid = f"{rid_prefix}{i}"
+        scheduler.add_request(GenerateReqInput(rid=rid, input_ids=ids, sampling_params=params, stream=True))
+        recs[rid] = {"submit": t0, "first": None, "end": None, "tokens": 0, "error": None}
+    pending = set(recs)
+    while pending:
+        outs = scheduler.step()
+        now = time.perf_counter()
+        for out in outs:
+            rec = recs.get(out.rid)
+            if rec is None:
+                continue
+            if out.new_token_ids and rec["first"] is None:
+                rec["first"] = now
+            rec["tokens"] = out.completion_tokens
+            if out.finished:
+                rec["end"], rec["error"] = now, out.error
+                pending.discard(out.rid)
+        if not outs and not scheduler.has_work():
+            raise RuntimeError(f"scheduler idle with {len(pending)} unfinished requests")
+    return recs
+
+
+def summarize(recs: Dict[str, dict], input_len: int, elapsed: float) -> dict:
+    done = [r for r in recs.values() if r["error"] is None]
+    ttft = [(r["first"] - r["submit"]) * 1e3 for r in done if r["first"] is not None]
+    tpot = [(r["end"] - r["first"]) * 1e3 / (r["tokens"] - 1) for r in done if r["first"] and r["tokens"] > 1]
+    out_tokens = sum(r["tokens"] for r in done)
+    return {
+        "completed": len(done),
+        "failed": len(recs) - len(done),
+        "duration_s": elapsed,
+        "request_throughput": len(done) / elapsed,
+        "input_throughput": len(done) * input_len / elapsed,
+        "output_throughput": out_tokens / elapsed,
+        "total_output_tokens": out_tokens,
+        "ttft_ms": percentiles(ttft),
+        "tpot_ms": percentiles(tpot),
+    }
+
+
+def run_benchmark(server_args: ServerArgs, bench_args: BenchArgs) -> dict:
+    from sglang.srt.entrypoints.engine import Engine
+
+    overrides = {f.name: getattr(server_args, f.name) for f in dataclasses.fields(server_args)
+                 if f.name not in ("model_path", "resolved")}
+    engine = Engine(model_path=server_args.model_path, **overrides)
+    try:
+        sched = engine.scheduler
+        vocab = engine.model_runner.config.vocab_size
+        if bench_args.warmup_prompts:
+            warm = random_prompts(bench_args.warmup_prompts, min(bench_args.random_input_len, 16), vocab,
+                                  bench_args.dataset_seed + 1)
+            run_requests(sched, warm, 2, "warmup-")
+        before = sched.get_stats()
+        prompts = random_prompts(bench_args.num_prompts, bench_args.random_input_len, vocab, bench_args.dataset_seed)
+        start = time.perf_counter()
+        recs = run_requests(sched, prompts, bench_args.random_output_len, "bench-")
+        elapsed = time.perf_counter() - start
+        after = sched.get_stats()
+        result = summarize(recs, bench_args.random_input_len, elapsed)
+        # scheduler counters of this run only (the runner's own stats are reported as they are)
+        result["forwards"] = {k[len("num_forwards_"):]: after[k] - before[k] for k in after
+                              if k.startswith("num_forwards_")}
+        result["num_retracted_reqs"] = after["num_retracted_reqs"] - before["num_retracted_reqs"]
+        result["runner_stats"] = engine.model_runner.get_stats()
+        result["config"] = {
+            **dataclasses.asdict(bench_args),
+            **{k: getattr(engine.server_args, k) for k in (
+                "model_path", "device", "dtype", "enable_mixed_chunk", "enable_breakable_cuda_graph",
+                "chunked_prefill_size", "max_running_requests", "max_total_tokens", "disable_cuda_graph")},
+        }
+        return result
+    finally:
+        engine.shutdown()
+
+
+def format_result(r: dict) -> str:
+    lines = [
+        f"completed requests:       {r['completed']} ({r['failed']} failed) in {r['duration_s']:.2f} s",
+        f"request throughput:       {r['request_throughput']:.2f} req/s",
+        f"input token throughput:   {r['input_throughput']:.1f} tok/s",
+        f"output token throughput:  {r['output_throughput']:.1f} tok/s",
+        "TTFT ms p50/p90/p99:      {p50:.1f} / {p90:.1f} / {p99:.1f}".format(**r["ttft_ms"]),
+        "TPOT ms p50/p90/p99:      {p50:.2f} / {p90:.2f} / {p99:.2f}".format(**r["tpot_ms"]),
+        "forwards by mode:         " + ", ".join(f"{k}={v}" for k, v in r["forwards"].items()),
+        f"retracted requests:       {r['num_retracted_reqs']}",
+        f"runner stats:             {json.dumps(r['runner_stats'])}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_cli_args(parser)
+    add_bench_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    server_args = from_cli_args(args)
+    bench_args = BenchArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchArgs)})
+    result = run_benchmark(server_args, bench_args)
+    print(format_result(result))
+    if bench_args.result_file:
+        with open(bench_args.result_file, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Entrypoints: the offline Engine (in-process) and the HTTP server."""

@@ -1,0 +1,175 @@
+"""Offline engine: tokenizer, model runner and scheduler in this process, no server.
+
+`Engine(...).generate(prompts, sampling_params)` queues every prompt at once and steps the
+scheduler until they all finish, so a list of prompts is served as one continuous batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from sglang.srt.managers.io_struct import GenerateReqInput, output_text
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, List[int]]
+
+
+class _FallbackByteTokenizer:
+    """UTF-8 bytes offset past the special ids; only used when sglang.srt.tokenizer is absent."""
+
+    OFFSET = 3  # 0 bos, 1 eos, 2 pad
+
+    def __init__(self, vocab_size: int, eos_token_id: int = 1):
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+
+    def encode(self, text: str) -> List[int]:
+        return [b + self.OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raw = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.OFFSET + 256)
+        return raw.decode("utf-8", errors="replace")
+
+
+def _load_tokenizer(server_args: ServerArgs, model_config):
+    try:
+        from sglang.srt.tokenizer import get_tokenizer
+    except ImportError:
+        eos = model_config.eos_token_id
+        return _FallbackByteTokenizer(model_config.vocab_size, eos[0] if isinstance(eos, list) else eos)
+    return get_tokenizer(server_args.model_path, server_args.tokenizer_path)
+
+
+class Engine:
+    def __init__(self, model_path: str = "dsv4-tiny", **server_arg_overrides: Any):
+        from sglang.srt.model_executor.model_runner import ModelRunner  # heavy: the model
+
+        args = ServerArgs(model_path=model_path, **server_arg_overrides)
+        self.server_args = args.resolve(cuda_available=torch.cuda.is_available())
+        self.model_runner = ModelRunner(self.server_args)
+        self.tokenizer = _load_tokenizer(self.server_args, self.model_runner.config)
+        self.scheduler = Scheduler(self.server_args, self.model_runner, decode_fn=self.tokenizer.decode)
+        self._rids = itertools.count()
+        self._closed = False
+
+    # ---- generation ------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: Union[Prompt, Sequence[Prompt], None] = None,
+        sampling_params: Union[Dict[str, Any], SamplingParams, Sequence[Any], None] = None,
+        input_ids: Union[List[int], List[List[int]], None] = None,
+    ) -> Union[Dict[str, Any], List[Dict[str, Any]]]:
+        """prompt: a str, a list of str, token ids, or a list of token-id lists (or pass
+        input_ids=). Returns one dict per prompt, a list when a list was given:
+        {"text", "output_ids", "meta_info": {"prompt_tokens", "completion_tokens", "finish_reason"}}.
+        Bad input raises ValueError and queues nothing."""
+        self._check_open()
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt and input_ids")
+        prompts, single = _as_prompt_list(prompt if prompt is not None else input_ids)
+        params = _as_params_list(sampling_params, len(prompts))
+        reqs = [
+            GenerateReqInput(rid=f"engine-{next(self._rids)}",
+                             input_ids=self.tokenizer.encode(p) if isinstance(p, str) else list(p),
+                             sampling_params=sp)
+            for p, sp in zip(prompts, params)
+        ]
+        added = []
+        try:
+            for r in reqs:
+                self.scheduler.add_request(r)
+                added.append(r.rid)
+        except ValueError:
+            # all or nothing; generate() is synchronous, so only these requests are queued
+            for rid in added:
+                self.scheduler.abort_request(rid)
+            while self.scheduler.has_work():
+                self.scheduler.step()
+            raise
+        results = self._run_until_finished([r.rid for r in reqs])
+        outs = [results[r.rid] for r in reqs]
+        return outs[0] if single else outs
+
+    def _run_until_finished(self, rids: List[str]) -> Dict[str, dict]:
+        acc: Dict[str, List[int]] = {rid: [] for rid in rids}
+        results: Dict[str, dict] = {}
+        while len(results) < len(rids):
+            if not self.scheduler.has_work():
+                raise RuntimeError(f"scheduler went idle with unfinished requests {sorted(set(rids) - set(results))}")
+            for out in self.scheduler.step():
+                if out.rid in acc:
+                    acc[out.rid] += out.new_token_ids
+                    if out.finished:
+                        results[out.rid] = self._result(acc[out.rid], out)
+        return results
+
+    def _result(self, output_ids: List[int], out) -> Dict[str, Any]:
+        meta = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                "finish_reason": out.finish_reason}
+        if out.error:
+            meta["error"] = out.error
+        return {"text": output_text(self.tokenizer.decode, output_ids, out.finish_reason),
+                "output_ids": output_ids, "meta_info": meta}
+
+    # ---- lifecycle and info ----------------------------------------------------------
+
+    def get_server_info(self) -> Dict[str, Any]:
+        self._check_open()
+        return {"server_args": dataclasses.asdict(self.server_args), **self.scheduler.get_stats()}
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        shutdown = getattr(self.model_runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        self.scheduler = None
+        self.model_runner = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine was shut down")
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _as_prompt_list(prompt) -> tuple:
+    """(list of prompts, whether a single prompt was given)."""
+    if isinstance(prompt, str):
+        return [prompt], True
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise ValueError("prompt must be a string, token ids, or a non-empty list of them")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [list(prompt)], True
+    if all(isinstance(p, str) or isinstance(p, (list, tuple)) for p in prompt):
+        return list(prompt), False
+    raise ValueError("prompt must be a string, token ids, or a non-empty list of them")
+
+
+def _as_params_list(sampling_params, n: int) -> List[SamplingParams]:
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != n:
+            raise ValueError(f"{len(sampling_params)} sampling_params for {n} prompts")
+        return [_as_params(p) for p in sampling_params]
+    return [_as_params(sampling_params) for _ in range(n)]
+
+
+def _as_params(p) -> SamplingParams:
+    if isinstance(p, SamplingParams):
+        return dataclasses.replace(p)  # the scheduler keeps it; the caller may reuse theirs
+    return SamplingParams.from_dict(p)

@@ -1,0 +1,89 @@
+"""Next-token logits [B, V] + each request's SamplingParams -> token ids [B].
+
+Greedy rows (temperature 0 or top_k 1) take the argmax and never pay for the sort. Sampled
+rows go through temperature, top-k, top-p, min-p (in that order, each on the distribution the
+previous one left, as Hugging Face's warpers do) and inverse-CDF sampling in sorted order.
+The one random number a sampled row consumes per token comes from a CPU generator: the
+request's own (seeded) one, else the sampler's (seeded by --random-seed). Drawing it on the
+host makes a seeded row's tokens independent of its batch neighbours and of the device.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+
+def make_generator(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = make_generator(seed)  # for requests without a seed of their own
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Optional[Sequence[Optional[torch.Generator]]] = None,
+    ) -> torch.Tensor:
+        """Returns int64 token ids [B] on logits.device; `generators[i]` (CPU) serves row i when
+        not None. Each sampled row draws exactly one uniform per call."""
+        batch, vocab = logits.shape
+        if len(params) != batch:
+            raise ValueError(f"{batch} logits rows but {len(params)} sampling params")
+        if generators is None:
+            generators = [None] * batch
+        out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        if len(greedy) == batch:
+            return torch.argmax(logits, dim=-1)
+        if greedy:
+            g_idx = torch.tensor(greedy, device=logits.device)
+            out[g_idx] = torch.argmax(logits[g_idx], dim=-1)
+        s_idx = torch.tensor(sampled, device=logits.device)
+        rows = logits if not greedy else logits[s_idx]
+        uniforms = torch.cat([
+            torch.rand(1, generator=self.generator if generators[i] is None else generators[i])
+            for i in sampled
+        ])
+        out[s_idx] = _sample_rows(rows, [params[i] for i in sampled], uniforms)
+        return out
+
+
+def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: torch.Tensor) -> torch.Tensor:
+    """Filtered sampling for non-greedy rows; uniforms: [S] in [0, 1) on the CPU."""
+    dev = logits.device
+    vocab = logits.shape[-1]
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+    top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+    min_ps = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+
+    x = logits.float() / temps[:, None]
+    # stable: among equal logits the lower id ranks first, matching argmax's tie-break
+    sorted_logits, sorted_ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    ranks = torch.arange(vocab, device=dev)
+    probs = probs * (ranks[None, :] < top_ks[:, None])
+    # top-p on the top-k distribution: keep the smallest prefix whose mass reaches top_p of
+    # what top-k kept (the first token always stays: its exclusive mass is 0). Rows with
+    # top_p == 1 skip the test so float rounding in the cumsum never drops a tail token.
+    cum = torch.cumsum(probs, dim=-1)
+    exclusive = cum - probs
+    threshold = torch.where(top_ps >= 1, torch.full_like(top_ps, float("inf")), top_ps * cum[:, -1])
+    probs = probs * (exclusive < threshold[:, None])
+    # min-p is relative to the most likely token, so renormalisation does not change it
+    probs = probs * (probs >= min_ps[:, None] * probs[:, :1])
+    # inverse CDF on the unnormalised kept mass: first index whose cumulative mass exceeds u
+    cdf = torch.cumsum(probs, dim=-1)
+    target = uniforms.to(dev, torch.float32) * cdf[:, -1]
+    choice = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=vocab - 1)
+    return sorted_ids.gather(1, choice).squeeze(1)

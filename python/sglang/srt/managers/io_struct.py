@@ -1,0 +1,81 @@
+"""What crosses the process boundary between the tokenizer/HTTP side and the scheduler.
+
+Plain picklable dataclasses: token ids only, no text (detokenization is the caller's job).
+Finish reasons are dicts so they serialize to JSON unchanged:
+  {"type": "length", "length": 16}           max_new_tokens (or the context) reached
+  {"type": "stop", "matched": 1}             a stop token (eos or stop_token_ids) was sampled
+  {"type": "stop", "matched": "END"}         a stop string appeared in the decoded output
+  {"type": "abort", "message": "..."}        aborted by the client, or failed (then `error` is set)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateReqInput:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class TokenOut:
+    """New tokens of one request since its previous TokenOut; the last one has finished=True.
+
+    A matched stop token or the token that completed a stop string is included in the ids
+    (it was generated and is counted in completion_tokens); `visible_output_ids` and
+    `trim_stop_string` remove the matched stop from what a user sees.
+    """
+
+    rid: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: Optional[dict]
+    prompt_tokens: int
+    completion_tokens: int
+    error: Optional[str] = None
+
+
+@dataclass
+class ServerInfoReq:
+    pass
+
+
+@dataclass
+class ServerInfo:
+    stats: dict[str, Any]
+
+
+def visible_output_ids(output_ids: Sequence[int], finish_reason: Optional[dict]) -> list[int]:
+    """Output ids without a matched stop token (the stop token ends the text, it is not text)."""
+    ids = list(output_ids)
+    if finish_reason and finish_reason.get("type") == "stop" and isinstance(finish_reason.get("matched"), int):
+        if ids and ids[-1] == finish_reason["matched"]:
+            ids.pop()
+    return ids
+
+
+def trim_stop_string(text: str, finish_reason: Optional[dict]) -> str:
+    """Cut the text before a matched stop string. The scheduler stops at the first token that
+    completes any stop string, so the first occurrence in the output text is the match."""
+    if finish_reason and finish_reason.get("type") == "stop" and isinstance(finish_reason.get("matched"), str):
+        at = text.find(finish_reason["matched"])
+        if at >= 0:
+            return text[:at]
+    return text
+
+
+def output_text(decode: Callable[[list[int]], str], output_ids: Sequence[int], finish_reason: Optional[dict]) -> str:
+    """The user-visible text of a finished request."""
+    return trim_stop_string(decode(visible_output_ids(output_ids, finish_reason)), finish_reason)

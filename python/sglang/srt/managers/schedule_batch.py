@@ -1,0 +1,134 @@
+"""A request's scheduling state (`Req`) and the batch the scheduler builds for one forward.
+
+KV invariant the scheduler keeps: a request holding a slot has positions [0, prefix_len) in
+the KV cache and owns exactly ceil(prefix_len / page_size) pages between steps. The tokens
+still to be fed are `token_ids[prefix_len:]`: part of the prompt while prefilling, the last
+sampled token while decoding (one token), everything after a retraction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, build_forward_batch
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)  # identity semantics: requests are found in queues by `is`
+class Req:
+    rid: str
+    origin_input_ids: List[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    arrival_seq: int = 0  # set by the scheduler: FCFS order; the largest is the newest
+    generator: Optional[torch.Generator] = None  # set by the scheduler when params.seed is given
+
+    output_ids: List[int] = field(default_factory=list)
+    req_pool_idx: Optional[int] = None  # request slot while it holds KV; None while waiting
+    prefix_len: int = 0  # tokens already in the KV cache
+    finish_reason: Optional[dict] = None
+    error: Optional[str] = None
+    num_sent: int = 0  # output tokens already reported in a TokenOut
+    num_retractions: int = 0
+
+    def __post_init__(self):
+        assert len(self.origin_input_ids) > 0, "a request needs at least one prompt token"
+
+    @property
+    def seq_len(self) -> int:
+        """Prompt plus generated tokens (the last generated one is not in the KV cache yet)."""
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self.seq_len - self.prefix_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def token_slice(self, start: int, end: int) -> List[int]:
+        """token_ids[start:end] of prompt + output without concatenating the whole sequence."""
+        n_in = len(self.origin_input_ids)
+        if end <= n_in:
+            return self.origin_input_ids[start:end]
+        if start >= n_in:
+            return self.output_ids[start - n_in : end - n_in]
+        return self.origin_input_ids[start:] + self.output_ids[: end - n_in]
+
+
+@dataclass
+class ScheduleBatch:
+    """One forward's requests: prefill chunks first, then decode rows (one token each)."""
+
+    reqs: List[Req]
+    extend_lens: List[int]  # tokens fed per request this step
+    num_prefill_reqs: int  # the leading reqs are prefill chunks, the rest decode rows
+
+    def __post_init__(self):
+        assert self.reqs and len(self.reqs) == len(self.extend_lens)
+        assert all(n >= 1 for n in self.extend_lens)
+        assert all(n == 1 for n in self.extend_lens[self.num_prefill_reqs :]), "decode rows feed one token"
+
+    @property
+    def forward_mode(self) -> ForwardMode:
+        if self.num_prefill_reqs == len(self.reqs):
+            return ForwardMode.EXTEND
+        return ForwardMode.MIXED if self.num_prefill_reqs else ForwardMode.DECODE
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    def completes(self, i: int) -> bool:
+        """Whether row i feeds the request's last pending token (then its logits are sampled);
+        a chunk that is not the request's final chunk samples nothing."""
+        return self.reqs[i].prefix_len + self.extend_lens[i] == self.reqs[i].seq_len
+
+    def to_forward_batch(self, req_to_token: torch.Tensor, device) -> ForwardBatch:
+        return build_forward_batch(
+            self.forward_mode,
+            req_pool_indices=[r.req_pool_idx for r in self.reqs],
+            prefix_lens=[r.prefix_len for r in self.reqs],
+            new_token_ids=[r.token_slice(r.prefix_len, r.prefix_len + n) for r, n in zip(self.reqs, self.extend_lens)],
+            req_to_token=req_to_token,
+            device=device,
+        )
+
+
+def eos_ids_of(config) -> frozenset:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, (list, tuple)) else [eos])
+
+
+def check_finished(req: Req, eos_token_ids: frozenset, context_length: int, decode_fn=None) -> Optional[dict]:
+    """Finish reason after `req` got a new token, or None. Stop conditions win over length when
+    both hold on the same token: the model did stop there."""
+    p = req.sampling_params
+    tok = req.output_ids[-1]
+    if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_token_ids):
+        return {"type": "stop", "matched": tok}
+    if p.stop and decode_fn is not None:
+        matched = _match_stop_string(req.output_ids, p.stop, decode_fn)
+        if matched is not None:
+            return {"type": "stop", "matched": matched}
+    if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= context_length:
+        return {"type": "length", "length": len(req.output_ids)}
+    return None
+
+
+def _match_stop_string(output_ids: Sequence[int], stops: Sequence[str], decode_fn) -> Optional[str]:
+    """A stop string in the decoded tail of the output. Checked after every token, so a match
+    can only involve the newest token; a tail of 4 ids per character (the worst case of a
+    byte-level tokenizer on UTF-8) plus slack covers the longest stop string."""
+    window = 4 * max(len(s) for s in stops) + 4
+    tail = decode_fn(list(output_ids[-window:]))
+    for s in stops:
+        if s in tail:
+            return s
+    return None

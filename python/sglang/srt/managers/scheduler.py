@@ -1,0 +1,336 @@
+"""The scheduler: which requests run in the next forward, and what the sampled tokens mean.
+
+Pure policy over the runner's request->token pool; it never touches a GPU itself (tests feed
+it a fake runner). One `step()` = pick a batch, one `model_runner.forward`, sample, finish.
+
+Policy, in order of precedence:
+- Decode rows first claim the pages their next token needs; when the pool cannot cover
+  them, the newest requests holding KV (arrival order) are retracted: pages and slot freed,
+  put back at the front of the waiting queue with their generated tokens kept, so they
+  re-prefill prompt + output and continue exactly where they stopped. A lone request that
+  still does not fit can never fit and fails with an error.
+- Prefill admits waiting requests FCFS (no skipping) while the token budget
+  (--chunked-prefill-size), free request slots, --max-running-requests and the KV budget
+  allow. The KV budget is the free pages minus a reserve for the running requests' next
+  decode token. A request that does not fit whole is prefilled up to the budget and becomes
+  the one "chunked" request; it continues first in the next prefill.
+- --enable-mixed-chunk: the prefill chunk and every decode row share one MIXED forward (the
+  chunk's budget shrinks by the decode rows, so the step stays within the chunk size).
+  Otherwise prefill and decode steps alternate when both have work, prefill first: pure
+  prefill priority would stall every running request for the whole duration of a long queue.
+- A step that had to retract does no prefill, so a request is never retracted and
+  re-admitted in the same step.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Callable, Deque, Dict, List, Optional, Tuple
+
+from sglang.srt.layers.sampler import Sampler, make_generator
+from sglang.srt.managers.io_struct import GenerateReqInput, TokenOut
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, check_finished, eos_ids_of
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, server_args, model_runner, decode_fn: Optional[Callable[[List[int]], str]] = None):
+        if not getattr(server_args, "resolved", False):
+            raise ValueError("Scheduler needs resolved ServerArgs: call server_args.resolve(...) first")
+        self.server_args = server_args
+        self.model_runner = model_runner
+        self.decode_fn = decode_fn
+        self.pool = model_runner.req_to_token_pool
+        self.page_size = self.pool.page_size
+        self.device = model_runner.device
+        self.context_length = min(server_args.context_length, self.pool.max_context_len)
+        self.max_running_requests = min(server_args.max_running_requests, self.pool.max_num_reqs)
+        size = server_args.chunked_prefill_size
+        self.chunked_prefill_size: Optional[int] = size if size and size > 0 else None
+        self.enable_mixed_chunk = server_args.enable_mixed_chunk
+        self.stream_interval = server_args.stream_interval
+        self.vocab_size = model_runner.config.vocab_size
+        self.eos_token_ids = eos_ids_of(model_runner.config)
+        self.sampler = Sampler(seed=server_args.random_seed)
+
+        self.waiting: Deque[Req] = collections.deque()
+        self.running: List[Req] = []  # prefilled requests, decoding
+        self.chunked_req: Optional[Req] = None  # partly prefilled, holds KV
+        self._live: Dict[str, Req] = {}  # every unfinished request by rid
+        self._pending_outs: List[TokenOut] = []  # aborts/failures reported by the next step()
+        self._next_arrival = 0
+        self._last_was_prefill = False
+        self.last_batch_mode: Optional[ForwardMode] = None
+        self.num_forwards = {m: 0 for m in (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED)}
+        self.counters = collections.Counter()
+
+    # ---- requests in and out -----------------------------------------------------------
+
+    def add_request(self, req_in: GenerateReqInput) -> None:
+        """Queue a request; ValueError (and no state kept) when it can never be served."""
+        params = req_in.sampling_params
+        if isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(params).__name__}")
+        params.verify(self.vocab_size)
+        if params.stop and self.decode_fn is None:
+            raise ValueError("stop strings need a tokenizer; this scheduler has no decode_fn")
+        if not isinstance(req_in.rid, str) or not req_in.rid:
+            raise ValueError(f"rid must be a non-empty string, got {req_in.rid!r}")
+        if req_in.rid in self._live:
+            raise ValueError(f"a request with rid {req_in.rid!r} is already running")
+        ids = req_in.input_ids
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("input_ids must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"input_ids must be integers in [0, {self.vocab_size})")
+        if len(ids) >= self.context_length:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the context length is {self.context_length} "
+                "(at least one position must remain for output)"
+            )
+        if -(-len(ids) // self.page_size) > self.pool.pages.capacity:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the KV cache holds only "
+                f"{self.pool.pages.capacity * self.page_size} (--max-total-tokens)"
+            )
+        req = Req(rid=req_in.rid, origin_input_ids=list(ids), sampling_params=params, stream=req_in.stream,
+                  arrival_seq=self._next_arrival,
+                  generator=make_generator(params.seed) if params.seed is not None else None)
+        self._next_arrival += 1
+        self._live[req.rid] = req
+        self.waiting.append(req)
+
+    def abort_request(self, rid: str) -> bool:
+        """Drop a request wherever it is, freeing its KV at once; its final TokenOut (finish
+        reason "abort") comes with the next step(). False when the rid is not live."""
+        req = self._live.get(rid)
+        if req is None:
+            return False
+        self._finish(req, {"type": "abort", "message": "aborted by the client"}, count="aborted")
+        self._pending_outs.append(self._token_out(req))
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req or self._pending_outs)
+
+    # ---- one step --------------------------------------------------------------------
+
+    def step(self) -> List[TokenOut]:
+        """Run at most one forward; return the TokenOuts it (and any abort since) produced."""
+        batch = self._next_batch()
+        outs, self._pending_outs = self._pending_outs, []
+        self.last_batch_mode = batch.forward_mode if batch else None
+        if batch is None:
+            return outs
+        self.num_forwards[batch.forward_mode] += 1
+        self._last_was_prefill = batch.forward_mode == ForwardMode.EXTEND
+        forward_batch = batch.to_forward_batch(self.pool.req_to_token, self.device)
+        logits = self.model_runner.forward(forward_batch).next_token_logits
+        return outs + self._process_result(batch, logits)
+
+    def _next_batch(self) -> Optional[ScheduleBatch]:
+        batch = self._schedule()
+        if batch is None and not self.running and self.chunked_req is not None:
+            # nothing else holds KV, yet the chunked request cannot continue: it never will
+            self._fail_unfittable(self.chunked_req)
+        return batch
+
+    def _schedule(self) -> Optional[ScheduleBatch]:
+        has_prefill = self.chunked_req is not None or bool(self.waiting)
+        if self.enable_mixed_chunk:
+            decode, retracted = self._prepare_decode() if self.running else ([], False)
+            # the chunk shrinks by the decode rows so the step stays near the chunk size, but
+            # keeps at least one token so a large running set never starves the queue
+            budget = None if self.chunked_prefill_size is None else max(1, self.chunked_prefill_size - len(decode))
+            prefill = [] if retracted or not has_prefill else self._plan_prefill(budget, decode_allocated=bool(decode))
+            return self._make_batch(prefill, decode)
+        if has_prefill and not (self.running and self._last_was_prefill):
+            prefill = self._plan_prefill(self.chunked_prefill_size, decode_allocated=False)
+            if prefill:
+                return self._make_batch(prefill, [])
+        if self.running:
+            return self._make_batch([], self._prepare_decode()[0])
+        return None
+
+    @staticmethod
+    def _make_batch(prefill: List[Tuple[Req, int]], decode: List[Req]) -> Optional[ScheduleBatch]:
+        if not prefill and not decode:
+            return None
+        return ScheduleBatch(
+            reqs=[r for r, _ in prefill] + decode,
+            extend_lens=[n for _, n in prefill] + [1] * len(decode),
+            num_prefill_reqs=len(prefill),
+        )
+
+    # ---- KV budget -------------------------------------------------------------------
+
+    def _pages_held(self, req: Req) -> int:
+        return -(-req.prefix_len // self.page_size)  # the KV invariant (schedule_batch.py)
+
+    def _holders(self) -> List[Req]:
+        return self.running + ([self.chunked_req] if self.chunked_req is not None else [])
+
+    def _prepare_decode(self) -> Tuple[List[Req], bool]:
+        """Map the next position of every running request, retracting the newest holders
+        until that fits. Returns (decode rows, whether anything was retracted)."""
+        retracted = False
+        while self.running:
+            need = sum(self.pool.pages_needed(r.req_pool_idx, r.seq_len) for r in self.running)
+            if need <= self.pool.num_free_pages:
+                break
+            holders = self._holders()
+            if len(holders) == 1:
+                self._fail_unfittable(holders[0])
+                continue
+            self._retract(max(holders, key=lambda r: r.arrival_seq))
+            retracted = True
+        for r in self.running:
+            self.pool.ensure_capacity(r.req_pool_idx, r.seq_len)
+        return list(self.running), retracted
+
+    def _plan_prefill(self, token_budget: Optional[int], decode_allocated: bool) -> List[Tuple[Req, int]]:
+        """Admit chunks FCFS and allocate their slots and pages. Returns (req, num_tokens)."""
+        # Keep pages for each running request's next decode token (one past the row this step
+        # already mapped, when decode rows run in the same forward).
+        extra = 1 if decode_allocated else 0
+        reserve = sum(self.pool.pages_needed(r.req_pool_idx, r.seq_len + extra) for r in self.running)
+        page_budget = self.pool.num_free_pages - reserve
+        tokens_left = float("inf") if token_budget is None else token_budget
+        num_holders = len(self._holders())
+        plan: List[Tuple[Req, int]] = []
+        while tokens_left > 0 and page_budget >= 0:
+            req = self.chunked_req if (self.chunked_req is not None and not plan) else (
+                self.waiting[0] if self.waiting else None)
+            if req is None:
+                break
+            is_new = req.req_pool_idx is None
+            if is_new and (num_holders >= self.max_running_requests or self.pool.slots.num_free == 0):
+                break
+            fits = (self._pages_held(req) + page_budget) * self.page_size - req.prefix_len
+            n = int(min(req.num_pending_tokens, tokens_left, fits))
+            if n <= 0:
+                break
+            if is_new:
+                self.waiting.popleft()
+                req.req_pool_idx = self.pool.alloc_req()
+                num_holders += 1
+            page_budget -= self.pool.pages_needed(req.req_pool_idx, req.prefix_len + n)
+            self.pool.ensure_capacity(req.req_pool_idx, req.prefix_len + n)
+            tokens_left -= n
+            plan.append((req, n))
+            # only one request is ever partly prefilled: it stops admission for this step
+            if n < req.num_pending_tokens:
+                self.chunked_req = req
+                break
+            if req is self.chunked_req:
+                self.chunked_req = None
+        return plan
+
+    def _retract(self, req: Req) -> None:
+        logger.info("retracting %s (%d tokens) to free KV pages", req.rid, req.seq_len)
+        self._release_kv(req)
+        req.num_retractions += 1
+        self.counters["retracted"] += 1
+        self.waiting.appendleft(req)  # newest first, so the front ends up oldest-first
+
+    def _fail_unfittable(self, req: Req) -> None:
+        msg = (f"request {req.rid} needs {req.seq_len} tokens of KV cache, more than the whole pool "
+               f"({self.pool.pages.capacity * self.page_size} tokens, --max-total-tokens)")
+        logger.error(msg)
+        req.error = msg
+        self._finish(req, {"type": "abort", "message": msg}, count="failed")
+        self._pending_outs.append(self._token_out(req))
+
+    def _release_kv(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        if req.req_pool_idx is not None:
+            self.pool.free_req(req.req_pool_idx)
+            req.req_pool_idx = None
+        req.prefix_len = 0
+
+    def _finish(self, req: Req, reason: dict, count: str) -> None:
+        req.finish_reason = reason
+        was_waiting = req.req_pool_idx is None  # every request holding no slot is queued
+        self._release_kv(req)
+        if was_waiting:
+            self.waiting.remove(req)
+        self._live.pop(req.rid, None)
+        self.counters[count] += 1
+
+    # ---- results ---------------------------------------------------------------------
+
+    def _process_result(self, batch: ScheduleBatch, logits) -> List[TokenOut]:
+        rows = [i for i in range(len(batch.reqs)) if batch.completes(i)]
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            req.prefix_len += n
+        # max_new_tokens == 0 ends right after prefill: its logits are not sampled
+        done_now = [batch.reqs[i] for i in rows if batch.reqs[i].sampling_params.max_new_tokens == 0]
+        rows = [i for i in rows if batch.reqs[i].sampling_params.max_new_tokens > 0]
+        outs: List[TokenOut] = []
+        for req in done_now:
+            self._finish(req, {"type": "length", "length": 0}, count="finished")
+            outs.append(self._token_out(req))
+        if not rows:
+            return outs
+        reqs = [batch.reqs[i] for i in rows]
+        if len(rows) < logits.shape[0]:
+            logits = logits[rows]
+        tokens = self.sampler(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs]).tolist()
+        for i, req, tok in zip(rows, reqs, tokens):
+            req.output_ids.append(tok)
+            self.counters["generated_tokens"] += 1
+            reason = check_finished(req, self.eos_token_ids, self.context_length, self.decode_fn)
+            if reason is not None:
+                self._finish(req, reason, count="finished")
+            elif i < batch.num_prefill_reqs:
+                self.running.append(req)  # its prefill just completed: it decodes from now on
+            unsent = len(req.output_ids) - req.num_sent
+            if req.finished or (req.stream and (req.num_sent == 0 or unsent >= self.stream_interval)):
+                outs.append(self._token_out(req))
+        return outs
+
+    def _token_out(self, req: Req) -> TokenOut:
+        new = req.output_ids[req.num_sent :]
+        req.num_sent = len(req.output_ids)
+        return TokenOut(
+            rid=req.rid,
+            new_token_ids=new,
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            error=req.error,
+        )
+
+    # ---- introspection ---------------------------------------------------------------
+
+    def get_stats(self) -> dict:
+        runner_stats = self.model_runner.get_stats() if hasattr(self.model_runner, "get_stats") else {}
+        forwards = {m.name.lower(): n for m, n in self.num_forwards.items()}
+        return {
+            **runner_stats,
+            "num_waiting_reqs": len(self.waiting),
+            "num_running_reqs": len(self._holders()),
+            "num_chunked_reqs": int(self.chunked_req is not None),
+            "num_free_pages": self.pool.num_free_pages,
+            "num_total_pages": self.pool.pages.capacity,
+            "page_size": self.page_size,
+            "num_free_req_slots": self.pool.slots.num_free,
+            "max_running_requests": self.max_running_requests,
+            "num_forwards": sum(forwards.values()),
+            **{f"num_forwards_{name}": n for name, n in forwards.items()},
+            "num_retracted_reqs": self.counters["retracted"],
+            "num_finished_reqs": self.counters["finished"],
+            "num_aborted_reqs": self.counters["aborted"],
+            "num_failed_reqs": self.counters["failed"],
+            "num_generated_tokens": self.counters["generated_tokens"],
+        }

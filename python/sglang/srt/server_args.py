@@ -1,0 +1,329 @@
+"""Server arguments: one frozen dataclass, the CLI that fills it, and `resolve()`.
+
+"auto" values (None for sizes) depend on the device and the model; `resolve()` makes them
+concrete once, into a new object, so no component ever re-derives a default on its own.
+Everything downstream (runner, scheduler, server) takes a resolved object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+DTYPES = ("auto", "bfloat16", "float32")
+DEVICES = ("auto", "cuda", "cpu")
+LOAD_FORMATS = ("auto", "dummy", "safetensors")  # auto: dummy for presets, safetensors for dirs
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SCHEDULE_POLICIES = ("fcfs",)
+LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
+DP_IDLE_POLICIES = ("replay", "eager")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+# Device-dependent defaults: (cpu, cuda).
+_DEFAULT_MAX_RUNNING_REQUESTS = (64, 256)
+_DEFAULT_CHUNKED_PREFILL_SIZE = (256, 2048)
+_DEFAULT_BCG_MAX_TOKENS = (512, 4096)
+_DEFAULT_CUDA_GRAPH_MAX_BS = (16, 256)
+_DEFAULT_MAX_CONTEXT_LENGTH = 4096
+# CPU serving is for tests and demos and shares host memory with everything else.
+_CPU_MAX_TOTAL_TOKENS = 65536
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # model and weights
+    model_path: str = "dsv4-tiny"
+    tokenizer_path: Optional[str] = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    random_seed: int = 0
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 30000
+    served_model_name: Optional[str] = None
+    # memory and scheduling (None = auto)
+    context_length: Optional[int] = None
+    page_size: int = 128
+    max_running_requests: Optional[int] = None
+    max_total_tokens: Optional[int] = None
+    mem_fraction_static: float = 0.8
+    chunked_prefill_size: Optional[int] = None
+    enable_mixed_chunk: bool = False
+    schedule_policy: str = "fcfs"
+    # kernels and graphs
+    attention_backend: str = "auto"
+    enable_breakable_cuda_graph: bool = False
+    breakable_cuda_graph_max_tokens: Optional[int] = None
+    breakable_cuda_graph_tokens: Optional[Tuple[int, ...]] = None
+    cuda_graph_max_bs: Optional[int] = None
+    disable_cuda_graph: bool = False
+    debug_cuda_graph: bool = False
+    # data parallel attention and multi-node
+    enable_dp_attention: bool = False
+    dp_size: int = 1
+    load_balance_method: str = "round_robin"
+    dp_idle_policy: str = "replay"
+    enable_two_batch_overlap: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: Optional[str] = None
+    # operations
+    log_level: str = "info"
+    stream_interval: int = 1
+    watchdog_timeout: float = 300.0
+    # set by resolve(); not a CLI flag
+    resolved: bool = False
+
+    def __post_init__(self):
+        if self.breakable_cuda_graph_tokens is not None:  # lists from the CLI: keep it hashable
+            object.__setattr__(self, "breakable_cuda_graph_tokens", tuple(self.breakable_cuda_graph_tokens))
+        _validate(self)
+
+    # ---- resolution --------------------------------------------------------------------
+
+    def resolve(self, cuda_available: bool, model_config=None, gpu_free_memory: Optional[int] = None) -> ServerArgs:
+        """A new ServerArgs with every "auto" made concrete.
+
+        cuda_available: whether a CUDA device can be used (passed in so tests resolve both
+        ways on CPU). model_config: the DeepseekV4Config (loaded from model_path when None).
+        gpu_free_memory: free bytes on the GPU, used for --max-total-tokens on CUDA (queried
+        from torch when None).
+        """
+        if self.resolved:
+            return self
+        if self.device == "cuda" and not cuda_available:
+            raise ValueError("--device cuda was requested but CUDA is not available")
+        device = self.device if self.device != "auto" else ("cuda" if cuda_available else "cpu")
+        on_cuda = device == "cuda"
+        if model_config is None:
+            from sglang.srt.configs.deepseek_v4 import load_model_config
+
+            model_config = load_model_config(self.model_path)
+        is_preset = not os.path.isdir(self.model_path)  # a preset name or a bare config.json
+        load_format = self.load_format
+        if load_format == "auto":
+            load_format = "dummy" if is_preset else "safetensors"
+        if load_format == "safetensors" and is_preset:
+            raise ValueError(f"--load-format safetensors needs a checkpoint directory, got {self.model_path!r}")
+
+        max_pos = model_config.max_position_embeddings
+        context_length = self.context_length or min(max_pos, _DEFAULT_MAX_CONTEXT_LENGTH)
+        if context_length > max_pos:
+            raise ValueError(
+                f"--context-length {context_length} exceeds the model's max_position_embeddings ({max_pos})"
+            )
+        pick = 1 if on_cuda else 0
+        max_running = self.max_running_requests or _DEFAULT_MAX_RUNNING_REQUESTS[pick]
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+        max_total_tokens = self.max_total_tokens
+        if max_total_tokens is None:
+            # never more than the running requests could ever use
+            cap = context_length * max_running
+            if on_cuda:
+                free = gpu_free_memory if gpu_free_memory is not None else _query_gpu_free_memory()
+                max_total_tokens = min(cap, _tokens_for_memory(model_config, dtype, free, self.mem_fraction_static))
+            else:
+                max_total_tokens = min(cap, max(_CPU_MAX_TOTAL_TOKENS, context_length))
+            if max_total_tokens < self.page_size:
+                raise ValueError(
+                    f"not enough memory for the KV cache: {max_total_tokens} tokens fit, less than one page "
+                    f"({self.page_size}); use a smaller model or raise --mem-fraction-static"
+                )
+        max_total_tokens = max_total_tokens // self.page_size * self.page_size  # whole pages
+        bcg_max = self.breakable_cuda_graph_max_tokens or _DEFAULT_BCG_MAX_TOKENS[pick]
+        if self.breakable_cuda_graph_tokens and max(self.breakable_cuda_graph_tokens) > bcg_max:
+            raise ValueError(
+                f"--breakable-cuda-graph-tokens has {max(self.breakable_cuda_graph_tokens)}, "
+                f"above --breakable-cuda-graph-max-tokens {bcg_max}"
+            )
+        return dataclasses.replace(
+            self,
+            device=device,
+            dtype=dtype,
+            load_format=load_format,
+            tokenizer_path=self.tokenizer_path,
+            served_model_name=self.served_model_name or self.model_path,
+            context_length=context_length,
+            max_running_requests=max_running,
+            max_total_tokens=max_total_tokens,
+            chunked_prefill_size=self.chunked_prefill_size or _DEFAULT_CHUNKED_PREFILL_SIZE[pick],
+            # the plain-torch backend is correct everywhere; "triton" is opt-in until the
+            # sgl-kernel backend covers every DSV4 attention path
+            attention_backend="torch" if self.attention_backend == "auto" else self.attention_backend,
+            breakable_cuda_graph_max_tokens=bcg_max,
+            cuda_graph_max_bs=self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick],
+            resolved=True,
+        )
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        if self.dtype == "auto":
+            raise ValueError("dtype is still 'auto': resolve() the ServerArgs first")
+        return {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.dtype]
+
+    @property
+    def chunked_prefill_enabled(self) -> bool:
+        return self.chunked_prefill_size is not None and self.chunked_prefill_size > 0
+
+    # ---- CLI ---------------------------------------------------------------------------
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        add_cli_args(parser)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        return from_cli_args(args)
+
+
+def _validate(a: ServerArgs) -> None:
+    """Checks of single values and of cross-field rules the user states explicitly."""
+    for name, choices in (
+        ("dtype", DTYPES), ("device", DEVICES), ("load_format", LOAD_FORMATS),
+        ("attention_backend", ATTENTION_BACKENDS), ("schedule_policy", SCHEDULE_POLICIES),
+        ("load_balance_method", LOAD_BALANCE_METHODS), ("dp_idle_policy", DP_IDLE_POLICIES),
+        ("log_level", LOG_LEVELS),
+    ):
+        if getattr(a, name) not in choices:
+            raise ValueError(f"--{_flag(name)} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
+    if not isinstance(a.model_path, str) or not a.model_path:
+        raise ValueError("--model-path must be a preset name or a checkpoint directory")
+    if a.page_size <= 0 or a.page_size % 128:
+        raise ValueError(f"--page-size must be a multiple of 128 (the c128 block), got {a.page_size}")
+    for name in ("context_length", "max_running_requests", "max_total_tokens", "breakable_cuda_graph_max_tokens",
+                 "cuda_graph_max_bs"):
+        v = getattr(a, name)
+        if v is not None and v <= 0:
+            raise ValueError(f"--{_flag(name)} must be positive, got {v}")
+    if a.max_total_tokens is not None and a.max_total_tokens < a.page_size:
+        raise ValueError(f"--max-total-tokens must be at least one page ({a.page_size}), got {a.max_total_tokens}")
+    if a.chunked_prefill_size is not None and a.chunked_prefill_size != -1 and a.chunked_prefill_size <= 0:
+        raise ValueError(f"--chunked-prefill-size must be positive or -1 (no chunking), got {a.chunked_prefill_size}")
+    if not 0 < a.mem_fraction_static <= 1:
+        raise ValueError(f"--mem-fraction-static must be in (0, 1], got {a.mem_fraction_static}")
+    if a.breakable_cuda_graph_tokens is not None and (
+        not a.breakable_cuda_graph_tokens or any(t <= 0 for t in a.breakable_cuda_graph_tokens)
+    ):
+        raise ValueError(f"--breakable-cuda-graph-tokens must be positive integers, got {a.breakable_cuda_graph_tokens}")
+    if a.dp_size < 1:
+        raise ValueError(f"--dp-size must be >= 1, got {a.dp_size}")
+    if a.dp_size > 1 and not a.enable_dp_attention:
+        raise ValueError("--dp-size > 1 needs --enable-dp-attention (DP here is data-parallel attention)")
+    if a.nnodes < 1:
+        raise ValueError(f"--nnodes must be >= 1, got {a.nnodes}")
+    if not 0 <= a.node_rank < a.nnodes:
+        raise ValueError(f"--node-rank must be in [0, {a.nnodes}), got {a.node_rank}")
+    if a.nnodes > 1 and not a.dist_init_addr:
+        raise ValueError("--nnodes > 1 needs --dist-init-addr (host:port of node 0)")
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {a.port}")
+    if a.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be >= 1, got {a.stream_interval}")
+    if a.watchdog_timeout <= 0:
+        raise ValueError(f"--watchdog-timeout must be positive, got {a.watchdog_timeout}")
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _kv_bytes_per_token(config, dtype: str) -> int:
+    """KV bytes one token costs across layers, mirroring DSV4KVPool's layout: raw KV every
+    layer, plus 1/r of a compressed entry (and of an indexer key on ratio-4 layers)."""
+    elt = 2 if dtype == "bfloat16" else 4
+    total = 0.0
+    for layer in range(config.num_hidden_layers):
+        r = config.layer_compress_ratio(layer)
+        total += config.head_dim
+        if r:
+            total += config.head_dim / r
+        if r == 4:
+            total += config.index_head_dim / 4
+    return int(total * elt) + 1
+
+
+def _tokens_for_memory(config, dtype: str, free_bytes: int, fraction: float) -> int:
+    from sglang.srt.configs.deepseek_v4 import estimate_num_parameters
+
+    weight_bytes = estimate_num_parameters(config) * (2 if dtype == "bfloat16" else 4)
+    budget = free_bytes * fraction - weight_bytes
+    return max(0, int(budget // _kv_bytes_per_token(config, dtype)))
+
+
+def _query_gpu_free_memory() -> int:
+    import torch
+
+    free, _total = torch.cuda.mem_get_info()
+    return free
+
+
+# ---- CLI ----------------------------------------------------------------------------------
+
+_HELP = {
+    "model_path": "preset name (dsv4-tiny, dsv4-mini, dsv4-flash-slice) or a directory with config.json "
+                  "and *.safetensors [+ tokenizer.json]",
+    "tokenizer_path": "tokenizer.json or a directory holding one (default: the model directory's, else bytes)",
+    "load_format": "auto: dummy (seeded random weights) for presets, safetensors for directories",
+    "dtype": "auto: bfloat16 on CUDA, float32 on CPU",
+    "device": "auto: cuda when available, else cpu",
+    "context_length": "default: min(max_position_embeddings, 4096)",
+    "page_size": "tokens per KV page (a multiple of 128)",
+    "max_running_requests": "default: 64 on CPU, 256 on CUDA",
+    "max_total_tokens": "KV capacity in tokens; default: from free GPU memory on CUDA, "
+                        "min(context * max running, 65536) on CPU",
+    "mem_fraction_static": "fraction of free GPU memory for weights + KV cache",
+    "chunked_prefill_size": "max prefill tokens per step (default 2048 CUDA / 256 CPU; -1: no chunking)",
+    "enable_mixed_chunk": "run a prefill chunk and the running decodes in one MIXED forward",
+    "breakable_cuda_graph_max_tokens": "largest breakable-graph bucket (default 4096 CUDA / 512 CPU)",
+    "breakable_cuda_graph_tokens": "explicit breakable-graph token buckets",
+    "cuda_graph_max_bs": "largest decode graph batch size (default 256 CUDA / 16 CPU)",
+    "dp_idle_policy": "what ranks do on steps where some DP rank is idle",
+    "dist_init_addr": "host:port of node 0 for multi-node rendezvous",
+    "stream_interval": "stream every N tokens (always on finish)",
+    "watchdog_timeout": "seconds a forward may take before the server is considered hung",
+}
+_CHOICES = {
+    "load_format": LOAD_FORMATS, "dtype": DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS,
+    "schedule_policy": SCHEDULE_POLICIES, "load_balance_method": LOAD_BALANCE_METHODS,
+    "dp_idle_policy": DP_IDLE_POLICIES, "log_level": LOG_LEVELS,
+}
+_INT_FIELDS = {"random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
+               "chunked_prefill_size", "breakable_cuda_graph_max_tokens", "cuda_graph_max_bs", "dp_size", "nnodes",
+               "node_rank", "stream_interval"}
+_FLOAT_FIELDS = {"mem_fraction_static", "watchdog_timeout"}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(ServerArgs):
+        if f.name == "resolved":
+            continue
+        flag, help_ = f"--{_flag(f.name)}", _HELP.get(f.name)
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=help_)
+        elif f.name == "breakable_cuda_graph_tokens":
+            parser.add_argument(flag, type=int, nargs="+", default=None, help=help_)
+        else:
+            kind = int if f.name in _INT_FIELDS else float if f.name in _FLOAT_FIELDS else str
+            parser.add_argument(flag, type=kind, default=f.default, choices=_CHOICES.get(f.name), help=help_)
+
+
+def from_cli_args(args: argparse.Namespace) -> ServerArgs:
+    names = [f.name for f in dataclasses.fields(ServerArgs) if f.name != "resolved"]
+    return ServerArgs(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+
+def prepare_server_args(argv: Sequence[str]) -> ServerArgs:
+    """Parse a command line into (unresolved) ServerArgs; the launcher resolves it once it
+    knows whether CUDA is available."""
+    parser = argparse.ArgumentParser(description="DeepSeek-V4 serving runtime")
+    add_cli_args(parser)
+    return from_cli_args(parser.parse_args(list(argv)))
+
+
+__all__: List[str] = ["ServerArgs", "add_cli_args", "from_cli_args", "prepare_server_args"]

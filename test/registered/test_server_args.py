@@ -1,0 +1,134 @@
+"""ServerArgs: defaults, the CLI, resolution of "auto" on CPU and on CUDA (passed in), errors."""
+
+import dataclasses
+import json
+
+import pytest
+
+from sglang.srt.configs import get_preset
+from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+GiB = 2**30
+
+
+def test_defaults_are_auto_until_resolved():
+    a = ServerArgs()
+    assert (a.model_path, a.page_size, a.port, a.host, a.random_seed) == ("dsv4-tiny", 128, 30000, "127.0.0.1", 0)
+    assert (a.dtype, a.device, a.load_format, a.attention_backend) == ("auto", "auto", "auto", "auto")
+    assert a.max_running_requests is None and a.max_total_tokens is None and a.chunked_prefill_size is None
+    assert (a.dp_size, a.nnodes, a.node_rank, a.stream_interval, a.watchdog_timeout) == (1, 1, 0, 1, 300.0)
+    assert (a.schedule_policy, a.load_balance_method, a.dp_idle_policy, a.log_level) == (
+        "fcfs", "round_robin", "replay", "info")
+    assert not a.resolved and not a.enable_mixed_chunk and not a.enable_breakable_cuda_graph
+
+
+def test_resolve_on_cpu():
+    a = ServerArgs()
+    r = a.resolve(cuda_available=False)
+    assert r.resolved and not a.resolved  # a new object; the original is untouched
+    assert (r.device, r.dtype, r.load_format, r.attention_backend) == ("cpu", "float32", "dummy", "torch")
+    assert r.context_length == 4096  # min(max_position_embeddings 4096, 4096)
+    assert (r.max_running_requests, r.chunked_prefill_size) == (64, 256)
+    assert (r.breakable_cuda_graph_max_tokens, r.cuda_graph_max_bs) == (512, 16)
+    assert r.max_total_tokens == 65536  # min(4096 * 64, 65536)
+    assert r.served_model_name == "dsv4-tiny"
+    assert r.resolve(cuda_available=True) is r  # resolving twice changes nothing
+
+
+def test_resolve_on_cuda_sizes_kv_from_free_memory():
+    r = ServerArgs().resolve(cuda_available=True, gpu_free_memory=80 * GiB)
+    assert (r.device, r.dtype) == ("cuda", "bfloat16")
+    assert (r.max_running_requests, r.chunked_prefill_size) == (256, 2048)
+    assert (r.breakable_cuda_graph_max_tokens, r.cuda_graph_max_bs) == (4096, 256)
+    assert r.max_total_tokens == 4096 * 256  # capped by what the running requests could use
+    mini = ServerArgs(model_path="dsv4-mini")
+    small = mini.resolve(cuda_available=True, gpu_free_memory=2 * GiB)
+    big = mini.resolve(cuda_available=True, gpu_free_memory=4 * GiB)
+    assert 0 < small.max_total_tokens < big.max_total_tokens
+    assert small.max_total_tokens % 128 == 0
+    half = dataclasses.replace(mini, mem_fraction_static=0.5).resolve(cuda_available=True, gpu_free_memory=4 * GiB)
+    assert half.max_total_tokens < big.max_total_tokens
+    with pytest.raises(ValueError, match="not enough memory for the KV cache"):
+        mini.resolve(cuda_available=True, gpu_free_memory=GiB // 2)
+
+
+def test_explicit_cpu_device_uses_cpu_defaults_even_with_cuda():
+    r = ServerArgs(device="cpu").resolve(cuda_available=True)
+    assert (r.device, r.dtype, r.max_running_requests, r.chunked_prefill_size) == ("cpu", "float32", 64, 256)
+
+
+def test_explicit_values_survive_resolution():
+    r = ServerArgs(dtype="bfloat16", context_length=1000, max_running_requests=8, max_total_tokens=1000,
+                   chunked_prefill_size=-1, cuda_graph_max_bs=4, served_model_name="m").resolve(cuda_available=False)
+    assert (r.dtype, r.context_length, r.max_running_requests, r.chunked_prefill_size) == ("bfloat16", 1000, 8, -1)
+    assert r.max_total_tokens == 896  # whole pages
+    assert r.cuda_graph_max_bs == 4 and r.served_model_name == "m" and not r.chunked_prefill_enabled
+
+
+def test_checkpoint_directory_loads_safetensors_by_default(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(get_preset("dsv4-tiny").to_dict()))
+    r = ServerArgs(model_path=str(tmp_path)).resolve(cuda_available=False)
+    assert r.load_format == "safetensors"
+    assert ServerArgs(model_path=str(tmp_path), load_format="dummy").resolve(cuda_available=False).load_format == "dummy"
+
+
+def test_cli_round_trip():
+    a = prepare_server_args([
+        "--model-path", "dsv4-mini", "--port", "8080", "--enable-mixed-chunk", "--chunked-prefill-size", "-1",
+        "--enable-breakable-cuda-graph", "--breakable-cuda-graph-tokens", "64", "128", "--dp-size", "2",
+        "--enable-dp-attention", "--dp-idle-policy", "eager", "--mem-fraction-static", "0.7", "--dtype", "float32",
+    ])
+    assert (a.model_path, a.port, a.chunked_prefill_size, a.dp_size, a.dp_idle_policy) == ("dsv4-mini", 8080, -1, 2, "eager")
+    assert a.enable_mixed_chunk and a.enable_breakable_cuda_graph and a.enable_dp_attention
+    assert a.breakable_cuda_graph_tokens == (64, 128) and a.mem_fraction_static == 0.7 and a.dtype == "float32"
+    assert prepare_server_args([]) == ServerArgs()
+    with pytest.raises(SystemExit):
+        prepare_server_args(["--dtype", "fp16"])
+
+
+def test_server_args_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ServerArgs().page_size = 256
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"page_size": 100}, "--page-size must be a multiple of 128"),
+        ({"page_size": 0}, "--page-size must be a multiple of 128"),
+        ({"max_running_requests": 0}, "--max-running-requests must be positive"),
+        ({"max_total_tokens": -5}, "--max-total-tokens must be positive"),
+        ({"max_total_tokens": 64}, "--max-total-tokens must be at least one page"),
+        ({"context_length": -1}, "--context-length must be positive"),
+        ({"chunked_prefill_size": 0}, "--chunked-prefill-size must be positive or -1"),
+        ({"cuda_graph_max_bs": 0}, "--cuda-graph-max-bs must be positive"),
+        ({"breakable_cuda_graph_tokens": [16, 0]}, "--breakable-cuda-graph-tokens must be positive"),
+        ({"dp_size": 0}, "--dp-size must be >= 1"),
+        ({"dp_size": 2}, "--dp-size > 1 needs --enable-dp-attention"),
+        ({"nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "--node-rank must be in"),
+        ({"nnodes": 2}, "--nnodes > 1 needs --dist-init-addr"),
+        ({"dtype": "fp16"}, "--dtype must be one of auto, bfloat16, float32"),
+        ({"load_balance_method": "random"}, "--load-balance-method must be one of"),
+        ({"mem_fraction_static": 1.5}, "--mem-fraction-static must be in"),
+        ({"stream_interval": 0}, "--stream-interval must be >= 1"),
+        ({"port": 70000}, "--port must be in"),
+    ],
+)
+def test_invalid_values_raise_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, cuda, message",
+    [
+        ({"device": "cuda"}, False, "--device cuda was requested but CUDA is not available"),
+        ({"context_length": 5000}, False, "exceeds the model's max_position_embeddings"),
+        ({"load_format": "safetensors"}, False, "needs a checkpoint directory"),
+        ({"breakable_cuda_graph_tokens": [1024]}, False, "above --breakable-cuda-graph-max-tokens 512"),
+        ({"model_path": "no-such-model"}, False, "neither a preset"),
+    ],
+)
+def test_resolution_errors(kwargs, cuda, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kwargs).resolve(cuda_available=cuda)
