@@ -49,6 +49,8 @@ class ModelRunnerConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 16
     debug_cuda_graph: bool = False
+    # Decode graphs are on by default on CUDA; tests turn the CPU emulator on explicitly.
+    cuda_graph_on_cpu: bool = False
 
     @staticmethod
     def from_server_args(args) -> "ModelRunnerConfig":
@@ -89,6 +91,12 @@ class ModelRunner:
                                            cfg.breakable_cuda_graph_max_tokens, debug=cfg.debug_cuda_graph)
             bcg.capture()
             self.graph_runners.append(bcg)
+        if not cfg.disable_cuda_graph and (self.device.type == "cuda" or cfg.cuda_graph_on_cpu):
+            from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+
+            decode = CudaGraphRunner(self, cfg.cuda_graph_max_bs, debug=cfg.debug_cuda_graph)
+            decode.capture()
+            self.graph_runners.append(decode)
 
     def _load_model(self, cfg: ModelRunnerConfig) -> DeepseekV4ForCausalLM:
         model = DeepseekV4ForCausalLM(self.config, self.dtype)

@@ -4,6 +4,7 @@ and decode-CUDA-graph metadata hooks."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -90,3 +91,25 @@ class DeepseekV4AttnBackend(AttentionBackend):
             kv_b, idx_b, len_b, sink, self.scale,
         )
         output[:n].copy_(out)
+
+    # ---- full decode CUDA graph hooks ------------------------------------------------------
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch) -> DSV4Metadata:
+        """A decode graph captures the attention core too, so every metadata tensor is read
+        inside the graph: static widths now, and an all-fields in-place copy at replay."""
+        self.forward_metadata = self._build(forward_batch, static=True)
+        return self.forward_metadata
+
+    def init_forward_metadata_replay_cuda_graph(self, capture_metadata: DSV4Metadata, static_forward_batch) -> None:
+        _copy_tensors_(capture_metadata, self._build(static_forward_batch, static=True))
+        self.forward_metadata = capture_metadata
+
+
+def _copy_tensors_(dst, src) -> None:
+    for f in dataclasses.fields(dst):
+        a, b = getattr(dst, f.name), getattr(src, f.name)
+        if isinstance(a, torch.Tensor):
+            a.copy_(b)
+        elif dataclasses.is_dataclass(a):
+            _copy_tensors_(a, b)
+        elif a != b:
+            raise ValueError(f"decode graph metadata field {f.name} changed: captured {a!r}, replay {b!r}")

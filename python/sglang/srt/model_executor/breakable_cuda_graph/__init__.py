@@ -12,6 +12,7 @@ import torch
 
 from sglang.srt.model_executor.breakable_cuda_graph.base import BreakableGraph, BreakRecord
 from sglang.srt.model_executor.breakable_cuda_graph.break_op import (
+    break_ops_inline,
     current_graph,
     eager_on_graph,
     get_split_ops,
@@ -42,6 +43,7 @@ def create_breakable_graph(
 
 __all__ = [
     "BreakRecord",
+    "break_ops_inline",
     "BreakableGraph",
     "BreakableGraphStaleError",
     "CudaBreakableGraph",

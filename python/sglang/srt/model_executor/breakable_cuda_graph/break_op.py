@@ -39,9 +39,28 @@ def _set_current_graph(graph: Optional["BreakableGraph"]) -> None:
     _capture_state.graph = graph
 
 
+class break_ops_inline:
+    """Inside this context break ops do not split: they are captured into the current
+    segment like any other op. Full (unbroken) graphs use it, e.g. decode graphs, whose
+    attention path has static shapes."""
+
+    def __enter__(self):
+        self._prev = getattr(_capture_state, "inline", False)
+        _capture_state.inline = True
+        return self
+
+    def __exit__(self, *exc):
+        _capture_state.inline = self._prev
+        return False
+
+
+def break_ops_are_inline() -> bool:
+    return getattr(_capture_state, "inline", False)
+
+
 def _split_or_run(name: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
     graph = current_graph()
-    if graph is None or graph.in_break_op:
+    if graph is None or graph.in_break_op or break_ops_are_inline():
         # Outside capture, and for break ops nested in a running break op: just run.
         return fn(*args, **kwargs)
     graph.run_break_op(name, fn, args, kwargs)

@@ -14,7 +14,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sglang.srt.model_executor.breakable_cuda_graph.break_op import is_split_op
+from sglang.srt.model_executor.breakable_cuda_graph.break_op import break_ops_are_inline, is_split_op
 from sglang.srt.model_executor.breakable_cuda_graph.errors import GraphCaptureError
 
 if TYPE_CHECKING:
@@ -107,8 +107,9 @@ class SegmentDispatchGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # A split op reached through the dispatcher splits the graph in its own kernel.
-        if self._graph.in_break_op or is_split_op(func):
+        # A split op reached through the dispatcher splits the graph in its own kernel,
+        # unless break ops are inline (a full graph): then it is an ordinary recorded op.
+        if self._graph.in_break_op or (is_split_op(func) and not break_ops_are_inline()):
             return func(*args, **kwargs)
         reason = forbidden_reason(func, args, kwargs)
         if reason is not None:

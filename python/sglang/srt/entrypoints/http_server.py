@@ -1,0 +1,258 @@
+"""HTTP server (aiohttp): SGLang-native /generate and the OpenAI-compatible API, all served
+by one TokenizerManager. Bad input is a 400 with an OpenAI-style JSON error, decided before
+anything reaches the scheduler; the request-shape mapping lives in openai_api.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import time
+
+from aiohttp import web
+
+from sglang.srt.entrypoints import openai_api as oai
+from sglang.srt.entrypoints.openai_api import APIError
+from sglang.srt.managers.tokenizer_manager import (
+    RequestError,
+    SchedulerDiedError,
+    TokenizerManager,
+)
+
+logger = logging.getLogger(__name__)
+
+MANAGER = web.AppKey("manager", TokenizerManager)
+_NATIVE_KEYS = {"text", "input_ids", "sampling_params", "stream", "rid"}
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", code=None) -> web.Response:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code or status}}
+    return web.json_response(body, status=status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    # Every failure becomes a JSON error; only a bug in this server is a 500.
+    try:
+        return await handler(request)
+    except APIError as e:
+        return error_response(e.status, e.message, e.type, e.code)
+    except RequestError as e:
+        return error_response(400, str(e))
+    except SchedulerDiedError as e:
+        return error_response(503, str(e), "service_unavailable")
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(e.status, e.reason or "error", "invalid_request_error")
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:  # noqa: BLE001
+        logger.exception("internal error on %s", request.path)
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error")
+
+
+async def read_json(request: web.Request) -> dict:
+    try:
+        body = json.loads(await request.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    return body
+
+
+# ---- streaming ---------------------------------------------------------------------------
+
+
+async def _sse(request: web.Request, gen, chunks_of) -> web.StreamResponse:
+    """Serve `gen` (TokenizerManager.generate) as server-sent events. `chunks_of(out)` turns
+    one output into the JSON events to send. Headers go out only after the first output, so
+    a request the scheduler rejects is still a plain HTTP error."""
+    async with contextlib.aclosing(gen):
+        first = await anext(gen)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        out = first
+        try:
+            while True:
+                for event in chunks_of(out):
+                    await resp.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
+                if out.finished:
+                    break
+                out = await anext(gen)
+        except (RequestError, SchedulerDiedError) as e:
+            status, type_ = (400, "invalid_request_error") if isinstance(e, RequestError) else (503, "service_unavailable")
+            err = {"error": {"message": str(e), "type": type_, "param": None, "code": status}}
+            await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def _collect(gen):
+    """Run `gen` to the end: the full text, all output ids and the last output."""
+    text, ids, last = [], [], None
+    async with contextlib.aclosing(gen):
+        async for out in gen:
+            text.append(out.text)
+            ids.extend(out.output_ids)
+            last = out
+    return "".join(text), ids, last
+
+
+# ---- SGLang-native ---------------------------------------------------------------------
+
+
+def _meta_info(out) -> dict:
+    return {
+        "id": out.rid,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "finish_reason": out.finish_reason,
+    }
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    manager = request.app[MANAGER]
+    body = await read_json(request)
+    unknown = sorted(set(body) - _NATIVE_KEYS)
+    if unknown:
+        raise APIError(f"unknown field(s): {', '.join(unknown)}")
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise APIError("exactly one of text or input_ids is required")
+    if text is not None:
+        if not isinstance(text, str):
+            raise APIError("text must be a string (batched requests are not supported)")
+        input_ids = manager.tokenize(text)
+    stream = oai.get_bool(body, "stream", False)
+    req, skip = manager.build_request(input_ids, body.get("sampling_params"), stream, body.get("rid"))
+    gen = manager.generate(req, skip)
+    if not stream:
+        text, ids, last = await _collect(gen)
+        return web.json_response({"text": text, "output_ids": ids, "meta_info": _meta_info(last)})
+    # Like SGLang: every event carries the text and ids so far.
+    acc_text, acc_ids = [], []
+
+    def events(out):
+        acc_text.append(out.text)
+        acc_ids.extend(out.output_ids)
+        return [{"text": "".join(acc_text), "output_ids": list(acc_ids), "meta_info": _meta_info(out)}]
+
+    return await _sse(request, gen, events)
+
+
+# ---- OpenAI-compatible ------------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    manager = request.app[MANAGER]
+    body = await read_json(request)
+    model = oai.check_model(body, manager)
+    input_ids = oai.completion_prompt_ids(body, manager)
+    return await _openai_generate(request, manager, body, model, input_ids, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    manager = request.app[MANAGER]
+    body = await read_json(request)
+    model = oai.check_model(body, manager)
+    input_ids = oai.chat_prompt_ids(body, manager)
+    return await _openai_generate(request, manager, body, model, input_ids, chat=True)
+
+
+async def _openai_generate(request, manager, body, model, input_ids, chat: bool):
+    sampling_params, skip = oai.sampling_params_of(body, chat)
+    stream = oai.get_bool(body, "stream", False)
+    include_usage = stream and oai.stream_include_usage(body)
+    sampling_params["skip_special_tokens"] = skip
+    req, skip = manager.build_request(input_ids, sampling_params, stream)
+    gen = manager.generate(req, skip)
+    fmt = oai.ResponseFormatter(chat=chat, model=model, rid=req.rid, created=int(time.time()))
+    if not stream:
+        text, _, last = await _collect(gen)
+        return web.json_response(fmt.response(text, last))
+    return await _sse(request, gen, lambda out: fmt.stream_events(out, include_usage))
+
+
+async def list_models(request: web.Request) -> web.Response:
+    manager = request.app[MANAGER]
+    card = {
+        "id": manager.served_model_name,
+        "object": "model",
+        "created": int(request.app["started_at"]),
+        "owned_by": "sglang",
+        "root": manager.server_args.model_path,
+        "max_model_len": manager.context_length,
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+# ---- status ------------------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    # The server only listens once the model is ready, so alive means ready.
+    manager = request.app[MANAGER]
+    if manager.dead:
+        return error_response(503, manager.death_message, "service_unavailable")
+    return web.json_response({"status": "ok"})
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    info = await request.app[MANAGER].get_server_info()
+    return web.json_response(info, dumps=lambda o: json.dumps(o, default=str))
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    manager = request.app[MANAGER]
+    args = manager.server_args
+    return web.json_response(
+        {"model_path": args.model_path, "tokenizer_path": getattr(args, "tokenizer_path", None), "is_generation": True}
+    )
+
+
+def create_app(manager: TokenizerManager) -> web.Application:
+    # Long prompts sent as input_ids lists exceed aiohttp's 1 MiB default body limit.
+    app = web.Application(middlewares=[error_middleware], client_max_size=256 * 1024 * 1024)
+    app[MANAGER] = manager
+    app["started_at"] = time.time()
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_get("/get_model_info", get_model_info)
+    return app
+
+
+async def serve(manager: TokenizerManager, host: str, port: int, ready_message: str | None = None) -> int:
+    """Serve until SIGINT/SIGTERM (exit code 0) or until the scheduler process dies (1)."""
+    loop = asyncio.get_running_loop()
+    scheduler_died = manager.start_io(loop)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts the
+    # request in the scheduler instead of finishing it for nobody.
+    runner = web.AppRunner(create_app(manager), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        if ready_message:
+            print(ready_message, flush=True)
+        waiters = [loop.create_task(stop.wait()), loop.create_task(scheduler_died.wait())]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for w in waiters:
+            w.cancel()
+        if scheduler_died.is_set():
+            logger.error("%s: shutting down the server", manager.death_message)
+            await asyncio.sleep(0.5)  # let the in-flight error responses reach their clients
+            return 1
+        return 0
+    finally:
+        await runner.cleanup()

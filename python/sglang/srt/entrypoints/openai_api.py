@@ -1,0 +1,187 @@
+"""OpenAI request/response shapes for /v1/completions and /v1/chat/completions: prompt and
+parameter mapping onto SamplingParams names, and the JSON of responses and stream chunks."""
+
+from __future__ import annotations
+
+from sglang.srt.tokenizer import encode_messages
+
+# OpenAI parameters this server cannot honour: accepted only at their neutral values, so a
+# client that relies on them gets a 400 instead of silently different output.
+_NEUTRAL = {
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+}
+# Passed through unchanged under the same name (OpenAI's and SGLang's extras).
+_PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n")
+
+
+class APIError(Exception):
+    def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error", code=None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.code = message, status, type_, code
+
+
+def get_bool(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def check_model(body: dict, manager) -> str:
+    model = body.get("model")
+    if model is None:
+        return manager.served_model_name
+    if not isinstance(model, str):
+        raise APIError(f"model must be a string, got {model!r}")
+    if model not in (manager.served_model_name, manager.server_args.model_path):
+        raise APIError(f"The model `{model}` does not exist.", status=404, code="model_not_found")
+    return model
+
+
+def _is_int_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+
+def completion_prompt_ids(body: dict, manager) -> list[int]:
+    """`prompt`: a string, a list of token ids, or a one-element list of either."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise APIError("prompt is required")
+    if isinstance(prompt, list) and prompt and not _is_int_list(prompt):
+        if len(prompt) != 1:
+            raise APIError("only one prompt per request is supported")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return manager.tokenize(prompt)
+    if _is_int_list(prompt):
+        return prompt
+    raise APIError("prompt must be a string or a list of token ids")
+
+
+def chat_prompt_ids(body: dict, manager) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError("messages is required and must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError("each message must be an object with a string role")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise APIError("tools must be a list")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise APIError("chat_template_kwargs must be an object")
+    thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
+    if thinking is not None and not isinstance(thinking, bool):
+        raise APIError("chat_template_kwargs.thinking must be true or false")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise APIError("response_format is not supported")
+    try:
+        prompt = encode_messages(messages, tools or None, thinking)
+    except (ValueError, NotImplementedError, TypeError, KeyError) as e:
+        raise APIError(f"cannot encode messages: {e}") from None
+    return manager.tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def sampling_params_of(body: dict, chat: bool) -> tuple[dict, bool]:
+    """SamplingParams fields (as a dict, validated later) and skip_special_tokens."""
+    for key, neutral in _NEUTRAL.items():
+        if key in body and not any(body[key] == v and type(body[key]) is type(v) for v in neutral):
+            raise APIError(f"{key} is not supported")
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens", None if chat else 16)  # OpenAI's completions default
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
+        raise APIError(f"{key} must be an integer, got {max_tokens!r}")
+    if max_tokens is not None and max_tokens < 0:
+        raise APIError(f"{key} must be >= 0, got {max_tokens}")
+    params = {k: body[k] for k in _PASSTHROUGH if body.get(k) is not None}
+    if max_tokens is not None:
+        params["max_new_tokens"] = max_tokens
+    return params, get_bool(body, "skip_special_tokens", True)
+
+
+def stream_include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise APIError("stream_options must be an object")
+    return get_bool(options, "include_usage", False)
+
+
+def finish_reason_str(reason: dict | None) -> str | None:
+    return None if reason is None else reason.get("type")
+
+
+class ResponseFormatter:
+    """Builds one request's response (or its stream chunks) in OpenAI's shapes."""
+
+    def __init__(self, chat: bool, model: str, rid: str, created: int):
+        self.chat, self.model, self.created = chat, model, created
+        self.id = ("chatcmpl-" if chat else "cmpl-") + rid
+        self._role_sent = False
+
+    @staticmethod
+    def usage(out) -> dict:
+        return {
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "total_tokens": out.prompt_tokens + out.completion_tokens,
+        }
+
+    def response(self, text: str, out) -> dict:
+        choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason_str(out.finish_reason)}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(out),
+        }
+
+    def _chunk(self, piece, finish_reason=None, usage=None) -> dict:
+        choices = []
+        if piece is not None:
+            choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+            choice["delta" if self.chat else "text"] = piece
+            choices.append(choice)
+        chunk = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return chunk
+
+    def stream_events(self, out, include_usage: bool) -> list[dict]:
+        events = []
+        if self.chat and not self._role_sent:
+            events.append(self._chunk({"role": "assistant", "content": ""}))
+            self._role_sent = True
+        if out.text:
+            events.append(self._chunk({"content": out.text} if self.chat else out.text))
+        if out.finished:
+            events.append(self._chunk({} if self.chat else "", finish_reason_str(out.finish_reason)))
+            if include_usage:
+                events.append(self._chunk(None, usage=self.usage(out)))
+        return events

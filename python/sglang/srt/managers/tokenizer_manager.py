@@ -1,0 +1,357 @@
+"""TokenizerManager: the server process's side of the scheduler. It tokenizes and validates
+requests, ships them to the scheduler process, routes TokenOut back to per-request asyncio
+queues, detokenizes incrementally, aborts requests whose client went away, and fails every
+in-flight request (and reports it) if the scheduler process dies."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    GenerateReqInput,
+    ServerInfo,
+    ServerInfoReq,
+    visible_output_ids,
+)
+from sglang.srt.managers.scheduler_process import (
+    SHUTDOWN,
+    ReadyMsg,
+    StartupError,
+    run_scheduler_process,
+)
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.tokenizer import IncrementalDetokenizer, get_tokenizer
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_INTERVAL_S = 1.0
+
+
+class RequestError(ValueError):
+    """Bad client input: HTTP 400."""
+
+
+class SchedulerDiedError(RuntimeError):
+    """The scheduler process is gone: HTTP 503, and the server exits."""
+
+
+@dataclass
+class GenerateOutput:
+    """One chunk of a request's output, as the HTTP layer sees it."""
+
+    rid: str
+    text: str  # text completed since the previous chunk
+    output_ids: list[int]  # token ids generated since the previous chunk
+    finished: bool
+    finish_reason: dict | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class _ReqState:
+    detokenizer: IncrementalDetokenizer
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class TokenizerManager:
+    def __init__(self, server_args):
+        self.server_args = server_args
+        self.tokenizer = get_tokenizer(server_args.model_path, getattr(server_args, "tokenizer_path", None))
+        self.served_model_name = getattr(server_args, "served_model_name", None) or server_args.model_path
+        self.context_length: int | None = None  # from the scheduler's ready message
+        self.vocab_size: int | None = None
+        self.rid_to_state: dict[str, _ReqState] = {}
+        self.dead = False
+        self.death_message = ""
+        self._closing = False
+        self._proc = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._death_event: asyncio.Event | None = None
+        self._info_waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._send_queue: queue.Queue = queue.Queue()
+
+    # ---- process lifecycle --------------------------------------------------------------
+
+    def launch(self, timeout_s: float | None = None) -> ReadyMsg:
+        """Start the scheduler process and block until its model is ready; raise
+        RuntimeError with the child's traceback if start-up fails."""
+        ctx = mp.get_context("spawn")
+        req_r, self._req_w = ctx.Pipe(duplex=False)
+        self._out_r, out_w = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=run_scheduler_process,
+            args=(self.server_args, req_r, out_w, os.getpid()),
+            name="sglang-scheduler",
+            daemon=True,  # multiprocessing's atexit also reaps it
+        )
+        self._proc.start()
+        # Drop our copies of the child's ends: then the child exiting is EOF on our side.
+        req_r.close()
+        out_w.close()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._out_r.poll(0.2):
+            if not self._proc.is_alive():
+                raise RuntimeError(f"scheduler process exited during start-up (exit code {self._proc.exitcode})")
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(f"scheduler process not ready after {timeout_s} s")
+        msg = self._out_r.recv()
+        if isinstance(msg, StartupError):
+            raise RuntimeError(f"scheduler process failed to start:\n{msg.message}")
+        assert isinstance(msg, ReadyMsg), msg
+        self.server_args = msg.server_args
+        self.context_length, self.vocab_size = msg.context_length, msg.vocab_size
+        return msg
+
+    def start_io(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+        """Start the pipe threads and the watchdog on `loop`; the returned event is set if the
+        scheduler process dies."""
+        self._loop = loop
+        self._death_event = asyncio.Event()
+        threading.Thread(target=self._reader, name="scheduler-reader", daemon=True).start()
+        threading.Thread(target=self._sender, name="scheduler-sender", daemon=True).start()
+        self._watchdog_task = loop.create_task(self._watchdog())  # held: the loop keeps weak refs
+        return self._death_event
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the scheduler process: ask, then terminate, then kill. Never leaves it behind."""
+        self._closing = True
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.is_alive():
+            if self._loop is not None:
+                self._send_queue.put(SHUTDOWN)
+            else:
+                try:
+                    self._req_w.send(SHUTDOWN)
+                except OSError:
+                    pass
+            proc.join(timeout_s)
+        for stop in (proc.terminate, proc.kill):
+            if not proc.is_alive():
+                break
+            stop()
+            proc.join(timeout_s)
+        self._send_queue.put(None)  # ends the sender thread
+
+    @property
+    def scheduler_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _reader(self) -> None:
+        # Blocking reads off the event loop; each message is handed to the loop thread.
+        while True:
+            try:
+                msg = self._out_r.recv()
+            except (EOFError, OSError):
+                self._to_loop(self._on_scheduler_exit)
+                return
+            self._to_loop(self._dispatch, msg)
+
+    def _to_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass  # the event loop is closed: the server is shutting down
+    def _sender(self) -> None:
+        # A thread, so a full pipe (scheduler busy in a long step) never blocks the event loop.
+        while (msg := self._send_queue.get()) is not None:
+            try:
+                self._req_w.send(msg)
+            except OSError:
+                self._to_loop(self._on_scheduler_exit)
+                return
+            if msg == SHUTDOWN:
+                return
+
+    async def _watchdog(self) -> None:
+        # The reader's EOF normally reports a death first; this catches a child that is gone
+        # while the pipe somehow stays open.
+        while not self.dead:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            if self._proc is not None and not self._proc.is_alive():
+                self._on_scheduler_exit()
+
+    def _on_scheduler_exit(self) -> None:
+        if self.dead:
+            return
+        self.dead = True
+        self._proc.join(1.0)
+        code = self._proc.exitcode
+        self.death_message = f"the scheduler process exited unexpectedly (exit code {code})"
+        if self._closing:
+            return
+        logger.error("%s; failing %d in-flight request(s)", self.death_message, len(self.rid_to_state))
+        err = SchedulerDiedError(self.death_message)
+        for state in self.rid_to_state.values():
+            state.queue.put_nowait(err)
+        while self._info_waiters:
+            fut = self._info_waiters.popleft()
+            if not fut.done():
+                fut.set_exception(err)
+        self._death_event.set()
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, ServerInfo):
+            fut = self._info_waiters.popleft()
+            if not fut.done():
+                fut.set_result(msg)
+            return
+        for out in msg:  # a list of TokenOut from one scheduler step
+            state = self.rid_to_state.get(out.rid)
+            if state is not None:  # else: aborted, its late outputs are dropped
+                state.queue.put_nowait(out)
+
+    def _send(self, msg) -> None:
+        self._send_queue.put(msg)
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        # No BOS is added to raw prompts: the DSV4 release sets add_bos_token false (its chat
+        # encoding writes BOS itself), and the offline Engine encodes the same way.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def build_request(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict | None,
+        stream: bool = False,
+        rid: str | None = None,
+    ) -> tuple[GenerateReqInput, bool]:
+        """Validate and build a request; returns it with its `skip_special_tokens`.
+        Raises RequestError (HTTP 400) for any bad input."""
+        ids = self._check_input_ids(input_ids)
+        sp = {} if sampling_params is None else sampling_params
+        if not isinstance(sp, dict):
+            raise RequestError("sampling_params must be a JSON object")
+        sp = dict(sp)
+        skip_special_tokens = sp.pop("skip_special_tokens", True)
+        if not isinstance(skip_special_tokens, bool):
+            raise RequestError("skip_special_tokens must be true or false")
+        explicit_max = sp.get("max_new_tokens") is not None
+        try:
+            params = SamplingParams.from_dict(sp)
+            params.verify(self.vocab_size)
+        except (TypeError, ValueError) as e:
+            raise RequestError(str(e)) from None
+        room = self.context_length - len(ids)
+        if params.max_new_tokens > room:
+            if explicit_max:
+                raise RequestError(
+                    f"the prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
+                    f"exceeds the context length ({self.context_length} tokens)"
+                )
+            params.max_new_tokens = room  # an unset limit fills the context
+        if rid is not None and not isinstance(rid, str):
+            raise RequestError("rid must be a string")
+        rid = rid or uuid.uuid4().hex
+        return GenerateReqInput(rid=rid, input_ids=ids, sampling_params=params, stream=stream), skip_special_tokens
+
+    def _check_input_ids(self, input_ids) -> list[int]:
+        if not isinstance(input_ids, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in input_ids
+        ):
+            raise RequestError("input_ids must be a list of integers")
+        if not input_ids:
+            raise RequestError("the prompt is empty")
+        bad = next((i for i in input_ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(input_ids) >= self.context_length:
+            raise RequestError(
+                f"the prompt is {len(input_ids)} tokens long, but the context length is "
+                f"{self.context_length} tokens (at least one must be left for the output)"
+            )
+        return list(input_ids)
+
+    async def generate(self, req: GenerateReqInput, skip_special_tokens: bool = True) -> AsyncIterator[GenerateOutput]:
+        """Send `req` and yield its output chunks until it finishes. Closing the generator
+        early (client gone, handler cancelled) aborts the request in the scheduler."""
+        if self.dead:
+            raise SchedulerDiedError(self.death_message)
+        rid = req.rid
+        if rid in self.rid_to_state:
+            raise RequestError(f"request id {rid!r} is already in use")
+        state = _ReqState(IncrementalDetokenizer(self.tokenizer, skip_special_tokens, req.sampling_params.stop))
+        self.rid_to_state[rid] = state
+        self._send(req)
+        finished = False
+        try:
+            while not finished:
+                items = [await state.queue.get()]
+                while not state.queue.empty():  # under load, fold queued steps into one chunk
+                    items.append(state.queue.get_nowait())
+                out = self._fold(req, state.detokenizer, items)
+                finished = out.finished
+                yield out
+        finally:
+            self.rid_to_state.pop(rid, None)
+            if not finished and not self.dead:
+                self._send(AbortReq(rid=rid))
+
+    def _fold(self, req: GenerateReqInput, detok: IncrementalDetokenizer, items: list) -> GenerateOutput:
+        text, ids, last = [], [], None
+        finish_reason = None
+        finished = False
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+            if item.error is not None:
+                raise RequestError(item.error)
+            ids.extend(item.new_token_ids)
+            # A matched stop token ends the text; it is not part of it (it stays in the ids).
+            visible = visible_output_ids(item.new_token_ids, item.finish_reason) if item.finished else item.new_token_ids
+            text.append(detok.add(visible))
+            last = item
+            if item.finished:
+                finished, finish_reason = True, item.finish_reason
+                break
+            if detok.stopped:
+                # A stop string the scheduler has not acted on yet: end here, free its slot.
+                finished, finish_reason = True, {"type": "stop", "matched": detok.matched_stop}
+                self._send(AbortReq(rid=req.rid))
+                break
+        if finished:
+            text.append(detok.finish())
+        return GenerateOutput(
+            rid=req.rid,
+            text="".join(text),
+            output_ids=ids,
+            finished=finished,
+            finish_reason=finish_reason,
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens,
+        )
+
+    async def get_server_info(self, timeout_s: float = 30.0) -> dict:
+        """Server args plus the scheduler's live stats (BCG replays, fallbacks, ...)."""
+        if self.dead:
+            raise SchedulerDiedError(self.death_message)
+        fut = self._loop.create_future()
+        self._info_waiters.append(fut)
+        self._send(ServerInfoReq())
+        info = await asyncio.wait_for(fut, timeout_s)
+        args = self.server_args
+        args = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
+        return {
+            **args,
+            "served_model_name": self.served_model_name,
+            "context_length": self.context_length,
+            "vocab_size": self.vocab_size,
+            "scheduler_pid": self.scheduler_pid,
+            "scheduler_stats": info.stats,
+        }

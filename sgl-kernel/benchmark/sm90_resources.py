@@ -1,0 +1,87 @@
+"""Compiles every kernel at its real-shape GPU config for sm_90 WITHOUT a GPU (Triton's bundled
+ptxas) and prints registers, spill stack, shared memory and the MMA kind. A quick check that a
+config change still compiles, fits and does not spill: python sgl-kernel/benchmark/sm90_resources.py
+"""
+
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+warnings.filterwarnings("ignore")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+
+def compile_report(name, fn, ptr_types, constexprs, num_warps, num_stages=2, scalar_types=None):
+    """ptr_types: arg -> '*bf16' etc.; other non-constexpr args default to i32."""
+    scalar_types = scalar_types or {}
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
+    assert not missing, f"constexpr args without a value (would compile as runtime): {missing}"
+    sig = {a: "constexpr" if a in constexprs else ptr_types.get(a, scalar_types.get(a, "i32"))
+           for a in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        tool = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "cuobjdump"
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True,
+                               text=True).stdout
+    fields = dict(tok.split(":", 1) for line in usage.splitlines() if "REG:" in line
+                  for tok in line.split() if ":" in tok)
+    ptx = kernel.asm["ptx"]
+    mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "-"
+    print(f"{name:<44} regs {fields.get('REG', '?'):>4}  spill-stack {fields.get('STACK', '?'):>5}  "
+          f"smem {kernel.metadata.shared:>7}  mma {mma}", flush=True)
+
+
+def main():
+    from dsv4_kernels import cache_write, compressor, indexer, moe, sparse_attention as sa
+
+    cfg = sa.SparseAttnConfig()
+    attn_ptrs = dict(q_ptr="*bf16", kv_a_ptr="*bf16", idx_a_ptr="*i32", len_a_ptr="*i32",
+                     kv_b_ptr="*bf16", idx_b_ptr="*i32", len_b_ptr="*i32", sink_ptr="*fp32",
+                     out_ptr="*bf16", part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32")
+    for splits in (1, 4):
+        compile_report(f"sparse_attn splits={splits} {cfg.block_h}x{cfg.block_n} w{cfg.num_warps}",
+                       sa._sparse_attn_kernel, attn_ptrs,
+                       dict(HAS_B=True, NUM_SPLITS=splits, BLOCK_H=cfg.block_h,
+                            BLOCK_N=cfg.block_n, BLOCK_D=512, DOT_PREC="tf32",
+                            KEYS_AS_M=cfg.keys_as_m),
+                       cfg.num_warps, cfg.num_stages, dict(qk_scale="fp32"))
+    compile_report("sparse_attn merge splits=4 (D chunk 128)", sa._merge_splits_kernel,
+                   dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
+                        sink_ptr="*fp32", out_ptr="*bf16"),
+                   dict(NUM_SPLITS=4, BLOCK_H=16, BLOCK_D=128), 4)
+    compile_report("norm_rope_row (cache write, D=512)", cache_write._norm_rope_row_kernel,
+                   dict(x_ptr="*bf16", weight_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32",
+                        pos_ptr="*i64", out_ptr="*bf16", pool_ptr="*bf16", loc_ptr="*i32"),
+                   dict(HAS_NORM=True, HAS_WEIGHT=True, INVERSE=False, HAS_OUT=True,
+                        HAS_POOL=True, BLOCK_HALF=256), 4, scalar_types=dict(eps="fp32"))
+    for ratio, block_c, warps in ((4, 256, 4), (128, 32, 8)):
+        compile_report(f"compressor_pool r={ratio}", compressor._compressor_pool_kernel,
+                       dict(kv_state_ptr="*fp32", score_state_ptr="*fp32", kv_new_ptr="*fp32",
+                            score_new_ptr="*fp32", idx_ptr="*i32", out_ptr="*fp32"),
+                       dict(RATIO=ratio, COFF=2 if ratio == 4 else 1, BLOCK_C=block_c), warps)
+    compile_report("indexer_logits 64x128", indexer._indexer_logits_kernel,
+                   dict(q_ptr="*bf16", w_ptr="*fp32", key_ptr="*bf16", slots_ptr="*i32",
+                        len_ptr="*i32", logits_ptr="*fp32"),
+                   dict(TILES_PER_PROG=4, BLOCK_H=64, BLOCK_N=64, BLOCK_D=128, DOT_PREC="tf32"), 4)
+    compile_report("moe gate_up 64x64x64", moe._gate_up_kernel,
+                   dict(x_ptr="*bf16", w1_ptr="*bf16", w3_ptr="*bf16", sorted_ids_ptr="*i32",
+                        block_expert_ptr="*i32", h_ptr="*bf16"),
+                   dict(NUM_EXPERTS=256, HAS_LIMIT=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
+                        DOT_PREC="tf32"), 8, 3, dict(limit="fp32"))
+    compile_report("moe down 64x64x64", moe._down_kernel,
+                   dict(h_ptr="*bf16", w2_ptr="*bf16", sorted_ids_ptr="*i32",
+                        block_expert_ptr="*i32", weights_ptr="*fp32", partial_ptr="*bf16"),
+                   dict(NUM_EXPERTS=256, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PREC="tf32"), 8, 3)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Triton grouped-GEMM MoE: tokens sorted by expert into a statically sized, block-padded list
+(capturable: no host sync, shapes depend only on T, topk, E), then two expert-grouped GEMMs
+(gate/up with the clamped SwiGLU fused, then down scaled by the routing weight).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dot import dot_precision
+
+BLOCK_M = 64
+
+
+def moe_align(ids, num_experts: int, block_m: int = BLOCK_M):
+    """Assignment indices (t * topk + k) grouped by expert, each expert's group padded to a
+    multiple of block_m; padding holds the sentinel M = T * topk.
+
+    Returns (sorted_ids [max_blocks * block_m] int32, block_expert [max_blocks] int32 with
+    num_experts for unused blocks). max_blocks = cdiv(M, block_m) + min(E, M) bounds the
+    blocks any routing can need (each non-empty expert adds at most one partial block)."""
+    M = ids.numel()
+    device = ids.device
+    max_blocks = triton.cdiv(M, block_m) + min(num_experts, M)
+    flat = ids.reshape(-1).long()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync on its max
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    rank = torch.arange(M, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_e]
+    dest = (padded_end - padded)[sorted_e] + rank
+    sorted_ids = torch.full((max_blocks * block_m,), M, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(max_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    return sorted_ids, block_expert
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w1_ptr, w3_ptr, sorted_ids_ptr, block_expert_ptr, h_ptr,
+    M, d, I, topk, stride_x, stride_we, stride_wn, stride_h, limit,
+    NUM_EXPERTS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    if e >= NUM_EXPERTS:  # a padding block past every expert's group
+        return
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(sorted_ids_ptr + rows)
+    row_mask = assign < M
+    token = (assign // topk).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, d, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < d
+        xt = tl.load(x_ptr + token[:, None] * stride_x + offs_k[None, :],
+                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_off = e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        wmask = n_mask[None, :] & k_mask[:, None]
+        w1t = tl.load(w1_ptr + w_off, mask=wmask, other=0.0)
+        w3t = tl.load(w3_ptr + w_off, mask=wmask, other=0.0)
+        acc1 = tl.dot(xt, w1t, acc1, input_precision=DOT_PREC)
+        acc3 = tl.dot(xt, w3t, acc3, input_precision=DOT_PREC)
+    if HAS_LIMIT:
+        acc1 = tl.minimum(acc1, limit)
+        acc3 = tl.minimum(tl.maximum(acc3, -limit), limit)
+    h = acc1 / (1.0 + tl.exp(-acc1)) * acc3
+    tl.store(h_ptr + rows[:, None] * stride_h + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w2_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, partial_ptr,
+    M, d, I, stride_h, stride_we, stride_wn, stride_p,
+    NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    if e >= NUM_EXPERTS:
+        return
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(sorted_ids_ptr + rows)
+    row_mask = assign < M
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < d
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < I
+        ht = tl.load(h_ptr + rows[:, None] * stride_h + offs_k[None, :],
+                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        wt = tl.load(w2_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None],
+                     mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        acc = tl.dot(ht, wt, acc, input_precision=DOT_PREC)
+    w = tl.load(weights_ptr + assign, mask=row_mask, other=0.0).to(tl.float32)
+    acc = acc * w[:, None]
+    tl.store(partial_ptr + assign.to(tl.int64)[:, None] * stride_p + offs_n[None, :],
+             acc.to(partial_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out, block_n: int = 64,
+              block_k: int = 64, num_warps: int = 8, num_stages: int = 3):
+    # Default tiles: the largest that compile for sm_90 without spills (two fp32 accumulators
+    # in the gate/up kernel); see benchmark/sm90_resources.py.
+    T, d = x.shape
+    E, I, _ = w1.shape
+    topk = ids.shape[1]
+    assert x.stride(-1) == 1 and w1.is_contiguous() and w3.is_contiguous() and w2.is_contiguous()
+    assert w1.shape == w3.shape == (E, I, d) and w2.shape == (E, d, I)
+    if T == 0:
+        return out
+    M = T * topk
+    sorted_ids, block_expert = moe_align(ids, E)
+    max_blocks = block_expert.shape[0]
+    # h in the activation dtype (the down GEMM's input); the per-assignment partial outputs
+    # too, summed over top-k in fp32 below (deterministic, no atomics).
+    h = torch.empty(sorted_ids.shape[0], I, dtype=x.dtype, device=x.device)
+    partial = torch.empty(M, d, dtype=x.dtype, device=x.device)
+    weights_flat = weights.reshape(-1).contiguous()
+    _gate_up_kernel[(max_blocks, triton.cdiv(I, block_n))](
+        x, w1, w3, sorted_ids, block_expert, h, M, d, I, topk, x.stride(0), w1.stride(0),
+        w1.stride(1), h.stride(0), float(swiglu_limit),
+        NUM_EXPERTS=E, HAS_LIMIT=swiglu_limit > 0, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        BLOCK_K=block_k, DOT_PREC=dot_precision(x.dtype), num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    _down_kernel[(max_blocks, triton.cdiv(d, block_n))](
+        h, w2, sorted_ids, block_expert, weights_flat, partial, M, d, I, h.stride(0),
+        w2.stride(0), w2.stride(1), partial.stride(0),
+        NUM_EXPERTS=E, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PREC=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    out.copy_(partial.view(T, topk, d).float().sum(dim=1))
+    return out

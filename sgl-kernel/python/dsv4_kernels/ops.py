@@ -1,0 +1,105 @@
+"""Public DSV4 kernel entry points: Triton on CUDA tensors (when triton imports), the plain-torch
+reference otherwise. Kernel modules are imported on first use so this package never needs triton.
+
+All functions are CUDA-graph capturable on the Triton path: no host syncs, static shapes, and
+results written into the caller's buffers where an `out`-style argument is given.
+"""
+
+import functools
+import importlib
+
+import torch
+
+from . import reference
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        importlib.import_module("triton")
+        return True
+    except Exception:  # an absent or broken install both mean "use the reference"
+        return False
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and triton_available()
+
+
+def _kernels(name: str):
+    return importlib.import_module(f"{__package__}.{name}")
+
+
+def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out):
+    """out [T, H, D] = sink-softmax attention of q [T, H, D] over the valid rows of kv_a (idx_a
+    [T, Wa], first len_a entries, -1 skipped) and of kv_b (may be None). Returns out."""
+    impl = _kernels("sparse_attention") if _use_triton(q) else reference
+    return impl.sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out)
+
+
+def rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc,
+                       kv_out=None):
+    """RMSNorm(kv [T, D]) * weight -> RoPE on the last rope_dim dims -> pool[out_loc[t]]
+    (skipped where out_loc == -1) and kv_out [T, D] if given. Returns kv_out."""
+    impl = _kernels("cache_write") if _use_triton(kv) else reference
+    return impl.rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool,
+                                   out_loc, kv_out)
+
+
+def q_rms_rope(q, cos, sin, positions, rope_dim, eps):
+    """In place on q [T, H, D]: weight-free per-head RMS normalisation, then RoPE."""
+    impl = _kernels("cache_write") if _use_triton(q) else reference
+    return impl.q_rms_rope(q, cos, sin, positions, rope_dim, eps)
+
+
+def inverse_rope_(o, cos, sin, positions, rope_dim):
+    """In place on o [T, H, D]: RoPE by -angle on the last rope_dim dims."""
+    impl = _kernels("cache_write") if _use_triton(o) else reference
+    return impl.inverse_rope_(o, cos, sin, positions, rope_dim)
+
+
+def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out):
+    """out [E, D] fp32: per-channel softmax pooling of each emission's rows (see reference)."""
+    impl = _kernels("compressor") if _use_triton(out) else reference
+    return impl.compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out)
+
+
+def compressor_norm_rope_store(pooled, norm_weight, eps, cos, sin, emit_pos, rope_dim, pool,
+                               emit_out_loc):
+    impl = _kernels("compressor") if _use_triton(pooled) else reference
+    impl.compressor_norm_rope_store(pooled, norm_weight, eps, cos, sin, emit_pos, rope_dim, pool,
+                                    emit_out_loc)
+
+
+def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc):
+    """Ring rows ring_write_loc[t] (flat req_slot * R + p % R, -1 skip) <- token t's fresh
+    kv/score; when several tokens hit one row the last token wins."""
+    impl = _kernels("compressor") if _use_triton(kv_state) else reference
+    impl.compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc)
+
+
+def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots):
+    """out_slots [T, topk] int32: cand_slots of the best min(topk, cand_len) indexer scores in
+    no particular order, -1 for the rest. Returns out_slots."""
+    impl = _kernels("indexer") if _use_triton(q_idx) else reference
+    return impl.indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots)
+
+
+def moe_route(router_logits, bias, topk, scaling, tid2eid=None, input_ids=None):
+    """(weights [T, topk] fp32, ids [T, topk] int32). Plain torch on every device: a handful of
+    small capturable launches, nothing for Triton to win."""
+    return reference.moe_route(router_logits, bias, topk, scaling, tid2eid, input_ids)
+
+
+def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out):
+    """out [T, d] = sum_k weights[t,k] * W2_e(silu(min(W1_e x, L)) * clamp(W3_e x, -L, L))."""
+    impl = _kernels("moe") if _use_triton(x) else reference
+    return impl.fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out)
+
+
+# Metadata builders are vectorised torch (a few launches each, no per-request loop, no host
+# sync), identical on CPU and CUDA.
+compressor_plan = reference.compressor_plan
+window_metadata = reference.window_metadata
+compressed_metadata = reference.compressed_metadata
+out_locs = reference.out_locs

@@ -1,0 +1,312 @@
+"""Plain-torch ground truth for every DSV4 kernel (CPU and CUDA).
+
+Readable and vectorised over tokens; the Triton kernels are tested against these. Maths is
+fp32 throughout; results are cast to the output buffer's dtype at the end. Everything that the
+model runs inside a graph segment (all but sparse attention) keeps static shapes and never syncs,
+so it also replays correctly under the CPU graph emulator.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+# ----------------------------------------------------------------------------------------
+# Sparse attention with a per-head sink
+# ----------------------------------------------------------------------------------------
+
+
+def _gather_keys(kv, idx, length):
+    """Rows of kv for each token's index list, and which of them count ([T, W, D], [T, W])."""
+    cols = torch.arange(idx.shape[1], device=idx.device)
+    valid = (cols[None, :] < length[:, None].long()) & (idx >= 0)
+    rows = kv.float()[idx.long().clamp(min=0)]
+    return rows, valid
+
+
+def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
+                          token_chunk: int = 64):
+    """out[t,h] = softmax over the union of valid a- and b-entries, the sink only in the
+    denominator. Tokens are processed in chunks so the gathered rows stay small."""
+    T = q.shape[0]
+    sink = sink.float()
+    for start in range(0, T, token_chunk):
+        sl = slice(start, min(start + token_chunk, T))
+        keys, valid = _gather_keys(kv_a, idx_a[sl], len_a[sl])
+        if kv_b is not None:
+            keys_b, valid_b = _gather_keys(kv_b, idx_b[sl], len_b[sl])
+            keys = torch.cat([keys, keys_b], dim=1)
+            valid = torch.cat([valid, valid_b], dim=1)
+        scores = torch.einsum("thd,tjd->thj", q[sl].float(), keys) * scale
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        # The sink is one more logit that takes probability mass but has no value row.
+        sink_col = sink[None, :, None].expand(scores.shape[0], -1, 1)
+        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+        out[sl] = torch.einsum("thj,tjd->thd", probs, keys).to(out.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# RMSNorm / interleaved RoPE / fused cache write
+# ----------------------------------------------------------------------------------------
+
+
+def rms_norm(x, weight: Optional[torch.Tensor], eps: float):
+    x = x.float()
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y * weight.float() if weight is not None else y
+
+
+def apply_rope(x, cos, sin, positions, rope_dim: int, inverse: bool = False):
+    """GPT-J (interleaved) RoPE on the last rope_dim dims of x [T, ..., D], fp32 result.
+    cos/sin: [max_pos, rope_dim // 2]; inverse rotates by -angle."""
+    x = x.float().clone()
+    c = cos.float()[positions.long()]
+    s = sin.float()[positions.long()]
+    if inverse:
+        s = -s
+    # Broadcast [T, rope_dim/2] over any middle (head) dims.
+    for _ in range(x.dim() - 2):
+        c, s = c.unsqueeze(1), s.unsqueeze(1)
+    rot = x[..., x.shape[-1] - rope_dim:]
+    even, odd = rot[..., 0::2].clone(), rot[..., 1::2].clone()
+    rot[..., 0::2] = even * c - odd * s
+    rot[..., 1::2] = even * s + odd * c
+    return x
+
+
+def scatter_rows_(dst, loc, rows, keep=None):
+    """dst[loc[t]] = rows[t] where keep[t] (default loc >= 0), with static shapes: a skipped
+    token rewrites the first kept token's row with that same value (or, if none is kept, row 0
+    with its own content), so duplicate indices always carry identical values."""
+    if loc.numel() == 0:
+        return
+    keep = loc >= 0 if keep is None else keep
+    loc = loc.long()
+    rows = rows.to(dst.dtype)
+    first = keep.int().argmax()  # 0 when nothing is kept
+    any_kept = keep.any()
+    fallback_loc = torch.where(any_kept, loc[first].clamp(min=0), 0)
+    fallback_row = torch.where(any_kept, rows[first], dst[0])
+    target = torch.where(keep, loc, fallback_loc)
+    values = torch.where(keep[:, None], rows.reshape(rows.shape[0], -1),
+                         fallback_row.reshape(1, -1))
+    dst.index_copy_(0, target, values.view((-1,) + tuple(dst.shape[1:])))
+
+
+def rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc,
+                       kv_out=None):
+    y = apply_rope(rms_norm(kv, norm_weight, eps), cos, sin, positions, rope_dim)
+    scatter_rows_(pool, out_loc, y)
+    if kv_out is not None:
+        kv_out.copy_(y.to(kv_out.dtype))
+    return kv_out
+
+
+def q_rms_rope(q, cos, sin, positions, rope_dim, eps):
+    q.copy_(apply_rope(rms_norm(q, None, eps), cos, sin, positions, rope_dim).to(q.dtype))
+    return q
+
+
+def inverse_rope_(o, cos, sin, positions, rope_dim):
+    o.copy_(apply_rope(o, cos, sin, positions, rope_dim, inverse=True).to(o.dtype))
+    return o
+
+
+# ----------------------------------------------------------------------------------------
+# Compressor
+# ----------------------------------------------------------------------------------------
+
+
+def _gather_compressor_rows(state, new, gather_idx):
+    """Rows named by gather_idx: >= 0 state row, <= -2 fresh row (-idx-2), -1 empty."""
+    flat_state = state.reshape(-1, state.shape[-1]).float()
+    idx = gather_idx.long()
+    from_state = flat_state[idx.clamp(min=0)]
+    from_new = new.float()[(-idx - 2).clamp(min=0)]
+    rows = torch.where((idx >= 0)[..., None], from_state, from_new)
+    return rows, idx == -1
+
+
+def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out):
+    """pooled [E, D] = per-channel softmax(score) weighted sum of kv over each emission's rows."""
+    kv, empty = _gather_compressor_rows(kv_state, kv_new, gather_idx)
+    score, _ = _gather_compressor_rows(score_state, score_new, gather_idx)
+    kv = kv.masked_fill(empty[..., None], 0.0)
+    score = score.masked_fill(empty[..., None], float("-inf"))
+    if ratio == 4:
+        # Overlap: the first r rows (block i-1) use channel half [0:D], the last r rows
+        # (block i) half [D:2D]; one softmax over all 2r values of a channel.
+        D = kv.shape[-1] // 2
+        kv = torch.cat([kv[:, :ratio, :D], kv[:, ratio:, D:]], dim=1)
+        score = torch.cat([score[:, :ratio, :D], score[:, ratio:, D:]], dim=1)
+    # An emission whose rows are all empty (padding) pools to zero instead of NaN.
+    all_empty = torch.isinf(score).all(dim=1, keepdim=True)
+    weights = torch.softmax(score.masked_fill(all_empty, 0.0), dim=1)
+    out.copy_((weights * kv).sum(dim=1))
+    return out
+
+
+def compressor_plan(token_req_slot, positions, ratio: int):
+    """Static-shape compressor metadata of one forward, one row per token (CUDA-graph friendly):
+
+    gather_idx [T, R] int32: for a token that emits (p+1) % ratio == 0, the rows of its entry in
+    compressor_pool's encoding (a position also in this forward -> -(t')-2 with t' its token
+    index; an older one -> its ring row req*R + q%R; block -1 -> -1); all -1 for other tokens,
+    which then pool to zeros and must have emit_out_loc -1.
+    emit_pos [T]: the entry's RoPE position i*ratio (0 where nothing is emitted).
+    ring_write_loc [T] int32: req*R + p%R, -1 for padding tokens (token_req_slot < 0).
+
+    Assumes a request's tokens in the forward are contiguous with consecutive positions."""
+    coff = 2 if ratio == 4 else 1
+    R = coff * ratio
+    req = token_req_slot.long()
+    p = positions.long()
+    T = p.shape[0]
+    real = req >= 0
+    emits = real & ((p + 1) % ratio == 0)
+    entry = torch.div(p + 1, ratio, rounding_mode="floor") - 1
+    # Column j holds position first + j: block i-1 then block i for ratio 4, block i for 128.
+    first = (entry - (coff - 1)) * ratio
+    q = first[:, None] + torch.arange(R, device=p.device)[None, :]
+    token_of_q = torch.arange(T, device=p.device)[:, None] - (p[:, None] - q)
+    safe = token_of_q.clamp(0, max(T - 1, 0))
+    fresh = (token_of_q >= 0) & (req[safe] == req[:, None]) & (p[safe] == q)
+    idx = torch.where(fresh, -token_of_q - 2, req[:, None] * R + q % R)
+    idx = torch.where((q >= 0) & emits[:, None], idx, -1)
+    emit_pos = torch.where(emits, entry * ratio, 0)
+    ring_write_loc = torch.where(real, req * R + p % R, -1)
+    return idx.to(torch.int32), emit_pos, ring_write_loc.to(torch.int32)
+
+
+def compressor_norm_rope_store(pooled, norm_weight, eps, cos, sin, emit_pos, rope_dim, pool,
+                               emit_out_loc):
+    rmsnorm_rope_store(pooled, norm_weight, eps, cos, sin, emit_pos, rope_dim, pool, emit_out_loc)
+
+
+def ring_write_winners(ring_write_loc, num_rows: int):
+    """True for the token that owns its ring row: the last token of the forward that writes
+    it (a long chunk wraps the ring and only the newest position may stay)."""
+    T = ring_write_loc.shape[0]
+    loc = ring_write_loc.long()
+    keep = loc >= 0
+    order = torch.arange(T, device=loc.device)
+    winner = torch.full((num_rows + 1,), -1, dtype=torch.long, device=loc.device)
+    # Padding tokens scatter into the extra last row, which nobody reads.
+    winner.scatter_reduce_(0, torch.where(keep, loc, num_rows), order, "amax")
+    return keep & (winner[loc.clamp(min=0)] == order)
+
+
+def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc):
+    flat_kv = kv_state.view(-1, kv_state.shape[-1])
+    flat_score = score_state.view(-1, score_state.shape[-1])
+    keep = ring_write_winners(ring_write_loc, flat_kv.shape[0])
+    scatter_rows_(flat_kv, ring_write_loc, kv_new, keep)
+    scatter_rows_(flat_score, ring_write_loc, score_new, keep)
+
+
+# ----------------------------------------------------------------------------------------
+# Indexer
+# ----------------------------------------------------------------------------------------
+
+
+def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len):
+    """I(t, j) [T, C] fp32; -inf where j >= cand_len[t] or the slot is -1."""
+    keys, valid = _gather_keys(key_pool, cand_slots, cand_len)
+    dots = torch.einsum("thd,tjd->thj", q_idx.float(), keys).relu()
+    logits = torch.einsum("th,thj->tj", weights.float(), dots)
+    return logits.masked_fill(~valid, float("-inf"))
+
+
+def select_topk_slots(logits, cand_slots, topk, out_slots):
+    """out_slots [T, topk] = slots of the best min(topk, valid) logits, -1 for the rest."""
+    k = min(topk, logits.shape[1])
+    values, cols = torch.topk(logits, k, dim=1)
+    chosen = torch.gather(cand_slots, 1, cols).to(out_slots.dtype)
+    out_slots.fill_(-1)
+    out_slots[:, :k] = torch.where(torch.isinf(values), -1, chosen)
+    return out_slots
+
+
+def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots):
+    logits = indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len)
+    return select_topk_slots(logits, cand_slots, topk, out_slots)
+
+
+# ----------------------------------------------------------------------------------------
+# Metadata builders
+# ----------------------------------------------------------------------------------------
+
+
+def window_metadata(req_to_token, token_req_slot, positions, window: int):
+    """window_slots [T, w]: raw slots of positions max(0,p-w+1)..p left-aligned, -1 pad."""
+    p = positions.long()
+    req = token_req_slot.long()
+    start = (p - window + 1).clamp(min=0)
+    cols = torch.arange(window, device=p.device)
+    pos = start[:, None] + cols[None, :]
+    valid = pos <= p[:, None]
+    slots = req_to_token[req[:, None], torch.minimum(pos, p[:, None])]
+    window_slots = torch.where(valid, slots, -1).to(torch.int32)
+    return window_slots, (p - start + 1).to(torch.int32)
+
+
+def compressed_metadata(req_to_token, token_req_slot, positions, ratio: int, max_entries: int):
+    """Slots [T, max_entries] of the compressed entries i < floor((p+1)/ratio) of each token's
+    request (slot = raw slot of the entry's last token // ratio), -1 pad; and the counts."""
+    p = positions.long()
+    req = token_req_slot.long()
+    count = torch.div(p + 1, ratio, rounding_mode="floor")
+    cols = torch.arange(max_entries, device=p.device)
+    last_pos = (cols * ratio + ratio - 1).clamp(max=req_to_token.shape[1] - 1)
+    slots = req_to_token[req[:, None], last_pos[None, :]]
+    slots = torch.div(slots, ratio, rounding_mode="floor")
+    valid = cols[None, :] < count[:, None]
+    return torch.where(valid, slots, -1).to(torch.int32), count.clamp(max=max_entries).to(torch.int32)
+
+
+def out_locs(req_to_token, token_req_slot, positions):
+    """(raw_out_loc, c4_out_loc, c128_out_loc) [T] int32: the cache rows each token writes."""
+    p = positions.long()
+    raw = req_to_token[token_req_slot.long(), p].long()
+    c4 = torch.where((p + 1) % 4 == 0, torch.div(raw, 4, rounding_mode="floor"), -1)
+    c128 = torch.where((p + 1) % 128 == 0, torch.div(raw, 128, rounding_mode="floor"), -1)
+    return raw.to(torch.int32), c4.to(torch.int32), c128.to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------------
+# MoE
+# ----------------------------------------------------------------------------------------
+
+
+def moe_route(router_logits, bias, topk: int, scaling: float, tid2eid=None, input_ids=None
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    scores = torch.nn.functional.softplus(router_logits.float()).sqrt()
+    if tid2eid is not None:
+        ids = tid2eid[input_ids.long()].long()
+    else:
+        select = scores + bias.float() if bias is not None else scores
+        ids = torch.topk(select, topk, dim=-1).indices
+    weights = torch.gather(scores, 1, ids)
+    weights = weights / weights.sum(-1, keepdim=True) * scaling
+    return weights, ids.to(torch.int32)
+
+
+def swiglu_clamped(gate, up, swiglu_limit: float):
+    if swiglu_limit > 0:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(-swiglu_limit, swiglu_limit)
+    return torch.nn.functional.silu(gate) * up
+
+
+def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out):
+    """out[t] = sum_k weights[t,k] * expert_{ids[t,k]}(x[t]). Every expert runs on every token
+    with a (mostly zero) dense gate weight: E times the work, but static shapes and no sync,
+    which the CPU graph emulator needs; meant for small CPU models and for tests."""
+    xf = x.float()
+    acc = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for e in range(w1.shape[0]):
+        gate = (weights.float() * (ids == e)).sum(dim=1, keepdim=True)
+        h = swiglu_clamped(xf @ w1[e].float().t(), xf @ w3[e].float().t(), swiglu_limit)
+        acc += gate * (h @ w2[e].float().t())
+    out.copy_(acc.to(out.dtype))
+    return out

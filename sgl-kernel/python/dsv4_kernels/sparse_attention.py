@@ -1,0 +1,211 @@
+"""Triton sparse attention with a per-head sink over gathered KV rows (DSV4 attention core).
+
+One shared KV latent (K == V). Heads are the M side of both dots, so a tile of gathered KV
+rows is loaded once per head block. For few tokens the key lists are split across programs
+(flash-decoding) and a second kernel merges the partial softmax states together with the sink.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dot import dot_precision
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class SparseAttnConfig:
+    # Chosen without a GPU from sm_90 compile reports (no spills, 225 registers, two programs
+    # per token at H=64); benchmark/bench_sparse_attention.py sweeps the alternatives.
+    block_h: int = 32
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+    num_splits: int = 0  # 0: chosen from the grid size (see pick_num_splits)
+    keys_as_m: bool = False  # QK^T computed as (K Q^T)^T, see _attend_list
+
+
+MAX_SPLITS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def pick_num_splits(num_programs: int, num_sms: int) -> int:
+    """Split the key lists only while the grid is under one wave: at the default config one
+    program fills an SM's registers, and splitting costs an fp32 partial round trip."""
+    splits = 1
+    while splits < MAX_SPLITS and num_programs * splits * 2 <= num_sms:
+        splits *= 2
+    return splits
+
+
+@triton.jit
+def _attend_list(q, m_i, l_i, acc, kv_ptr, stride_kv, idx_row_ptr, length, split,
+                 qk_scale, offs_d, d_mask,
+                 NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                 KEYS_AS_M: tl.constexpr):
+    """Online softmax over this split's share of one index list (the first `length` entries)."""
+    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        slot = tl.load(idx_row_ptr + offs_n, mask=offs_n < end, other=-1)
+        valid = slot >= 0
+        k = tl.load(kv_ptr + slot.to(tl.int64)[:, None] * stride_kv + offs_d[None, :],
+                    mask=valid[:, None] & d_mask[None, :], other=0.0)
+        if KEYS_AS_M:
+            # Keys as the M side: q^T becomes the B operand, which Hopper's wgmma reads from
+            # shared memory, so the [heads, D] q tile does not occupy registers.
+            s = tl.trans(tl.dot(k, tl.trans(q), input_precision=DOT_PREC)) * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=DOT_PREC)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _sparse_attn_kernel(
+    q_ptr, kv_a_ptr, idx_a_ptr, len_a_ptr, kv_b_ptr, idx_b_ptr, len_b_ptr, sink_ptr,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    qk_scale, H, D, WA, WB,
+    stride_qt, stride_qh, stride_kva, stride_ia, stride_kvb, stride_ib, stride_ot, stride_oh,
+    HAS_B: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    KEYS_AS_M: tl.constexpr,
+):
+    # Axis 0 is (token, head block) with the head block fastest, so the programs of one token
+    # run together and share the gathered rows through L2 (and T is not capped at 65535).
+    pid = tl.program_id(0)
+    num_hb = tl.cdiv(H, BLOCK_H)
+    pid_h = pid % num_hb
+    t = (pid // num_hb).to(tl.int64)
+    split = tl.program_id(1)
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+
+    if NUM_SPLITS == 1:
+        # The sink enters as the starting state: max = sink, denominator = exp(sink - sink).
+        m_i = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_H], 1.0, tl.float32)
+    else:
+        # A finite stand-in for -inf as the running max: exp2(max - new_max) is 0, never NaN.
+        m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+
+    # A length past the list width (a caller bug) is clamped rather than read out of bounds.
+    len_a = tl.minimum(tl.load(len_a_ptr + t), WA)
+    m_i, l_i, acc = _attend_list(q, m_i, l_i, acc, kv_a_ptr, stride_kva, idx_a_ptr + t * stride_ia,
+                                 len_a, split, qk_scale, offs_d, d_mask,
+                                 NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M)
+    if HAS_B:
+        len_b = tl.minimum(tl.load(len_b_ptr + t), WB)
+        m_i, l_i, acc = _attend_list(q, m_i, l_i, acc, kv_b_ptr, stride_kvb, idx_b_ptr + t * stride_ib,
+                                     len_b, split, qk_scale, offs_d, d_mask,
+                                     NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M)
+
+    hd_mask = h_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hd_mask)
+    else:
+        row = (t * NUM_SPLITS + split) * H + offs_h  # partials are [T, S, H(, D)]
+        tl.store(part_m_ptr + row, m_i, mask=h_mask)
+        tl.store(part_l_ptr + row, l_i, mask=h_mask)
+        tl.store(part_acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=hd_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, sink_ptr, out_ptr, H, D, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_hb = tl.cdiv(H, BLOCK_H)
+    pid_h = pid % num_hb
+    t = (pid // num_hb).to(tl.int64)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # a chunk of D: few registers
+    hd_mask = h_mask[:, None] & (offs_d < D)[None, :]
+
+    sink2 = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    m = sink2
+    for s in range(NUM_SPLITS):  # not unrolled: 16 unrolled splits spill
+        m = tl.maximum(m, tl.load(part_m_ptr + (t * NUM_SPLITS + s) * H + offs_h, mask=h_mask,
+                                  other=-1.0e30))
+    l_sum = tl.exp2(sink2 - m)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(NUM_SPLITS):  # not unrolled: 16 unrolled splits spill
+        row = (t * NUM_SPLITS + s) * H + offs_h
+        w = tl.exp2(tl.load(part_m_ptr + row, mask=h_mask, other=-1.0e30) - m)
+        l_sum += w * tl.load(part_l_ptr + row, mask=h_mask, other=0.0)
+        acc += w[:, None] * tl.load(part_acc_ptr + row[:, None] * D + offs_d[None, :],
+                                    mask=hd_mask, other=0.0)
+    o = acc / l_sum[:, None]
+    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=hd_mask)
+
+
+def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
+                          config: SparseAttnConfig = SparseAttnConfig()):
+    T, H, D = q.shape
+    assert q.stride(-1) == 1 and kv_a.stride(-1) == 1 and out.stride(-1) == 1
+    assert idx_a.stride(-1) == 1 and kv_a.dtype == q.dtype
+    if T == 0:
+        return out
+    has_b = kv_b is not None
+    if has_b:
+        assert kv_b.stride(-1) == 1 and idx_b.stride(-1) == 1 and kv_b.dtype == q.dtype
+    else:
+        kv_b, idx_b, len_b = kv_a, idx_a, len_a  # never read
+
+    block_h = max(16, min(config.block_h, triton.next_power_of_2(H)))
+    block_d = triton.next_power_of_2(D)
+    num_hb = triton.cdiv(H, block_h)
+    num_sms = _num_sms(torch.cuda.current_device() if q.device.index is None else q.device.index) \
+        if q.is_cuda else 132
+    splits = config.num_splits or pick_num_splits(T * num_hb, num_sms)
+    if splits > 1:
+        part_acc = torch.empty(T, splits, H, D, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(T, splits, H, dtype=torch.float32, device=q.device)
+        part_l = torch.empty(T, splits, H, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_m = part_l = out  # never read
+
+    _sparse_attn_kernel[(T * num_hb, splits)](
+        q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, out, part_acc, part_m, part_l,
+        float(scale) * LOG2E, H, D, idx_a.shape[1], idx_b.shape[1],
+        q.stride(0), q.stride(1), kv_a.stride(0), idx_a.stride(0), kv_b.stride(0), idx_b.stride(0),
+        out.stride(0), out.stride(1),
+        HAS_B=has_b, NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=config.block_n,
+        BLOCK_D=block_d, DOT_PREC=dot_precision(q.dtype), KEYS_AS_M=config.keys_as_m,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        merge_h, merge_d = 16, min(block_d, 128)
+        _merge_splits_kernel[(T * triton.cdiv(H, merge_h), triton.cdiv(D, merge_d))](
+            part_acc, part_m, part_l, sink, out, H, D, out.stride(0), out.stride(1),
+            NUM_SPLITS=splits, BLOCK_H=merge_h, BLOCK_D=merge_d, num_warps=4,
+        )
+    return out
