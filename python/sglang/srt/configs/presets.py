@@ -54,7 +54,7 @@ def dsv4_tiny() -> DeepseekV4Config:
         moe_intermediate_size=32,
         routed_scaling_factor=1.5,
         sliding_window=8,
-        index_n_heads=8,
+        index_n_heads=16,
         index_head_dim=32,
         index_topk=4,
         max_position_embeddings=4096,

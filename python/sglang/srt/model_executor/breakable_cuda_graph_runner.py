@@ -148,6 +148,18 @@ class BreakableCudaGraphRunner:
         self.num_replays += 1
         return self.outputs[bucket]
 
+    def forward_padded_eager(self, fb: ForwardBatch) -> torch.Tensor:
+        """The replay's exact computation without the graph: same padding, same static
+        metadata shapes, same kernels. Replay must match it bit for bit, which separates
+        capture bugs from rounding (used by tests and --debug-cuda-graph checks)."""
+        n = fb.num_tokens
+        bucket = self.bucket_for(n)
+        self.buffers.fill(fb, bucket, fb.batch_size)
+        static_fb = self.buffers.forward_batch(fb, bucket, fb.batch_size)
+        self.attn_backend.init_forward_metadata_for_breakable_cuda_graph_capture(static_fb)
+        with torch.inference_mode(), forward_context(static_fb, self.attn_backend, n):
+            return self.model(static_fb.input_ids)
+
     def _prepare_forward_metadata_for_replay(self, bucket: int, fb: ForwardBatch, static_fb: ForwardBatch) -> None:
         backend = self.attn_backend
         captured = self.attn_metadata_buffers.get(bucket)

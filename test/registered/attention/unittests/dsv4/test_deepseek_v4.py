@@ -1,0 +1,221 @@
+"""DSV4 breakable CUDA graphs: the metadata contract (DESIGN 4.4) and replay == eager on the
+CPU emulator, including tests that show the harness catches the two classic bugs."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bcg_equivalence import make_runners, run_equivalence  # noqa: E402
+
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend  # noqa: E402
+from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend  # noqa: E402
+from sglang.srt.layers.attention.dsv4 import field_classes as fc  # noqa: E402
+from sglang.srt.layers.attention.dsv4.metadata import (  # noqa: E402
+    DSV4AttnMetadata,
+    DSV4CompressorMetadata,
+    DSV4IndexerMetadata,
+    DSV4Metadata,
+)
+from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+METADATA_TYPES = (DSV4Metadata, DSV4AttnMetadata, DSV4IndexerMetadata, DSV4CompressorMetadata)
+BUCKETS = (16, 48, 128)
+
+
+@pytest.fixture
+def tiny_runner():
+    return ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", context_length=1024, max_total_tokens=8192,
+                                         max_num_reqs=8))
+
+
+def _batch(runner, chunks, prefixes=None):
+    rtp = runner.req_to_token_pool
+    slots = [rtp.alloc_req() for _ in chunks]
+    prefixes = prefixes or [0] * len(chunks)
+    for s, p, c in zip(slots, prefixes, chunks):
+        rtp.ensure_capacity(s, p + len(c))
+    return build_forward_batch(ForwardMode.EXTEND, slots, prefixes, chunks, rtp.req_to_token, "cpu")
+
+
+class TestDSV4BreakableCudaGraphMetadataContract:
+    def test_bcg_is_off_by_default(self):
+        assert ServerArgs().enable_breakable_cuda_graph is False
+        assert ModelRunnerConfig().enable_breakable_cuda_graph is False
+
+    def test_only_the_dsv4_backend_opts_in(self):
+        assert AttentionBackend.use_captured_forward_metadata_for_breakable_cuda_graph is False
+        opted_in = [c for c in _all_subclasses(AttentionBackend)
+                    if c.use_captured_forward_metadata_for_breakable_cuda_graph]
+        assert opted_in == [DeepseekV4AttnBackend]
+
+    @pytest.mark.parametrize("cls", METADATA_TYPES, ids=lambda c: c.__name__)
+    def test_every_field_is_classified(self, cls):
+        assert fc.unclassified_fields(cls) == []
+        assert set(fc.field_classes(cls).values()) <= set(fc.FIELD_CLASSES)
+
+    def test_an_unclassified_field_is_caught(self):
+        @dataclasses.dataclass
+        class WithNewField(DSV4AttnMetadata):
+            new_tensor: torch.Tensor = None  # forgot to declare its class
+
+        assert fc.unclassified_fields(WithNewField) == ["WithNewField.new_tensor"]
+        a = WithNewField(*[torch.zeros(2, 3)] * 4, new_tensor=torch.zeros(2))
+        with pytest.raises(fc.MetadataContractError, match="new_tensor: field has no breakable-cuda-graph class"):
+            a.refresh_for_breakable_cuda_graph_replay_(WithNewField(*[torch.ones(2, 3)] * 4, new_tensor=torch.ones(2)))
+
+    def test_refresh_follows_each_field_class(self, tiny_runner):
+        backend = tiny_runner.attn_backend
+        captured = backend.init_forward_metadata_for_breakable_cuda_graph_capture(
+            _batch(tiny_runner, [list(range(3, 40)), list(range(5, 20))]))
+        replay_fb = _batch(tiny_runner, [list(range(7, 30)), list(range(9, 38))], prefixes=[0, 0])
+        fresh = backend._build(replay_fb, static=True)
+        before = {name: getattr(captured, name) for name in ("raw_out_loc", "positions")}
+        c4_before = captured.c4_compressor.gather_idx
+        topk_before = captured.indexer.topk_slots
+        captured.indexer.topk_slots.fill_(123)  # as if the indexer had written it in-segment
+        attn_obj = captured.attn
+
+        captured.refresh_for_breakable_cuda_graph_replay_(fresh)
+
+        for name, t in before.items():  # copy: same tensor object, replay values
+            assert getattr(captured, name) is t
+            assert torch.equal(t, getattr(fresh, name))
+        assert captured.c4_compressor.gather_idx is c4_before
+        assert torch.equal(c4_before, fresh.c4_compressor.gather_idx)
+        assert captured.attn is attn_obj  # nested metadata keeps its identity...
+        assert captured.attn.window_slots is fresh.attn.window_slots  # ...its assign fields are the replay's
+        assert captured.attn.c128_slots is fresh.attn.c128_slots
+        assert captured.indexer.topk_slots is topk_before  # produced: untouched
+        assert bool((topk_before == 123).all())
+
+    def test_static_mismatch_raises(self, tiny_runner):
+        backend = tiny_runner.attn_backend
+        captured = backend._build(_batch(tiny_runner, [list(range(3, 20))]), static=True)
+        fresh = dataclasses.replace(backend._build(_batch(tiny_runner, [list(range(3, 20))]), static=True),
+                                    window=captured.window + 1)
+        with pytest.raises(fc.MetadataContractError, match=r"DSV4Metadata\.window: static field differs"):
+            captured.refresh_for_breakable_cuda_graph_replay_(fresh)
+
+    def test_copy_field_shape_change_raises(self, tiny_runner):
+        backend = tiny_runner.attn_backend
+        a = backend._build(_batch(tiny_runner, [list(range(3, 20))]), static=True)
+        b = backend._build(_batch(tiny_runner, [list(range(3, 30))]), static=True)
+        with pytest.raises(fc.MetadataContractError):
+            a.refresh_for_breakable_cuda_graph_replay_(b)
+
+    def test_backend_replay_builds_from_static_batch_and_keeps_captured_active(self, tiny_runner):
+        backend = tiny_runner.attn_backend
+        static_fb = _batch(tiny_runner, [list(range(3, 35))])
+        captured = backend.init_forward_metadata_for_breakable_cuda_graph_capture(static_fb)
+        live_fb = _batch(tiny_runner, [list(range(3, 11))])  # fewer tokens than the bucket
+        static_replay = _batch(tiny_runner, [list(range(3, 35))])
+        backend.forward_metadata = None
+        backend.prepare_forward_metadata_for_breakable_cuda_graph_replay(
+            captured, live_fb, static_forward_batch=static_replay)
+        assert backend.forward_metadata is captured
+        assert captured.num_tokens == 32  # bucket-sized (from the static batch), not live-sized
+        assert torch.equal(captured.positions, static_replay.positions)
+
+
+def _all_subclasses(cls):
+    import sglang.srt.layers.attention.deepseek_v4_backend  # noqa: F401  (registers the backend)
+
+    out = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+# ---- replay == eager on the CPU emulator --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def runners():
+    return make_runners(BUCKETS)
+
+
+def test_replay_equals_eager_on_randomised_extend_and_mixed_batches(runners):
+    report = run_equivalence(runners, BUCKETS, batches_per_bucket=200, seed=1)
+    assert report.mismatches == [], report.mismatches[:5]
+    assert report.batches == 200 * len(BUCKETS)
+    assert report.modes.get("MIXED", 0) > 100 and report.modes.get("EXTEND", 0) > 100
+    for b in BUCKETS:  # token counts at the bucket size and just under it were exercised
+        assert b in report.tokens and b - 1 in report.tokens
+    assert runners[0].graph_runners[0].num_replays >= report.batches
+
+
+def test_harness_catches_a_refresh_that_assigns_a_copy_field(monkeypatch):
+    real_refresh = DSV4Metadata.refresh_for_breakable_cuda_graph_replay_
+
+    def assigns_copy_fields(captured, fresh):
+        real_refresh(captured, fresh)
+        captured.raw_out_loc = fresh.raw_out_loc  # the bug: replace instead of copy_
+
+    runners = make_runners(BUCKETS)
+    monkeypatch.setattr(DSV4Metadata, "refresh_for_breakable_cuda_graph_replay_", assigns_copy_fields)
+    report = run_equivalence(runners, BUCKETS, batches_per_bucket=4, seed=2)
+    assert any(m.what == "replay vs eager on the padded batch" for m in report.mismatches)
+
+
+def test_harness_catches_a_segment_that_branches_on_batch_data(monkeypatch):
+    from sglang.srt.layers.attention.dsv4 import indexer as indexer_mod
+    from sglang.srt.model_executor.forward_context import get_forward_context
+
+    real_forward = indexer_mod.Indexer.forward
+
+    def short_context_shortcut(self, *args, **kwargs):
+        # The bug: "short context, skip the indexer" decided in Python from the batch. At
+        # capture the batch is empty, so the graph freezes the shortcut in.
+        if max(get_forward_context().forward_batch.seq_lens_cpu, default=0) < 64:
+            return None
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(indexer_mod.Indexer, "forward", short_context_shortcut)
+    runners = make_runners(BUCKETS)
+    report = run_equivalence(runners, BUCKETS, batches_per_bucket=6, seed=3)
+    assert report.mismatches, "a frozen shortcut must make replay differ from eager"
+
+
+# ---- decode graphs -----------------------------------------------------------------------
+
+def test_decode_graphs_replay_the_same_logits_as_eager_decode():
+    cfg = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=8192, max_num_reqs=12)
+    graph = ModelRunner(ModelRunnerConfig(**cfg, cuda_graph_on_cpu=True, cuda_graph_max_bs=8))
+    eager = ModelRunner(ModelRunnerConfig(**cfg))
+    decode_runner = graph.graph_runners[0]
+    assert decode_runner.capture_bs == [1, 2, 4, 8]
+    gen = torch.Generator().manual_seed(0)
+    for bs in (1, 3, 4, 6, 8):  # at and between buckets
+        slots = [[m.req_to_token_pool.alloc_req() for m in (graph, eager)] for _ in range(bs)]
+        lens = torch.randint(5, 300, (bs,), generator=gen).tolist()
+        prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in lens]
+        for k, m in enumerate((graph, eager)):
+            rtp = m.req_to_token_pool
+            for s, p in zip(slots, prompts):
+                rtp.ensure_capacity(s[k], len(p))
+            m.forward(build_forward_batch(ForwardMode.EXTEND, [s[k] for s in slots], [0] * bs, prompts,
+                                          rtp.req_to_token, "cpu"))
+        for step in range(3):
+            toks = [[int(t)] for t in torch.randint(3, 500, (bs,), generator=gen)]
+            logits = []
+            for k, m in enumerate((graph, eager)):
+                rtp = m.req_to_token_pool
+                for s, n in zip(slots, lens):
+                    rtp.ensure_capacity(s[k], n + step + 1)
+                fb = build_forward_batch(ForwardMode.DECODE, [s[k] for s in slots], [n + step for n in lens],
+                                         toks, rtp.req_to_token, "cpu")
+                logits.append(m.forward(fb).next_token_logits)
+            torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-4)
+        for s in slots:
+            graph.req_to_token_pool.free_req(s[0])
+            eager.req_to_token_pool.free_req(s[1])
+    assert decode_runner.num_replays == 15
+    assert graph.stats["forward_eager"] == 5  # only the prefills ran eagerly

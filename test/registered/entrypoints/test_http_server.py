@@ -1,0 +1,351 @@
+"""End to end on CPU: `python -m sglang.launch_server --model-path dsv4-tiny` in a subprocess,
+driven with the official `openai` client and plain HTTP. Specifies the OpenAI and native API
+shapes, streaming, concurrency, batch-invariant greedy output, the 400/404 battery, client
+disconnects, and process hygiene (SIGTERM, scheduler death)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+
+from sglang.srt.tokenizer import ByteTokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+MODEL = "dsv4-tiny"
+CONTEXT_LENGTH = 4096  # the CPU default: min(max_position_embeddings, 4096)
+TOK = ByteTokenizer(512)
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid`, from /proc (Linux)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has exited, it only waits to be reaped
+
+
+def _server_command(port: int, *extra_args: str):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", MODEL, "--device", "cpu",
+           "--port", str(port), *extra_args]
+    return cmd, env
+
+
+class Server:
+    def __init__(self, tmp_dir: Path, *extra_args: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp_dir / f"server-{self.port}.log"
+        cmd, env = _server_command(self.port, *extra_args)
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.25)
+        self.proc.kill()
+        raise RuntimeError(f"server not ready after 180 s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("server"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _generate(server, input_ids, max_new_tokens, stream=False, **sampling):
+    body = {"input_ids": input_ids, "stream": stream,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **sampling}}
+    r = requests.post(server.url + "/generate", json=body, stream=stream, timeout=120)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()
+    lines = [line.decode("utf-8") for line in r.iter_lines() if line.startswith(b"data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def _stats(server) -> dict:
+    return requests.get(server.url + "/get_server_info", timeout=30).json()["scheduler_stats"]
+
+
+# ---- API shapes ---------------------------------------------------------------------------
+
+
+def test_health_models_and_server_info(server, client):
+    assert requests.get(server.url + "/health", timeout=5).json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    info = requests.get(server.url + "/get_server_info", timeout=30).json()
+    assert (info["model_path"], info["device"], info["dtype"]) == (MODEL, "cpu", "float32")
+    assert (info["context_length"], info["vocab_size"]) == (CONTEXT_LENGTH, 512)
+    stats = info["scheduler_stats"]
+    assert {"num_running_reqs", "num_waiting_reqs", "num_forwards", "num_free_pages"} <= set(stats)
+
+
+def test_completion(client):
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, **GREEDY)
+    assert out.object == "text_completion" and out.model == MODEL
+    assert out.choices[0].finish_reason == "length"
+    assert isinstance(out.choices[0].text, str)
+    # 5 bytes in (raw prompts get no BOS, as the DSV4 release's add_bos_token is false),
+    # exactly max_tokens out.
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (5, 8, 13)
+
+
+def test_chat_completion(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=5, **GREEDY
+    )
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].finish_reason == "length"
+    # <BOS><｜User｜>Hi<｜Assistant｜></think>: 6 ids with the byte tokenizer.
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (6, 5)
+
+
+def test_native_generate_with_input_ids(server):
+    out = _generate(server, [10, 20, 30], 5)
+    assert len(out["output_ids"]) == 5
+    assert out["text"] == TOK.decode(out["output_ids"])
+    meta = out["meta_info"]
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (3, 5)
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    # Streaming: SSE events with the text and ids so far; the last one equals the response.
+    events = _generate(server, [10, 20, 30], 5, stream=True)
+    assert len(events) >= 2
+    assert events[-1]["output_ids"] == out["output_ids"] and events[-1]["text"] == out["text"]
+    assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+
+
+def test_stop_string_ends_the_request_and_is_cut_from_the_text(server, client):
+    full = _generate(server, [40, 41, 42], 32)
+    # A stop string taken from the greedy output itself: its first printable ASCII character.
+    stop = next(ch for ch in full["text"] if ch.isascii() and ch.isprintable())
+    expected = full["text"][: full["text"].find(stop)]
+    out = _generate(server, [40, 41, 42], 32, stop=[stop])
+    assert out["text"] == expected
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["output_ids"] == full["output_ids"][: len(out["output_ids"])]
+    assert len(out["output_ids"]) < 32
+    events = _generate(server, [40, 41, 42], 32, stream=True, stop=[stop])
+    assert events[-1]["text"] == expected
+    assert not any(stop in e["text"] for e in events)  # never streamed, then taken back
+    comp = client.completions.create(model=MODEL, prompt=[40, 41, 42], max_tokens=32, stop=stop, **GREEDY)
+    assert comp.choices[0].text == expected and comp.choices[0].finish_reason == "stop"
+
+
+def test_streaming_concatenates_to_the_non_streamed_greedy_text(client):
+    prompt = "The quick brown fox"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, **GREEDY)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, stream=True, **GREEDY))
+    assert len(chunks) >= 3
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, **GREEDY)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, stream=True, stream_options={"include_usage": True}, **GREEDY
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].choices == []
+
+
+# ---- concurrency --------------------------------------------------------------------------
+
+
+def test_32_concurrent_requests_finish_and_greedy_is_the_same_alone_and_under_load(server, client):
+    probe = [7, 70, 170, 250, 33, 99]
+    alone = _generate(server, probe, 12)["output_ids"]
+
+    def completion(i):
+        max_tokens = 4 + i % 9
+        out = client.completions.create(model=MODEL, prompt=f"request {i}: " + "x" * (i * 3), max_tokens=max_tokens, **GREEDY)
+        return max_tokens, out.usage.completion_tokens, out.choices[0].finish_reason
+
+    with ThreadPoolExecutor(32) as pool:
+        futures = [pool.submit(completion, i) for i in range(31)]
+        under_load = pool.submit(_generate, server, probe, 12)
+        results = [f.result() for f in futures]
+    assert all(got == want and reason == "length" for want, got, reason in results), results
+    assert under_load.result()["output_ids"] == alone
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -0.5}, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": [5] * (CONTEXT_LENGTH + 10)}, "context length"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, "n must be 1"),
+    ("/v1/completions", {"model": MODEL, "prompt": 42}, "prompt"),
+    ("/v1/completions", {"model": MODEL}, "prompt is required"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 999]}, "outside the vocabulary"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": CONTEXT_LENGTH}, "context length"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "narrator", "content": "x"}]}, "narrator"),
+    ("/generate", {"text": "hi", "input_ids": [1]}, "exactly one of"),
+    ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, "bogus"),
+    ("/generate", {"input_ids": "abc"}, "input_ids"),
+    ("/generate", [1, 2, 3], "JSON object"),
+]
+
+
+def test_bad_input_battery_gets_400s_and_the_server_keeps_serving(server, client):
+    # A normal request in flight during the whole battery must finish undisturbed.
+    background = ThreadPoolExecutor(1).submit(_generate, server, [11, 12, 13], 48, True)
+    for path, body, needle in BAD_REQUESTS:
+        r = requests.post(server.url + path, json=body, timeout=30)
+        assert r.status_code == 400, (path, body, r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and needle in error["message"], (body, error)
+    r = requests.post(server.url + "/v1/completions", data=b'{"prompt": "hi",', timeout=30)
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = requests.post(server.url + "/v1/completions", json={"model": "gpt-4", "prompt": "hi"}, timeout=30)
+    assert r.status_code == 404 and "gpt-4" in r.json()["error"]["message"]
+    # The official client surfaces them as its typed errors.
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+
+    events = background.result(timeout=120)
+    assert len(events[-1]["output_ids"]) == 48
+    out = client.completions.create(model=MODEL, prompt="still alive?", max_tokens=4, **GREEDY)
+    assert out.usage.completion_tokens == 4
+    assert _stats(server)["num_failed_reqs"] == 0
+
+
+def test_client_disconnect_aborts_the_request(server):
+    aborted_before = _stats(server)["num_aborted_reqs"]
+    body = {"input_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line).startswith(b"data: ")
+    # Closing the connection cancels the handler, which aborts the request in the scheduler.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = _stats(server)
+        if stats["num_aborted_reqs"] == aborted_before + 1 and stats["num_running_reqs"] == 0:
+            break
+        time.sleep(0.2)
+    assert stats["num_aborted_reqs"] == aborted_before + 1
+    assert stats["num_running_reqs"] == 0 and stats["num_free_pages"] == stats["num_total_pages"]
+    # A non-streamed request whose client gives up is aborted too.
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    with pytest.raises(requests.ReadTimeout):
+        requests.post(server.url + "/generate", json=body, timeout=1.0)
+    deadline = time.monotonic() + 30
+    while _stats(server)["num_aborted_reqs"] < aborted_before + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stats = _stats(server)
+    assert stats["num_aborted_reqs"] == aborted_before + 2 and stats["num_running_reqs"] == 0
+
+
+# ---- process hygiene ----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_stops_the_server_and_leaves_no_child(server):
+    children = _descendants(server.proc.pid)
+    scheduler_pid = requests.get(server.url + "/get_server_info", timeout=30).json()["scheduler_pid"]
+    assert scheduler_pid in children
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in children if _alive(p)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_scheduler_death_fails_in_flight_requests_and_the_server_exits_nonzero(tmp_path):
+    s = Server(tmp_path)
+    try:
+        scheduler_pid = requests.get(s.url + "/get_server_info", timeout=30).json()["scheduler_pid"]
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+        in_flight = ThreadPoolExecutor(1).submit(requests.post, s.url + "/generate", json=body, timeout=60)
+        deadline = time.monotonic() + 30
+        while _stats(s)["num_running_reqs"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(scheduler_pid, signal.SIGKILL)
+        r = in_flight.result(timeout=30)
+        assert r.status_code == 503
+        assert "scheduler process exited" in r.json()["error"]["message"]
+        assert s.proc.wait(30) == 1
+    finally:
+        s.stop()
+
+
+def test_startup_failure_exits_nonzero_with_the_reason():
+    cmd, env = _server_command(_free_port(), "--context-length", "100000")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "exceeds the model's max_position_embeddings (4096)" in r.stdout + r.stderr

@@ -1,0 +1,240 @@
+"""Checkpoint writer and loader: a synthetic DSV4 checkpoint (real key names and dtypes) loads
+through the normal model-path code with identical logits; FP8 block-scaled weights dequantise
+exactly where representable; broken checkpoints fail with an error naming the tensor."""
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dsv4_harness import prefill_in_chunks  # noqa: E402
+
+from sglang.srt.configs import load_model_config  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+from sglang.srt.model_loader.random_init import init_random_weights  # noqa: E402
+from sglang.srt.model_loader.safetensors_io import save_checkpoint  # noqa: E402
+from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def _runner(model_path, seed=0):
+    return ModelRunner(ModelRunnerConfig(model_path=str(model_path), random_seed=seed, dtype="float32",
+                                         device="cpu", context_length=512, max_total_tokens=1024, max_num_reqs=4))
+
+
+TOKENS = torch.randint(2, 512, (140,), generator=torch.Generator().manual_seed(21)).tolist()
+
+
+def _logits(runner):
+    """Last-token logits after each of three chunks (crosses a c128 block end)."""
+    return torch.stack(prefill_in_chunks(runner, TOKENS, [60, 70, 10]))
+
+
+def _params(model):
+    out = dict(model.named_parameters())
+    out.update(model.named_buffers())
+    return out
+
+
+@pytest.fixture(scope="module")
+def source():
+    """A randomly initialised dsv4-tiny runner and its checkpoint directory."""
+    src = _runner("dsv4-tiny", seed=3)
+    ckpt = Path(__import__("tempfile").mkdtemp(prefix="dsv4_ckpt_"))
+    save_checkpoint(src.model, src.config, str(ckpt))
+    yield src, ckpt
+    shutil.rmtree(ckpt)
+
+
+def _copy_with(ckpt: Path, out: Path, edit) -> Path:
+    """A copy of checkpoint `ckpt` in `out` with its tensor dict passed through `edit`."""
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ckpt / "config.json", out / "config.json")
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def test_writer_uses_the_release_key_names_dtypes_and_shapes(dsv4_reference_dir, tmp_path):
+    ref_dir = dsv4_reference_dir / "conformance-tiny"
+    config = load_model_config(str(ref_dir))
+    model = DeepseekV4ForCausalLM(config, torch.float32)
+    init_random_weights(model, seed=1)
+    save_checkpoint(model, config, str(tmp_path))
+    with safe_open(str(ref_dir / "model.safetensors"), framework="pt") as f:
+        ref = {k: f.get_slice(k) for k in f.keys() if not k.startswith("mtp.")}
+        ref = {k: (tuple(s.get_shape()), s.get_dtype()) for k, s in ref.items()}
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        got = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    assert sorted(got) == sorted(ref)
+    mismatched = {k: (got[k], ref[k]) for k in ref if got[k] != ref[k]}
+    assert not mismatched
+    assert json.loads((tmp_path / "config.json").read_text())["compress_ratios"] == config.compress_ratios
+
+
+def test_round_trip_gives_identical_weights_and_logits(source, tmp_path):
+    src, ckpt = source
+    loaded = _runner(ckpt)
+    src_params, got_params = _params(src.model), _params(loaded.model)
+    assert sorted(src_params) == sorted(got_params)
+    # Every tensor comes back exactly, or exactly rounded to bf16 (the checkpoint's dtype for it).
+    rounded = []
+    for name, p in src_params.items():
+        q = got_params[name]
+        if torch.equal(q, p):
+            continue
+        assert torch.equal(q, p.to(torch.bfloat16).to(p.dtype)), name
+        rounded.append(name)
+    assert "layers.1.attn.wq_a.weight" in rounded and "embed.weight" in rounded
+    assert not any("norm" in n or "hc_" in n or n.endswith(("ape", "attn_sink")) for n in rounded)
+    assert "head.weight" not in rounded and "layers.2.attn.compressor.wkv.weight" not in rounded
+
+    # The source model with its weights rounded the same way computes the same logits, bit for bit.
+    reference = _runner("dsv4-tiny", seed=3)
+    ref_params = _params(reference.model)
+    with torch.no_grad():
+        for name in rounded:
+            ref_params[name].copy_(ref_params[name].to(torch.bfloat16).float())
+    expect, got = _logits(reference), _logits(loaded)
+    assert torch.equal(got, expect)
+    assert not torch.equal(_logits(src), got)  # the rounding is real: the test can tell
+
+    # Written again and reloaded: the same tensors and logits (the round trip is a fixed point).
+    save_checkpoint(loaded.model, loaded.config, str(tmp_path / "again"))
+    again = _runner(tmp_path / "again")
+    for name, p in _params(again.model).items():
+        assert torch.equal(p, got_params[name]), name
+    assert torch.equal(_logits(again), got)
+
+
+def _representable_fp8_matrix(rows, cols, block_scales, gen):
+    """Values e4m3(q) * 2^k with a power-of-two scale per 128-row block; every block's absmax
+    is 448 * scale, so the writer's amax/448 scale reproduces 2^k and quantisation is exact."""
+    codes = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.uint8).view(FP8).float()
+    codes = torch.nan_to_num(codes, nan=0.0).clamp(-448, 448)
+    w = torch.empty(rows, cols)
+    for b, scale in enumerate(block_scales):
+        blk = slice(b * 128, (b + 1) * 128)
+        codes[blk][0, 0] = 448.0
+        w[blk] = codes[blk] * scale
+    return w
+
+
+def test_fp8_dequantisation_is_exact_for_representable_values(tmp_path):
+    name = "layers.1.attn.wq_b.weight"  # [256, 32]: two 128-row scale blocks
+    special = _representable_fp8_matrix(256, 32, [2.0 ** -7, 2.0 ** -10], torch.Generator().manual_seed(5))
+    model = _runner("dsv4-tiny", seed=3)
+    with torch.no_grad():
+        _params(model.model)[name].copy_(special)
+    save_checkpoint(model.model, model.config, str(tmp_path), fp8_linear=True)
+
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        assert f.get_slice(name).get_dtype() == "F8_E4M3"
+        scale = f.get_tensor("layers.1.attn.wq_b.scale")
+    assert tuple(scale.shape) == (2, 1)
+    torch.testing.assert_close(scale, torch.tensor([[2.0 ** -7], [2.0 ** -10]]), atol=0, rtol=0)
+    assert "embed.weight" in keys and "embed.scale" not in keys  # the embedding stays bf16
+    assert "head.scale" not in keys  # fp32 tensors are not quantised
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+
+    loaded = _runner(tmp_path)
+    assert torch.equal(_params(loaded.model)[name], special)
+
+
+def test_fp8_checkpoint_loads_with_bounded_error(source, tmp_path):
+    src, ckpt_bf16 = source
+    save_checkpoint(src.model, src.config, str(tmp_path), fp8_linear=True)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        fp8_keys = [k for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"]
+    assert "layers.0.ffn.experts.3.w1.weight" in fp8_keys and "layers.2.attn.wo_a.weight" in fp8_keys
+    loaded = _runner(tmp_path)
+    from_bf16 = _runner(ckpt_bf16)
+
+    # Every quantised weight is within e4m3's rounding error of its bf16 value (3 mantissa
+    # bits: relative error <= 1/16; absolute <= half the subnormal step near zero).
+    got, ref = _params(loaded.model), _params(from_bf16.model)
+    pairs = [(n, got[n], ref[n]) for n in
+             ("layers.2.attn.wq_a.weight", "layers.3.attn.indexer.wq_b.weight", "layers.1.attn.wo_b.weight")]
+    pairs.append(("expert 3 of layer 0", got["layers.0.ffn.experts.w1"][3], ref["layers.0.ffn.experts.w1"][3]))
+    for pname, q, w in pairs:
+        amax = w.abs().max()
+        assert not torch.equal(q, w), pname  # it was quantised
+        assert ((q - w).abs() <= w.abs() / 16 + amax / 448 * 2.0 ** -10 + 1e-12).all(), pname
+    assert torch.equal(got["head.weight"], ref["head.weight"])
+
+    expect, actual = _logits(from_bf16), _logits(loaded)
+    cos = F.cosine_similarity(actual, expect, dim=-1)
+    print(f"fp8 vs bf16 checkpoint: cosine {cos.min().item():.5f}, max |diff| {(actual - expect).abs().max().item():.3e}")
+    assert (cos > 0.99).all()
+    assert not torch.equal(actual, expect)
+
+
+def test_missing_tensor_is_named(source, tmp_path):
+    _, ckpt = source
+    for key in ("layers.2.attn.compressor.ape", "layers.1.ffn.experts.5.w2.weight"):
+        bad = _copy_with(ckpt, tmp_path / key, lambda t, k=key: t.pop(k))
+        with pytest.raises(ValueError, match=re.escape(key)):
+            _runner(bad)
+
+
+def test_wrong_shape_is_named(source, tmp_path):
+    _, ckpt = source
+    key = "layers.3.attn.wq_a.weight"
+
+    def edit(t):
+        t[key] = torch.zeros(t[key].shape[0] + 1, t[key].shape[1], dtype=t[key].dtype)
+
+    with pytest.raises(ValueError, match=re.escape(key)):
+        _runner(_copy_with(ckpt, tmp_path / "bad", edit))
+
+
+def test_unexpected_tensor_is_named(source, tmp_path):
+    _, ckpt = source
+    key = "layers.1.attn.bogus_proj.weight"
+
+    def edit(t):
+        t[key] = torch.zeros(4, 4, dtype=torch.bfloat16)
+
+    with pytest.raises(ValueError, match=re.escape(key)):
+        _runner(_copy_with(ckpt, tmp_path / "bad", edit))
+
+
+@pytest.mark.parametrize("packing", ["int8", "float4_e2m1fn_x2"])
+def test_fp4_expert_is_refused_by_name(source, tmp_path, packing):
+    _, ckpt = source
+    if not hasattr(torch, packing) and packing != "int8":
+        pytest.skip(f"torch has no {packing}")
+    key = "layers.2.ffn.experts.1.w1.weight"
+
+    def edit(t):
+        rows, cols = t[key].shape
+        packed = torch.zeros(rows, cols // 2, dtype=torch.int8)  # two FP4 values per byte
+        t[key] = packed if packing == "int8" else packed.view(torch.uint8).view(getattr(torch, packing))
+        t["layers.2.ffn.experts.1.w1.scale"] = torch.ones(rows, cols // 32)
+
+    with pytest.raises(NotImplementedError, match=re.escape(key)):
+        _runner(_copy_with(ckpt, tmp_path / "bad", edit))
+
+
+def test_mtp_tensors_are_skipped(source, tmp_path):
+    src, ckpt = source
+
+    def edit(t):
+        t["mtp.0.attn.wq_a.weight"] = torch.ones(32, 64, dtype=torch.bfloat16)
+        t["mtp.0.e_proj.weight"] = torch.ones(64, 64, dtype=torch.bfloat16)
+        t["mtp.0.hc_head_fn"] = torch.ones(4, 256)
+
+    with_mtp = _runner(_copy_with(ckpt, tmp_path / "mtp", edit))
+    plain = _runner(ckpt)
+    assert torch.equal(_logits(with_mtp), _logits(plain))
