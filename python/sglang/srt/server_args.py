@@ -151,9 +151,9 @@ class ServerArgs:
             max_running_requests=max_running,
             max_total_tokens=max_total_tokens,
             chunked_prefill_size=self.chunked_prefill_size or _DEFAULT_CHUNKED_PREFILL_SIZE[pick],
-            # the plain-torch backend is correct everywhere; "triton" is opt-in until the
-            # sgl-kernel backend covers every DSV4 attention path
-            attention_backend="torch" if self.attention_backend == "auto" else self.attention_backend,
+            # Triton kernels for the attention core on CUDA; the plain-torch reference elsewhere
+            attention_backend=(("triton" if cuda_available and _triton_importable() else "torch")
+                               if self.attention_backend == "auto" else self.attention_backend),
             breakable_cuda_graph_max_tokens=bcg_max,
             cuda_graph_max_bs=self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick],
             resolved=True,
@@ -327,3 +327,9 @@ def prepare_server_args(argv: Sequence[str]) -> ServerArgs:
 
 
 __all__: List[str] = ["ServerArgs", "add_cli_args", "from_cli_args", "prepare_server_args"]
+
+
+def _triton_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None

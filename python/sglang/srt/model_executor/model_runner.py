@@ -49,6 +49,7 @@ class ModelRunnerConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 16
     debug_cuda_graph: bool = False
+    attention_backend: str = "auto"  # "torch" | "triton" | "auto" (Triton kernels on CUDA)
     # Decode graphs are on by default on CUDA; tests turn the CPU emulator on explicitly.
     cuda_graph_on_cpu: bool = False
 
@@ -61,6 +62,21 @@ class ModelRunnerConfig:
         if hasattr(args, "max_running_requests"):
             kw["max_num_reqs"] = args.max_running_requests
         return ModelRunnerConfig(**kw)
+
+
+def resolve_attention_kernels(choice: str, device: torch.device) -> str:
+    """'auto' -> Triton on CUDA when triton imports, the plain-torch reference otherwise."""
+    if choice == "auto":
+        if device.type != "cuda":
+            return "torch"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
+    if choice == "triton" and device.type != "cuda":
+        raise ValueError("--attention-backend triton needs a CUDA device (use torch on CPU)")
+    return choice
 
 
 class ModelRunner:
@@ -78,7 +94,8 @@ class ModelRunner:
                                                 cfg.page_size, self.device)
         self.kv_pool = DSV4KVPool(self.config, num_pages * cfg.page_size, cfg.max_num_reqs, self.dtype, self.device)
         self.attn_backend = DeepseekV4AttnBackend(self.config, self.kv_pool, self.req_to_token_pool,
-                                                  max_seq_len=self.max_context_len)
+                                                  max_seq_len=self.max_context_len,
+                                                  kernels=resolve_attention_kernels(cfg.attention_backend, self.device))
         self.stats = {"forward_eager": 0}
         self.graph_runners = []  # BCG / decode graph runners register here (first match wins)
         self._init_graph_runners(cfg)

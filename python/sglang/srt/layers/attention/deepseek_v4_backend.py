@@ -21,7 +21,11 @@ logger = logging.getLogger(__name__)
 class DeepseekV4AttnBackend(AttentionBackend):
     use_captured_forward_metadata_for_breakable_cuda_graph = True
 
-    def __init__(self, config, kv_pool, req_to_token_pool, max_seq_len: int):
+    def __init__(self, config, kv_pool, req_to_token_pool, max_seq_len: int, kernels: str = "torch"):
+        if kernels not in ("torch", "triton"):
+            raise ValueError(f"unknown attention kernels {kernels!r} (expected 'torch' or 'triton')")
+        # The attention core is the break op: with Triton it is one launch per layer.
+        self.kernels = kernels
         self.config = config
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
@@ -85,12 +89,14 @@ class DeepseekV4AttnBackend(AttentionBackend):
             kv_b = self.kv_pool.compressed[layer_id]
             idx_b = match_num_queries(a.c128_slots, n)
             len_b = match_num_queries(a.c128_len, n, 0)
-        out = sparse_attention_with_sink(
-            q[:n], self.kv_pool.raw[layer_id],
-            match_num_queries(a.window_slots, n), match_num_queries(a.window_len, n, 0),
-            kv_b, idx_b, len_b, sink, self.scale,
-        )
-        output[:n].copy_(out)
+        args = (q[:n], self.kv_pool.raw[layer_id], match_num_queries(a.window_slots, n),
+                match_num_queries(a.window_len, n, 0), kv_b, idx_b, len_b, sink, self.scale)
+        if self.kernels == "triton":
+            from dsv4_kernels.ops import sparse_attn_with_sink
+
+            sparse_attn_with_sink(*args, out=output[:n])
+        else:
+            output[:n].copy_(sparse_attention_with_sink(*args))
 
     # ---- full decode CUDA graph hooks ------------------------------------------------------
     def init_forward_metadata_capture_cuda_graph(self, forward_batch) -> DSV4Metadata:

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One H200 session's GPU work: install, gpu-marked tests, the BCG microbenchmark.
+# Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmark/run_gpu_suite.sh [part]
+# part: tests | bench | serve | kernels | all (default: tests+bench)
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+part=${1:-default}
+pip install -q -e . --no-deps >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
+if [[ $part == tests || $part == default || $part == all ]]; then
+  timeout 300 python -m pytest -q -m gpu -rA -s \
+    test/registered/model_executor test/registered/attention test/registered/models \
+    2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|max\||triton vs|batches=|PASS|FAIL" | tail -40
+fi
+if [[ $part == bench || $part == default || $part == all ]]; then
+  timeout 240 python -m sglang.bench_one_batch --model-path dsv4-mini \
+    --num-tokens 16 64 256 512 1024 2048 4096 --result-file "$OUT/bench_one_batch.json" \
+    2>&1 | tee "$OUT/bench_one_batch.log" | grep -v "it/s\]"
+fi
+if [[ $part == serve || $part == all ]]; then
+  for bcg in "" "--enable-breakable-cuda-graph"; do
+    timeout 280 python -m sglang.bench_offline_throughput --model-path dsv4-mini --num-prompts 256 \
+      --random-input-len 512 --random-output-len 128 --enable-mixed-chunk $bcg \
+      --result-file "$OUT/offline.jsonl" 2>&1 | tail -25 | tee -a "$OUT/offline.log"
+  done
+fi
+if [[ $part == kernels || $part == all ]]; then
+  timeout 200 python -m pytest -q sgl-kernel/tests 2>&1 | tail -5 | tee "$OUT/kernel_tests.log"
+  timeout 200 python sgl-kernel/benchmark/run_all.py 2>&1 | tee "$OUT/kernel_bench.log" | tail -40
+fi

@@ -1,0 +1,138 @@
+"""Breakable CUDA graph microbenchmark: one extend or mixed batch, timed three ways.
+
+    python -m sglang.bench_one_batch --model-path dsv4-mini --num-tokens 16 64 256 1024 4096
+
+eager: the whole step launched from Python. bcg: breakable-graph replay (metadata refresh,
+padding, segments replayed, attention eager, logits head eager). ideal: one full CUDA graph
+captured for that exact batch, attention included (GPU work only, the no-break bound).
+Reports ms per step, eager/bcg and bcg/ideal, breaks per step, capture time, graph memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from sglang.srt.model_executor.breakable_cuda_graph import break_ops_inline, create_breakable_graph
+from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
+from sglang.srt.model_executor.forward_context import forward_context
+from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+
+
+def make_batch(runner, mode: str, n: int, prefix: int, max_chunk: int, n_decode: int):
+    """Extend: prefill chunks of <= max_chunk tokens on top of `prefix` cached tokens.
+    Mixed: one prefill chunk plus `n_decode` decode rows (all with `prefix` cached tokens)."""
+    rtp = runner.req_to_token_pool
+    rows = []
+    if mode == "mixed":
+        rows.append(n - n_decode)
+        rows += [1] * n_decode
+    else:
+        while n > 0:
+            rows.append(min(n, max_chunk))
+            n -= rows[-1]
+    slots = [rtp.alloc_req() for _ in rows]
+    for s, r in zip(slots, rows):
+        rtp.ensure_capacity(s, prefix + r)
+    gen = torch.Generator().manual_seed(0)
+    toks = [torch.randint(3, runner.config.vocab_size, (r,), generator=gen).tolist() for r in rows]
+    fb_mode = ForwardMode.MIXED if mode == "mixed" else ForwardMode.EXTEND
+    fb = build_forward_batch(fb_mode, slots, [prefix] * len(rows), toks, rtp.req_to_token, runner.device)
+    return fb, slots
+
+
+def timed(fn, device, iters: int) -> float:
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+def ideal_graph(runner, fb):
+    """One unbroken graph for exactly this batch (static metadata captured in).
+    Returns (graph, replay); replay re-enters the forward context for the CPU emulator,
+    which re-runs the inline attention op in Python (a CUDA graph runs no Python)."""
+    backend = runner.attn_backend
+    metadata = backend.init_forward_metadata_for_breakable_cuda_graph_capture(fb)
+    with torch.inference_mode(), forward_context(fb, backend, fb.num_tokens), break_ops_inline():
+        runner.model(fb.input_ids)
+        graph = create_breakable_graph(runner.device)
+        with graph.capture():
+            runner.model(fb.input_ids)
+
+    def replay():
+        backend.forward_metadata = metadata
+        with forward_context(fb, backend, fb.num_tokens):
+            graph.replay()
+
+    return graph, replay
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default="dsv4-mini")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--num-tokens", type=int, nargs="+", default=[16, 64, 256, 512, 1024, 2048, 4096])
+    p.add_argument("--modes", nargs="+", default=["extend", "mixed"])
+    p.add_argument("--prefix", type=int, default=1024, help="cached tokens per request")
+    p.add_argument("--max-chunk", type=int, default=1024)
+    p.add_argument("--decode-rows", type=int, default=32)
+    p.add_argument("--context-length", type=int, default=8192)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--result-file", default=None)
+    a = p.parse_args(argv)
+    dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    max_tokens = max(a.num_tokens)
+    n_reqs = 2 * (max_tokens // a.max_chunk + a.decode_rows + 2)
+    cfg = ModelRunnerConfig(
+        model_path=a.model_path, device=a.device, dtype=dtype, context_length=a.context_length,
+        max_num_reqs=n_reqs, max_total_tokens=n_reqs * (a.prefix + a.max_chunk + 128),
+        enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=sorted(set(a.num_tokens)),
+        disable_cuda_graph=True, attention_backend=a.attention_backend,
+    )
+    runner = ModelRunner(cfg)
+    bcg = runner.graph_runners[0]
+    dev = runner.device
+    rows = []
+    header = f"{'mode':6} {'tokens':>6} {'eager ms':>9} {'bcg ms':>8} {'ideal ms':>9} {'eager/bcg':>9} {'bcg/ideal':>9} {'breaks':>6}"
+    print(f"model {a.model_path} on {dev} ({dtype}); BCG capture {bcg.capture_seconds:.1f}s for "
+          f"{len(bcg.capture_num_tokens)} buckets, graph memory {bcg.graph_memory_bytes / 2**20:.0f} MiB")
+    print(header)
+    for mode in a.modes:
+        for n in a.num_tokens:
+            n_dec = min(a.decode_rows, n // 2) if mode == "mixed" else 0
+            fb, slots = make_batch(runner, mode, n, a.prefix, a.max_chunk, n_dec)
+            with torch.inference_mode():
+                eager = timed(lambda: runner.forward_eager(fb), dev, a.iters)
+                assert bcg.can_run(fb), bcg.fallback_reason(fb)
+                replay = timed(lambda: bcg.replay(fb), dev, a.iters)
+                graph, replay_ideal = ideal_graph(runner, fb)
+                ideal = timed(replay_ideal, dev, a.iters)
+                graph.release()
+            breaks = bcg.graphs[bcg.bucket_for(n)].num_breaks
+            row = dict(mode=mode, tokens=n, eager_ms=eager, bcg_ms=replay, ideal_ms=ideal,
+                       eager_over_bcg=eager / replay, bcg_over_ideal=replay / ideal, breaks=breaks)
+            rows.append(row)
+            print(f"{mode:6} {n:6d} {eager:9.2f} {replay:8.2f} {ideal:9.2f} {eager / replay:9.2f} "
+                  f"{replay / ideal:9.2f} {breaks:6d}", flush=True)
+            for s in slots:
+                runner.req_to_token_pool.free_req(s)
+    if a.result_file:
+        with open(a.result_file, "w") as f:
+            json.dump(dict(model=a.model_path, device=str(dev), dtype=dtype, rows=rows,
+                           capture_seconds=bcg.capture_seconds, graph_memory_bytes=bcg.graph_memory_bytes), f, indent=1)
+    runner.shutdown()
+
+
+if __name__ == "__main__":
+    main()
