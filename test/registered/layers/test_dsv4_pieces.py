@@ -13,6 +13,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from dsv4_harness import Session, run_step  # noqa: E402
 
+from sglang.srt.configs import get_preset  # noqa: E402
 from sglang.srt.layers.attention.dsv4.ops import (  # noqa: E402
     compressor_pool,
     indexer_topk,
@@ -471,7 +472,7 @@ def test_yarn_frequencies():
 
 
 def test_layers_use_plain_rope_uncompressed_and_yarn_compressed():
-    c = _tiny_runner().config
+    c = get_preset("dsv4-tiny")
     plain = rope_table_for(c, 0)
     yarn = rope_table_for(c, 4)
     inv_plain = yarn_inv_freq(c.qk_rope_head_dim, c.rope_theta, 1.0, 0, 32, 1)

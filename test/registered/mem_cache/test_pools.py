@@ -19,6 +19,14 @@ from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfi
 P = 128
 
 
+@pytest.fixture(autouse=True)
+def _single_intra_op_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: threads only add synchronisation
+    yield
+    torch.set_num_threads(before)
+
+
 def _pool(num_pages=5, max_num_reqs=3, max_context_len=1024):
     return ReqToTokenPool(max_num_reqs, max_context_len, num_pages, P, "cpu")
 
@@ -114,7 +122,6 @@ def test_request_slots_are_bounded_and_freeing_returns_everything():
 
 
 def test_running_requests_through_the_runner_leaves_no_pages_behind():
-    torch.set_num_threads(1)
     runner = ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", dtype="float32", device="cpu",
                                            context_length=512, max_total_tokens=6 * P, max_num_reqs=4))
     rtp = runner.req_to_token_pool

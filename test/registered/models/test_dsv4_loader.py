@@ -46,13 +46,12 @@ def _params(model):
 
 
 @pytest.fixture(scope="module")
-def source():
+def source(tmp_path_factory):
     """A randomly initialised dsv4-tiny runner and its checkpoint directory."""
     src = _runner("dsv4-tiny", seed=3)
-    ckpt = Path(__import__("tempfile").mkdtemp(prefix="dsv4_ckpt_"))
+    ckpt = tmp_path_factory.mktemp("dsv4_ckpt")
     save_checkpoint(src.model, src.config, str(ckpt))
-    yield src, ckpt
-    shutil.rmtree(ckpt)
+    return src, ckpt
 
 
 def _copy_with(ckpt: Path, out: Path, edit) -> Path:
@@ -175,7 +174,8 @@ def test_fp8_checkpoint_loads_with_bounded_error(source, tmp_path):
 
     expect, actual = _logits(from_bf16), _logits(loaded)
     cos = F.cosine_similarity(actual, expect, dim=-1)
-    print(f"fp8 vs bf16 checkpoint: cosine {cos.min().item():.5f}, max |diff| {(actual - expect).abs().max().item():.3e}")
+    diff = (actual - expect).abs().max().item()
+    print(f"fp8 vs bf16 checkpoint: cosine {cos.min().item():.5f}, max |diff| {diff:.3e}")
     assert (cos > 0.99).all()
     assert not torch.equal(actual, expect)
 

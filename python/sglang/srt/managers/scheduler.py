@@ -65,7 +65,7 @@ class Scheduler:
         self._next_arrival = 0
         self._last_was_prefill = False
         self.last_batch_mode: Optional[ForwardMode] = None
-        self.num_forwards = {m: 0 for m in (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED)}
+        self.num_forwards = {m: 0 for m in (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE)}
         self.counters = collections.Counter()
 
     # ---- requests in and out -----------------------------------------------------------
@@ -121,11 +121,17 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------
 
-    def step(self) -> List[TokenOut]:
-        """Run at most one forward; return the TokenOuts it (and any abort since) produced."""
+    def step(self, dp_sync=None) -> List[TokenOut]:
+        """Run at most one forward; return the TokenOuts it (and any abort since) produced.
+
+        Under DP attention (`dp_sync` given) every rank calls this every iteration, with or
+        without local work: the step's path is agreed first and idle ranks still join.
+        """
         batch = self._next_batch()
         outs, self._pending_outs = self._pending_outs, []
         self.last_batch_mode = batch.forward_mode if batch else None
+        if dp_sync is not None:
+            return outs + self._step_dp(batch, dp_sync)
         if batch is None:
             return outs
         self.num_forwards[batch.forward_mode] += 1
@@ -133,6 +139,28 @@ class Scheduler:
         forward_batch = batch.to_forward_batch(self.pool.req_to_token, self.device)
         logits = self.model_runner.forward(forward_batch).next_token_logits
         return outs + self._process_result(batch, logits)
+
+    def _step_dp(self, batch: Optional[ScheduleBatch], dp_sync) -> List[TokenOut]:
+        from sglang.srt.managers.dp_sync import LocalStepInfo, PathKind
+        from sglang.srt.model_executor.forward_batch_info import DPInfo, build_forward_batch
+
+        if batch is not None:
+            fb = batch.to_forward_batch(self.pool.req_to_token, self.device)
+        else:
+            fb = build_forward_batch(ForwardMode.IDLE, [], [], [], self.pool.req_to_token, self.device)
+        bcg_ok, decode_ok = self.model_runner.dp_local_eligibility(fb)
+        infos = dp_sync.exchange(LocalStepInfo(fb.num_tokens, int(fb.forward_mode), bcg_ok, decode_ok, fb.batch_size))
+        path = dp_sync.decide(infos)
+        if path.kind == PathKind.IDLE:
+            return []
+        fb.dp = DPInfo(global_num_tokens_cpu=list(path.global_num_tokens), dp_rank=dp_sync.dp_rank)
+        logits = self.model_runner.forward_dp(fb, path).next_token_logits
+        if batch is None:
+            self.num_forwards[ForwardMode.IDLE] += 1
+            return []
+        self.num_forwards[batch.forward_mode] += 1
+        self._last_was_prefill = batch.forward_mode == ForwardMode.EXTEND
+        return self._process_result(batch, logits)
 
     def _next_batch(self) -> Optional[ScheduleBatch]:
         batch = self._schedule()

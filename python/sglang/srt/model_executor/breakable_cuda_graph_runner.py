@@ -88,7 +88,8 @@ class BreakableCudaGraphRunner:
         self.buffers.fill(None, bucket, 0)
         static_fb = self.buffers.forward_batch(None, bucket, 0)
         metadata = self._init_forward_metadata_for_capture(static_fb)
-        with torch.inference_mode(), forward_context(static_fb, self.attn_backend, 0):
+        dp_moe = self.model_runner.dp_moe(bucket)  # DP: the MoE collectives are captured too
+        with torch.inference_mode(), forward_context(static_fb, self.attn_backend, 0, dp_moe):
             for _ in range(2 if self.device.type == "cuda" else 1):  # warm-up outside the capture
                 self.model(static_fb.input_ids)
             graph = create_breakable_graph(self.device, pool=pool, debug=self.debug)
@@ -136,14 +137,15 @@ class BreakableCudaGraphRunner:
         hidden = self.replay_hidden(fb)
         return compute_logits(self.model, hidden, fb)
 
-    def replay_hidden(self, fb: ForwardBatch) -> torch.Tensor:
-        """Pad, refresh metadata, replay; returns the bucket's hidden states (rows [:n] real)."""
+    def replay_hidden(self, fb: ForwardBatch, bucket: Optional[int] = None) -> torch.Tensor:
+        """Pad, refresh metadata, replay; returns the bucket's hidden states (rows [:n] real).
+        Under DP attention the bucket comes from the step consensus (largest rank's count)."""
         n = fb.num_tokens
-        bucket = self.bucket_for(n)
+        bucket = self.bucket_for(n) if bucket is None else bucket
         self.buffers.fill(fb, bucket, fb.batch_size)
         static_fb = self.buffers.forward_batch(fb, bucket, fb.batch_size)
         self._prepare_forward_metadata_for_replay(bucket, fb, static_fb)
-        with forward_context(static_fb, self.attn_backend, n):
+        with forward_context(static_fb, self.attn_backend, n, self.model_runner.dp_moe(bucket)):
             self.graphs[bucket].replay()
         self.num_replays += 1
         return self.outputs[bucket]

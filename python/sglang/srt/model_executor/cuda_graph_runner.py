@@ -36,6 +36,7 @@ def default_capture_bs(max_bs: int) -> List[int]:
 
 class CudaGraphRunner:
     def __init__(self, model_runner, max_bs: int, debug: bool = False):
+        self.model_runner = model_runner
         self.model = model_runner.model
         self.attn_backend = model_runner.attn_backend
         self.device = model_runner.device
@@ -60,7 +61,8 @@ class CudaGraphRunner:
             fb = self.buffers.forward_batch(None, bs, 0, ForwardMode.DECODE)
             self.metadata[bs] = self.attn_backend.init_forward_metadata_capture_cuda_graph(fb)
             # num_live_tokens = bs: the graph attends every row; padded rows have empty lists.
-            with torch.inference_mode(), forward_context(fb, self.attn_backend, bs), break_ops_inline():
+            dp_moe = self.model_runner.dp_moe(bs)
+            with torch.inference_mode(), forward_context(fb, self.attn_backend, bs, dp_moe), break_ops_inline():
                 for _ in range(2 if self.device.type == "cuda" else 1):
                     self.model(fb.input_ids)
                 graph = create_breakable_graph(self.device, pool=pool, debug=self.debug)
@@ -86,12 +88,13 @@ class CudaGraphRunner:
             self.fallbacks[reason] += 1
         return reason is None
 
-    def replay_hidden(self, fb: ForwardBatch) -> torch.Tensor:
-        bs = self.capture_bs[bisect.bisect_left(self.capture_bs, fb.batch_size)]
+    def replay_hidden(self, fb: ForwardBatch, bs: Optional[int] = None) -> torch.Tensor:
+        if bs is None:
+            bs = self.capture_bs[bisect.bisect_left(self.capture_bs, fb.batch_size)]
         self.buffers.fill(fb, bs, fb.batch_size)
         static_fb = self.buffers.forward_batch(fb, bs, fb.batch_size)
         self.attn_backend.init_forward_metadata_replay_cuda_graph(self.metadata[bs], static_fb)
-        with forward_context(static_fb, self.attn_backend, bs):
+        with forward_context(static_fb, self.attn_backend, bs, self.model_runner.dp_moe(bs)):
             self.graphs[bs].replay()
         self.num_replays += 1
         return self.outputs[bs]

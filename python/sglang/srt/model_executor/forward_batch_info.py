@@ -125,6 +125,8 @@ def build_forward_batch(
     pos = torch.cat(
         [torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq)]
     ) if ext else torch.zeros(0, dtype=torch.int64)
+    if not ext:  # an idle DP rank's dummy batch: no requests, no tokens
+        forward_mode = ForwardMode.IDLE
     slots = torch.tensor(list(req_pool_indices), dtype=torch.int64)
     tok_slot = torch.repeat_interleave(slots, torch.tensor(ext, dtype=torch.int64))
     rtt = req_to_token if req_to_token.device.type == "cpu" else None

@@ -14,17 +14,18 @@ class ForwardContext:
     forward_batch: Any
     attn_backend: Any
     num_live_tokens: int
+    dp_moe: Any = None  # DPMoEContext when DP attention gathers around the MoE
 
 
 _current: Optional[ForwardContext] = None
 
 
 @contextlib.contextmanager
-def forward_context(forward_batch, attn_backend, num_live_tokens: Optional[int] = None):
+def forward_context(forward_batch, attn_backend, num_live_tokens: Optional[int] = None, dp_moe=None):
     global _current
     prev = _current
     n = forward_batch.num_live_tokens if num_live_tokens is None else num_live_tokens
-    _current = ForwardContext(forward_batch, attn_backend, n)
+    _current = ForwardContext(forward_batch, attn_backend, n, dp_moe)
     try:
         yield _current
     finally:

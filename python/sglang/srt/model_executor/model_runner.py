@@ -52,6 +52,9 @@ class ModelRunnerConfig:
     attention_backend: str = "auto"  # "torch" | "triton" | "auto" (Triton kernels on CUDA)
     # Decode graphs are on by default on CUDA; tests turn the CPU emulator on explicitly.
     cuda_graph_on_cpu: bool = False
+    # DP attention (the process groups are set up before the runner: distributed/parallel_state.py)
+    dp_size: int = 1
+    dp_idle_policy: str = "replay"
 
     @staticmethod
     def from_server_args(args) -> "ModelRunnerConfig":
@@ -89,6 +92,9 @@ class ModelRunner:
         self.max_context_len = min(cfg.context_length, self.config.max_position_embeddings)
         self.max_num_reqs = cfg.max_num_reqs
         self.model = self._load_model(cfg)
+        self.dp_groups = None
+        if cfg.dp_size > 1:
+            self._shard_experts_for_dp(cfg)
         num_pages = 1 + -(-cfg.max_total_tokens // cfg.page_size)  # + the padding page
         self.req_to_token_pool = ReqToTokenPool(cfg.max_num_reqs, self.max_context_len, num_pages,
                                                 cfg.page_size, self.device)
@@ -115,6 +121,26 @@ class ModelRunner:
             decode.capture()
             self.graph_runners.append(decode)
 
+    def _shard_experts_for_dp(self, cfg: ModelRunnerConfig) -> None:
+        from sglang.srt.distributed.parallel_state import get_dp_groups
+        from sglang.srt.layers.dp_attention import expert_shard
+
+        self.dp_groups = get_dp_groups()
+        if self.dp_groups is None or self.dp_groups.dp_size != cfg.dp_size:
+            raise RuntimeError("DP attention: call init_dp_groups() before building the ModelRunner")
+        start, end = expert_shard(self.config.n_routed_experts, self.dp_groups.dp_rank, cfg.dp_size)
+        for layer in self.model.layers:
+            layer.ffn.experts.keep_shard_(start, end)
+
+    def dp_moe(self, pad_tokens: int):
+        """The MoE's DP context for a step whose ranks each contribute `pad_tokens` rows."""
+        if self.dp_groups is None:
+            return None
+        from sglang.srt.layers.dp_attention import DPMoEContext
+
+        g = self.dp_groups
+        return DPMoEContext(g.device_group, g.dp_rank, g.dp_size, pad_tokens)
+
     def _load_model(self, cfg: ModelRunnerConfig) -> DeepseekV4ForCausalLM:
         model = DeepseekV4ForCausalLM(self.config, self.dtype)
         from_dir = os.path.isdir(cfg.model_path)
@@ -132,12 +158,49 @@ class ModelRunner:
         return self.forward_eager(forward_batch)
 
     @torch.inference_mode()
-    def forward_eager(self, forward_batch: ForwardBatch) -> LogitsOutput:
+    def forward_eager(self, forward_batch: ForwardBatch, dp_pad_tokens: int = 0) -> LogitsOutput:
         self.stats["forward_eager"] += 1
         self.attn_backend.init_forward_metadata(forward_batch)
-        with forward_context(forward_batch, self.attn_backend):
+        with forward_context(forward_batch, self.attn_backend, dp_moe=self.dp_moe(dp_pad_tokens)):
             hidden = self.model(forward_batch.input_ids, forward_batch.input_embeds)
         return compute_logits(self.model, hidden, forward_batch)
+
+    @torch.inference_mode()
+    def forward_dp(self, forward_batch: ForwardBatch, path) -> LogitsOutput:
+        """One DP-attention step on the path every rank agreed on (managers/dp_sync.py).
+        Idle ranks come with an empty batch and still join every collective."""
+        from sglang.srt.managers.dp_sync import PathKind
+
+        fb = forward_batch
+        if path.kind == PathKind.BCG:
+            hidden = self._runner_of("BreakableCudaGraphRunner").replay_hidden(fb, bucket=path.size)
+            self.stats["dp_bcg_steps"] = self.stats.get("dp_bcg_steps", 0) + 1
+        elif path.kind == PathKind.DECODE_GRAPH:
+            hidden = self._runner_of("CudaGraphRunner").replay_hidden(fb, bs=path.size)
+        else:
+            self.stats["dp_eager_steps"] = self.stats.get("dp_eager_steps", 0) + 1
+            return self.forward_eager(fb, dp_pad_tokens=path.size)
+        return compute_logits(self.model, hidden, fb)
+
+    def dp_local_eligibility(self, fb: ForwardBatch):
+        """(could replay a breakable graph, could replay a decode graph) for the consensus."""
+        bcg = [r for r in self.graph_runners if type(r).__name__ == "BreakableCudaGraphRunner"]
+        dec = [r for r in self.graph_runners if type(r).__name__ == "CudaGraphRunner"]
+        ok_bcg = bool(bcg) and fb.input_embeds is None and fb.num_tokens <= bcg[0].max_num_tokens
+        ok_dec = bool(dec) and fb.input_embeds is None and fb.batch_size <= dec[0].max_bs
+        return ok_bcg, ok_dec
+
+    def _runner_of(self, cls_name: str):
+        return next(r for r in self.graph_runners if type(r).__name__ == cls_name)
+
+    def dp_graph_config(self):
+        from sglang.srt.managers.dp_sync import GraphConfig
+
+        bcg = [r for r in self.graph_runners if type(r).__name__ == "BreakableCudaGraphRunner"]
+        dec = [r for r in self.graph_runners if type(r).__name__ == "CudaGraphRunner"]
+        return GraphConfig(bcg_buckets=tuple(bcg[0].capture_num_tokens) if bcg else (),
+                           decode_bs_buckets=tuple(dec[0].capture_bs) if dec else (),
+                           idle_policy=self.runner_config.dp_idle_policy)
 
     def get_stats(self) -> dict:
         out = dict(self.stats)

@@ -101,7 +101,7 @@ class DeepseekV4Attention(nn.Module):
         deepseek_v4_attention_with_output(q, self.attn_sink, o, self.layer_id)
         apply_rope_(o, cos, sin, inverse=True)
 
-        o = o.view(T, self.n_groups, -1)
+        o = o.view(T, self.n_groups, self.n_heads * self.head_dim // self.n_groups)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         o = torch.einsum("tgd,grd->tgr", o.float(), wo_a.float()).to(x.dtype)
         return self.wo_b(o.flatten(1))

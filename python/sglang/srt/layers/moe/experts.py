@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.layers.dp_attention import dp_gather, dp_reduce_scatter
 from sglang.srt.layers.moe.router import Gate
+from sglang.srt.model_executor.forward_context import get_forward_context
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -41,22 +43,37 @@ class RoutedExperts(nn.Module):
     def __init__(self, n_experts: int, dim: int, inter: int, limit: float, dtype: torch.dtype):
         super().__init__()
         self.limit = limit
+        self.first_expert = 0  # > 0 when DP attention shards the experts across ranks
         self.w1 = nn.Parameter(torch.zeros(n_experts, inter, dim, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.zeros(n_experts, dim, inter, dtype=dtype), requires_grad=False)
         self.w3 = nn.Parameter(torch.zeros(n_experts, inter, dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, d], weights/ids [T, k] -> fp32 [T, d]."""
-        n_experts = self.w1.shape[0]
-        dense = torch.zeros(x.shape[0], n_experts, dtype=torch.float32, device=x.device)
+        n_local = self.w1.shape[0]
+        dense = torch.zeros(x.shape[0], self.n_total, dtype=torch.float32, device=x.device)
         # scatter, not scatter_add: an expert listed twice for a token (hash tables can do
         # that) contributes once, exactly as the reference's `y[idx] += expert(...)` does.
         dense.scatter_(1, ids, weights)
+        dense = dense[:, self.first_expert:self.first_expert + n_local]
         gate = torch.einsum("td,eid->eti", x, self.w1)
         up = torch.einsum("td,eid->eti", x, self.w3)
         # Routing weight applied before W2, as the reference does (matters in bf16).
         act = clamped_swiglu(gate, up, self.limit) * dense.t().unsqueeze(-1)
         return torch.einsum("eti,edi->td", act.to(x.dtype), self.w2).float()
+
+    @property
+    def n_total(self) -> int:
+        return getattr(self, "_n_total", self.w1.shape[0])
+
+    @torch.no_grad()
+    def keep_shard_(self, start: int, end: int) -> None:
+        """Keep experts [start, end) only (this DP rank's share)."""
+        self._n_total = self.w1.shape[0]
+        self.first_expert = start
+        for name in ("w1", "w2", "w3"):
+            full = getattr(self, name)
+            setattr(self, name, nn.Parameter(full[start:end].clone(), requires_grad=False))
 
 
 class DeepseekV4MoE(nn.Module):
@@ -75,8 +92,16 @@ class DeepseekV4MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x, input_ids)
-        y = self.experts(x, weights, ids)
+        dp = get_forward_context().dp_moe
+        if dp is None:
+            weights, ids = self.gate(x, input_ids)
+            y = self.experts(x, weights, ids)
+        else:  # DP attention: all ranks' rows through this rank's experts, summed back
+            n = x.shape[0]
+            xs = dp_gather(x, dp)
+            ids_all = dp_gather(input_ids[:, None], dp)[:, 0] if self.gate.tid2eid is not None else None
+            weights, ids = self.gate(xs, ids_all)
+            y = dp_reduce_scatter(self.experts(xs, weights, ids), n, dp)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()
         return y.to(x.dtype)

@@ -1,0 +1,193 @@
+"""Multi-process DP-attention harness: each rank process drives random batches (idle steps,
+ineligible batches, mixed/extend/decode) through the real consensus and forward_dp, and
+records every live row's logits so the parent can compare with one process run eagerly."""
+
+from __future__ import annotations
+
+import os
+import random
+import traceback
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
+
+TINY_DP = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=32768, max_num_reqs=10)
+BUCKETS = (8, 16, 32, 48)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    rows: List[Tuple[int, int, List[int]]]  # (request id, prefix length, new tokens)
+    logits: torch.Tensor  # [rows, vocab]
+    path: str
+
+
+def rank_schedule(seed: int, rank: int, steps: int, max_reqs: int):
+    """Deterministic per-rank batches: a list (per step) of [(req_id, n_new_tokens)]."""
+    rng = random.Random(seed * 1000 + rank)
+    lengths: Dict[int, int] = {}
+    next_id = 0
+    plan = []
+    for _ in range(steps):
+        if rng.random() < 0.2:  # idle step for this rank
+            plan.append([])
+            continue
+        rows = []
+        live = [r for r, n in lengths.items() if n < 600 and n > 0]
+        rng.shuffle(live)
+        if live and rng.random() < 0.3:  # a decode step: every running request decodes
+            rows = [(r, 1) for r in live[:8]]
+            for r, _ in rows:
+                lengths[r] += 1
+            plan.append(rows)
+            continue
+        big = rng.random() < 0.1  # ineligible for graphs: more tokens than the largest bucket
+        budget = rng.randint(49, 64) if big else rng.randint(1, 48)
+        for r in live[: rng.randint(0, 4)]:
+            if budget > 0:
+                rows.append((r, 1))
+                budget -= 1
+        active = len([r for r, n in lengths.items() if n < 600])
+        while budget > 0 and len(rows) < max_reqs - 1:
+            if live and (rng.random() < 0.4 or active >= max_reqs - 2):
+                r = live.pop()
+                if any(r == x for x, _ in rows):
+                    continue
+                n = min(budget, rng.randint(2, 40))
+            elif active < max_reqs - 2:
+                r, next_id, active = next_id, next_id + 1, active + 1
+                n = budget if rng.random() < 0.5 else rng.randint(1, budget)
+            else:
+                break
+            rows.append((r, n))
+            budget -= n
+        order = sorted(rows, key=lambda x: 1 if (x[1] == 1 and lengths.get(x[0], 0) > 0) else 0)
+        for r, n in order:
+            lengths[r] = lengths.get(r, 0) + n
+        # retire long requests so their slots come back
+        for r in [r for r, n in lengths.items() if n >= 600]:
+            lengths[r] = 10**9
+        plan.append(order)
+    return plan
+
+
+def tokens_for(req: int, start: int, n: int) -> List[int]:
+    return [(req * 131 + start + j * 17) % 500 + 3 for j in range(n)]
+
+
+class RequestTable:
+    """Maps harness request ids to request slots of one runner, with their lengths."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.slot: Dict[int, int] = {}
+        self.length: Dict[int, int] = {}
+
+    def batch(self, rows, **kw):
+        """The next step's ForwardBatch. Requests that reached 600 tokens last step are
+        freed now, after their last forward ran (freeing zeroes their page-table row)."""
+        rtp = self.runner.req_to_token_pool
+        for r in [r for r, n in self.length.items() if n >= 600 and r in self.slot]:
+            rtp.free_req(self.slot.pop(r))
+        for r, n in rows:
+            if r not in self.slot:
+                self.slot[r] = rtp.alloc_req()
+                self.length[r] = 0
+            rtp.ensure_capacity(self.slot[r], self.length[r] + n)
+        mode = _mode(rows, self.length)
+        spec = [(r, self.length[r], tokens_for(r, self.length[r], n)) for r, n in rows]
+        fb = build_forward_batch(mode, [self.slot[r] for r, _ in rows], [self.length[r] for r, _ in rows],
+                                 [t for _, _, t in spec], rtp.req_to_token, self.runner.device, **kw)
+        for r, n in rows:
+            self.length[r] += n
+        return fb, spec
+
+
+def _mode(rows, lengths) -> ForwardMode:
+    if not rows:
+        return ForwardMode.IDLE
+    dec = [n == 1 and lengths.get(r, 0) > 0 for r, n in rows]
+    if all(dec):
+        return ForwardMode.DECODE
+    return ForwardMode.MIXED if any(dec) else ForwardMode.EXTEND
+
+
+def dp_rank_main(rank: int, world: int, port: int, steps: int, seed: int, idle_policy: str, out_dir: str,
+                 verify: bool = False, disagree_at: Optional[int] = None, timeout_s: float = 60.0) -> None:
+    """Body of one DP rank process; writes its records (or its error text) to out_dir."""
+    torch.set_num_threads(1)
+    try:
+        from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
+        from sglang.srt.managers.dp_sync import DPStepSync, PathKind, StepPath, decide_step_path
+        from sglang.srt.model_executor.forward_batch_info import DPInfo
+        from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+
+        groups = init_dp_groups(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s)
+        runner = ModelRunner(ModelRunnerConfig(
+            **TINY_DP, dp_size=world, dp_idle_policy=idle_policy, enable_breakable_cuda_graph=os.environ.get("DP_NO_GRAPHS") is None,
+            breakable_cuda_graph_tokens=list(BUCKETS), cuda_graph_on_cpu=os.environ.get("DP_NO_GRAPHS") is None and os.environ.get("DP_NO_DECODE") is None, cuda_graph_max_bs=8))
+        sync = DPStepSync(groups.cpu_group, rank, world, runner.dp_graph_config(), verify=verify)
+        table = RequestTable(runner)
+        records, paths = [], {}
+        for step, rows in enumerate(rank_schedule(seed, rank, steps, TINY_DP["max_num_reqs"])):
+            fb, spec = table.batch(rows)
+            from sglang.srt.managers.dp_sync import LocalStepInfo
+
+            bcg_ok, dec_ok = runner.dp_local_eligibility(fb)
+            infos = sync.exchange(LocalStepInfo(fb.num_tokens, int(fb.forward_mode), bcg_ok, dec_ok, fb.batch_size))
+            decide = decide_step_path
+            if disagree_at is not None and step == disagree_at and rank == 1:
+                decide = _contrary_decision  # a deliberate bug on one rank
+            path = sync.decide(infos, decide)
+            paths[path.kind.name] = paths.get(path.kind.name, 0) + 1
+            if path.kind == PathKind.IDLE:
+                continue
+            fb.dp = DPInfo(list(path.global_num_tokens), rank)
+            logits = runner.forward_dp(fb, path).next_token_logits
+            if spec:
+                records.append(StepRecord(step, spec, logits.clone(), path.kind.name))
+        stats = runner.get_stats()
+        runner.shutdown()  # graphs first, then the process group
+        destroy_dp_groups()
+        torch.save(dict(records=records, paths=paths, stats=stats), os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException:  # noqa: BLE001 - the parent asserts on the text
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+
+
+def _contrary_decision(infos, cfg):
+    """Not what decide_step_path says: eager where it says graph, a graph where it says eager."""
+    from sglang.srt.managers.dp_sync import PathKind, StepPath, decide_step_path
+
+    true = decide_step_path(infos, cfg)
+    tokens = tuple(i.num_tokens for i in infos)
+    if true.kind == PathKind.EAGER:
+        return StepPath(PathKind.BCG, cfg.bcg_buckets[-1], tokens)
+    return StepPath(PathKind.EAGER, max(tokens), tokens)
+
+
+def eager_reference(seed: int, rank: int, steps: int, records: List[StepRecord], by_path: Optional[dict] = None) -> float:
+    """Replays one rank's batches in a single eager process; returns the max |logit diff|
+    (and, if `by_path` is given, fills it with the max per path kind)."""
+    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+
+    runner = ModelRunner(ModelRunnerConfig(**TINY_DP))
+    table = RequestTable(runner)
+    by_step = {r.step: r for r in records}
+    worst = 0.0
+    for step, rows in enumerate(rank_schedule(seed, rank, steps, TINY_DP["max_num_reqs"])):
+        fb, spec = table.batch(rows)
+        if not rows:
+            continue
+        logits = runner.forward_eager(fb).next_token_logits
+        rec = by_step[step]
+        assert rec.rows == spec, f"step {step}: the rank ran a different batch"
+        diff = (logits - rec.logits).abs().max().item()
+        worst = max(worst, diff)
+        if by_path is not None:
+            by_path[rec.path] = max(by_path.get(rec.path, 0.0), diff)
+    return worst
