@@ -24,7 +24,7 @@ from sglang.srt.layers.moe.experts import RoutedExperts  # noqa: E402
 from sglang.srt.layers.moe.router import Gate, route  # noqa: E402
 from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_, yarn_inv_freq  # noqa: E402
 from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
-from sglang.srt.models.deepseek_v4 import rope_table_for  # noqa: E402
+from sglang.srt.models.deepseek_v4 import rope_tables_for  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -473,8 +473,8 @@ def test_yarn_frequencies():
 
 def test_layers_use_plain_rope_uncompressed_and_yarn_compressed():
     c = get_preset("dsv4-tiny")
-    plain = rope_table_for(c, 0)
-    yarn = rope_table_for(c, 4)
+    plain = rope_tables_for(c, c.max_position_embeddings)["plain"]
+    yarn = rope_tables_for(c, c.max_position_embeddings)["yarn"]
     inv_plain = yarn_inv_freq(c.qk_rope_head_dim, c.rope_theta, 1.0, 0, 32, 1)
     inv_yarn = yarn_inv_freq(c.qk_rope_head_dim, c.compress_rope_theta, c.rope_factor,
                              c.original_max_position_embeddings, c.beta_fast, c.beta_slow)

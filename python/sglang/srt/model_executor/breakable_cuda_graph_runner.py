@@ -90,11 +90,14 @@ class BreakableCudaGraphRunner:
         metadata = self._init_forward_metadata_for_capture(static_fb)
         dp_moe = self.model_runner.dp_moe(bucket)  # DP: the MoE collectives are captured too
         with torch.inference_mode(), forward_context(static_fb, self.attn_backend, 0, dp_moe):
+            # The graph starts from the static embeddings buffer: replay fills it from the
+            # batch's input_embeds, or by one embedding lookup of its token ids.
+            embeds = self.buffers.input_embeds[:bucket]
             for _ in range(2 if self.device.type == "cuda" else 1):  # warm-up outside the capture
-                self.model(static_fb.input_ids)
+                self.model(static_fb.input_ids, embeds)
             graph = create_breakable_graph(self.device, pool=pool, debug=self.debug)
             with graph.capture():
-                hidden = self.model(static_fb.input_ids)
+                hidden = self.model(static_fb.input_ids, embeds)
         self.graphs[bucket] = graph
         self.outputs[bucket] = hidden
         self.attn_metadata_buffers[bucket] = metadata
@@ -121,8 +124,6 @@ class BreakableCudaGraphRunner:
             return "empty_batch"
         if self.bucket_for(n) - n > 2 * n:
             return "padding_waste"
-        if fb.input_embeds is not None:
-            return "input_embeds"
         if _has_inactive_dp_rank(fb) and not self.allow_inactive_dp_rank:
             return "inactive_dp_rank"
         return None
@@ -142,8 +143,7 @@ class BreakableCudaGraphRunner:
         Under DP attention the bucket comes from the step consensus (largest rank's count)."""
         n = fb.num_tokens
         bucket = self.bucket_for(n) if bucket is None else bucket
-        self.buffers.fill(fb, bucket, fb.batch_size)
-        static_fb = self.buffers.forward_batch(fb, bucket, fb.batch_size)
+        static_fb = self._fill(fb, bucket)
         self._prepare_forward_metadata_for_replay(bucket, fb, static_fb)
         with forward_context(static_fb, self.attn_backend, n, self.model_runner.dp_moe(bucket)):
             self.graphs[bucket].replay()
@@ -156,11 +156,17 @@ class BreakableCudaGraphRunner:
         capture bugs from rounding (used by tests and --debug-cuda-graph checks)."""
         n = fb.num_tokens
         bucket = self.bucket_for(n)
-        self.buffers.fill(fb, bucket, fb.batch_size)
-        static_fb = self.buffers.forward_batch(fb, bucket, fb.batch_size)
+        static_fb = self._fill(fb, bucket)
         self.attn_backend.init_forward_metadata_for_breakable_cuda_graph_capture(static_fb)
         with torch.inference_mode(), forward_context(static_fb, self.attn_backend, n):
-            return self.model(static_fb.input_ids)
+            return self.model(static_fb.input_ids, self.buffers.input_embeds[:bucket])
+
+    def _fill(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
+        self.buffers.fill(fb, bucket, fb.batch_size)
+        if fb.input_embeds is None:  # the lookup the graph does not contain
+            n = fb.num_tokens
+            torch.index_select(self.model.embed.weight, 0, fb.input_ids, out=self.buffers.input_embeds[:n])
+        return self.buffers.forward_batch(fb, bucket, fb.batch_size)
 
     def _prepare_forward_metadata_for_replay(self, bucket: int, fb: ForwardBatch, static_fb: ForwardBatch) -> None:
         backend = self.attn_backend

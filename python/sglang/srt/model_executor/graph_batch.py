@@ -34,8 +34,7 @@ class StaticBatchBuffers:
         if live is not None:
             if live.input_embeds is not None:
                 self.input_embeds[:n].copy_(live.input_embeds)
-            else:
-                self.input_ids[:n].copy_(live.input_ids)
+            self.input_ids[:n].copy_(live.input_ids)  # hash-routed layers need ids either way
             self.positions[:n].copy_(live.positions)
             self.out_cache_loc[:n].copy_(live.out_cache_loc)
             self.token_req_slot[:n].copy_(live.token_req_slot)

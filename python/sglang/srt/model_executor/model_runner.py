@@ -142,7 +142,7 @@ class ModelRunner:
         return DPMoEContext(g.device_group, g.dp_rank, g.dp_size, pad_tokens)
 
     def _load_model(self, cfg: ModelRunnerConfig) -> DeepseekV4ForCausalLM:
-        model = DeepseekV4ForCausalLM(self.config, self.dtype)
+        model = DeepseekV4ForCausalLM(self.config, self.dtype, max_positions=self.max_context_len + 1)
         from_dir = os.path.isdir(cfg.model_path)
         if cfg.load_format == "dummy" or (cfg.load_format == "auto" and not from_dir):
             init_random_weights(model, cfg.random_seed)
@@ -186,7 +186,7 @@ class ModelRunner:
         """(could replay a breakable graph, could replay a decode graph) for the consensus."""
         bcg = [r for r in self.graph_runners if type(r).__name__ == "BreakableCudaGraphRunner"]
         dec = [r for r in self.graph_runners if type(r).__name__ == "CudaGraphRunner"]
-        ok_bcg = bool(bcg) and fb.input_embeds is None and fb.num_tokens <= bcg[0].max_num_tokens
+        ok_bcg = bool(bcg) and fb.num_tokens <= bcg[0].max_num_tokens
         ok_dec = bool(dec) and fb.input_embeds is None and fb.batch_size <= dec[0].max_bs
         return ok_bcg, ok_dec
 

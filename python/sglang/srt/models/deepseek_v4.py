@@ -35,17 +35,17 @@ deepseek_v4_attention_with_output = register_split_op(
 )
 
 
-def rope_table_for(config, ratio: int, device=None) -> RotaryTable:
-    if ratio == 0:
-        return RotaryTable(config.qk_rope_head_dim, config.max_position_embeddings, config.rope_theta,
-                           device=device)
-    return RotaryTable(config.qk_rope_head_dim, config.max_position_embeddings, config.compress_rope_theta,
-                       config.rope_factor, config.original_max_position_embeddings,
-                       config.beta_fast, config.beta_slow, device=device)
+def rope_tables_for(config, max_positions: int) -> dict:
+    """The two RoPE tables every layer shares: plain (ratio 0) and YaRN (compressed layers),
+    sized to the positions the runtime can reach, not the model's 1M-position maximum."""
+    plain = RotaryTable(config.qk_rope_head_dim, max_positions, config.rope_theta)
+    yarn = RotaryTable(config.qk_rope_head_dim, max_positions, config.compress_rope_theta, config.rope_factor,
+                       config.original_max_position_embeddings, config.beta_fast, config.beta_slow)
+    return {"plain": plain, "yarn": yarn}
 
 
 class DeepseekV4Attention(nn.Module):
-    def __init__(self, config, layer_id: int, dtype: torch.dtype):
+    def __init__(self, config, layer_id: int, dtype: torch.dtype, rope: RotaryTable):
         super().__init__()
         c = config
         self.layer_id = layer_id
@@ -66,10 +66,7 @@ class DeepseekV4Attention(nn.Module):
         self.indexer = Indexer(c, dtype) if self.ratio == 4 else None
         for p in self.parameters():
             p.requires_grad_(False)
-        self.rope: RotaryTable = rope_table_for(c, self.ratio)
-
-    def to_device_tables(self, device) -> None:
-        self.rope.cos, self.rope.sin = self.rope.cos.to(device), self.rope.sin.to(device)
+        self.rope = rope
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
@@ -108,10 +105,11 @@ class DeepseekV4Attention(nn.Module):
 
 
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, dtype: torch.dtype):
+    def __init__(self, config, layer_id: int, dtype: torch.dtype, rope_tables: dict):
         super().__init__()
         c = config
-        self.attn = DeepseekV4Attention(c, layer_id, dtype)
+        rope = rope_tables["yarn" if c.layer_compress_ratio(layer_id) else "plain"]
+        self.attn = DeepseekV4Attention(c, layer_id, dtype, rope)
         self.ffn = DeepseekV4MoE(c, layer_id, dtype)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -127,13 +125,15 @@ class DeepseekV4DecoderLayer(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, config, dtype: torch.dtype = torch.float32):
+    def __init__(self, config, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
         super().__init__()
         c = config
         self.config = c
         self.dtype = dtype
+        self.rope_tables = rope_tables_for(c, min(c.max_position_embeddings, max_positions or c.max_position_embeddings))
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(c, i, dtype) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(c, i, dtype, self.rope_tables)
+                                    for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=torch.float32)
@@ -142,13 +142,14 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def to_device(self, device) -> "DeepseekV4ForCausalLM":
         self.to(device)
-        for layer in self.layers:
-            layer.attn.to_device_tables(device)
+        for table in self.rope_tables.values():
+            table.cos, table.sin = table.cos.to(device), table.sin.to(device)
         return self
 
     def forward(self, input_ids: torch.Tensor, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [T] -> final hidden states [T, d] (after the hc head and the final norm).
         The caller runs this inside forward_context(); logits come from compute_logits."""
+        # Token ids are still needed with input_embeds: hash-routed layers route by token id.
         x = self.embed(input_ids) if input_embeds is None else input_embeds.to(self.dtype)
         h = x.unsqueeze(1).repeat(1, self.config.hc_mult, 1)
         for layer in self.layers:

@@ -184,6 +184,20 @@ def test_harness_catches_a_segment_that_branches_on_batch_data(monkeypatch):
     assert report.mismatches, "a frozen shortcut must make replay differ from eager"
 
 
+def test_input_embeds_batches_replay_through_the_static_embeddings_buffer():
+    cfg = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=8192, max_num_reqs=8)
+    graph = ModelRunner(ModelRunnerConfig(**cfg, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[32]))
+    eager = ModelRunner(ModelRunnerConfig(**cfg))
+    ids = torch.randint(3, 500, (27,), generator=torch.Generator().manual_seed(1)).tolist()
+    outs = []
+    for m in (graph, eager):
+        fb = _batch(m, [ids])
+        fb.input_embeds = m.model.embed(fb.input_ids) * 0.5  # not the lookup: must be used as given
+        outs.append(m.forward(fb).next_token_logits)
+    assert graph.graph_runners[0].num_replays == 1
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-4)
+
+
 # ---- decode graphs -----------------------------------------------------------------------
 
 def test_decode_graphs_replay_the_same_logits_as_eager_decode():
