@@ -18,6 +18,12 @@ TINY_DP = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=327
 BUCKETS = (8, 16, 32, 48)
 
 
+def device_config(device: str, rank: int = 0) -> dict:
+    if device == "cuda":
+        return dict(TINY_DP, device=f"cuda:{rank}", dtype="float32", attention_backend="torch")
+    return dict(TINY_DP)
+
+
 @dataclass
 class StepRecord:
     step: int
@@ -117,8 +123,10 @@ def _mode(rows, lengths) -> ForwardMode:
 
 
 def dp_rank_main(rank: int, world: int, port: int, steps: int, seed: int, idle_policy: str, out_dir: str,
-                 verify: bool = False, disagree_at: Optional[int] = None, timeout_s: float = 60.0) -> None:
-    """Body of one DP rank process; writes its records (or its error text) to out_dir."""
+                 verify: bool = False, disagree_at: Optional[int] = None, timeout_s: float = 60.0,
+                 device: str = "cpu", graphs: bool = True) -> None:
+    """Body of one DP rank process; writes its records (or its error text) to out_dir.
+    device "cuda": rank r on GPU r with NCCL and real CUDA graphs (float32, torch kernels)."""
     torch.set_num_threads(1)
     try:
         from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
@@ -126,10 +134,14 @@ def dp_rank_main(rank: int, world: int, port: int, steps: int, seed: int, idle_p
         from sglang.srt.model_executor.forward_batch_info import DPInfo
         from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
 
-        groups = init_dp_groups(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s)
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
+        groups = init_dp_groups(rank, world, f"tcp://127.0.0.1:{port}", dev, timeout_s)
         runner = ModelRunner(ModelRunnerConfig(
-            **TINY_DP, dp_size=world, dp_idle_policy=idle_policy, enable_breakable_cuda_graph=os.environ.get("DP_NO_GRAPHS") is None,
-            breakable_cuda_graph_tokens=list(BUCKETS), cuda_graph_on_cpu=os.environ.get("DP_NO_GRAPHS") is None and os.environ.get("DP_NO_DECODE") is None, cuda_graph_max_bs=8))
+            **device_config(device, rank), dp_size=world, dp_idle_policy=idle_policy,
+            enable_breakable_cuda_graph=graphs, breakable_cuda_graph_tokens=list(BUCKETS),
+            cuda_graph_on_cpu=graphs, disable_cuda_graph=not graphs, cuda_graph_max_bs=8))
         sync = DPStepSync(groups.cpu_group, rank, world, runner.dp_graph_config(), verify=verify)
         table = RequestTable(runner)
         records, paths = [], {}
@@ -149,7 +161,7 @@ def dp_rank_main(rank: int, world: int, port: int, steps: int, seed: int, idle_p
             fb.dp = DPInfo(list(path.global_num_tokens), rank)
             logits = runner.forward_dp(fb, path).next_token_logits
             if spec:
-                records.append(StepRecord(step, spec, logits.clone(), path.kind.name))
+                records.append(StepRecord(step, spec, logits.float().cpu(), path.kind.name))
         stats = runner.get_stats()
         runner.shutdown()  # graphs first, then the process group
         destroy_dp_groups()
@@ -170,12 +182,13 @@ def _contrary_decision(infos, cfg):
     return StepPath(PathKind.EAGER, max(tokens), tokens)
 
 
-def eager_reference(seed: int, rank: int, steps: int, records: List[StepRecord], by_path: Optional[dict] = None) -> float:
+def eager_reference(seed: int, rank: int, steps: int, records: List[StepRecord], by_path: Optional[dict] = None,
+                    device: str = "cpu") -> float:
     """Replays one rank's batches in a single eager process; returns the max |logit diff|
     (and, if `by_path` is given, fills it with the max per path kind)."""
     from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
 
-    runner = ModelRunner(ModelRunnerConfig(**TINY_DP))
+    runner = ModelRunner(ModelRunnerConfig(**device_config(device)))
     table = RequestTable(runner)
     by_step = {r.step: r for r in records}
     worst = 0.0
@@ -183,7 +196,7 @@ def eager_reference(seed: int, rank: int, steps: int, records: List[StepRecord],
         fb, spec = table.batch(rows)
         if not rows:
             continue
-        logits = runner.forward_eager(fb).next_token_logits
+        logits = runner.forward_eager(fb).next_token_logits.float().cpu()
         rec = by_step[step]
         assert rec.rows == spec, f"step {step}: the rank ran a different batch"
         diff = (logits - rec.logits).abs().max().item()
