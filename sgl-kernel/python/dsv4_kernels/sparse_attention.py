@@ -167,9 +167,22 @@ def _merge_splits_kernel(
              o.to(out_ptr.dtype.element_ty), mask=hd_mask)
 
 
+def measured_config(num_tokens: int) -> SparseAttnConfig:
+    """Best configurations measured on an H200 at dsv4-flash-slice decode shapes (H=64,
+    D=512, 128 window + 512 c4 entries; benchmark/bench_sparse_attention.py): 32-head blocks
+    with split key lists for a handful of tokens, 64-head blocks above, keys on the M side
+    once there are enough tokens to fill the machine."""
+    if num_tokens < 16:
+        return SparseAttnConfig(block_h=32)
+    if num_tokens < 256:
+        return SparseAttnConfig(block_h=64)
+    return SparseAttnConfig(block_h=64, keys_as_m=True)
+
+
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
-                          config: SparseAttnConfig = SparseAttnConfig()):
+                          config: SparseAttnConfig | None = None):
     T, H, D = q.shape
+    config = config or measured_config(T)
     assert q.stride(-1) == 1 and kv_a.stride(-1) == 1 and out.stride(-1) == 1
     assert idx_a.stride(-1) == 1 and kv_a.dtype == q.dtype
     if T == 0:

@@ -132,6 +132,11 @@ class BreakableCudaGraphRunner:
         reason = self.fallback_reason(fb)
         if reason is not None and reason != "not_extend_or_mixed":
             self.fallbacks[reason] += 1
+            # first time per reason at info, then debug: a fallback is worth knowing about,
+            # a log line per step is not
+            level = logging.INFO if self.fallbacks[reason] == 1 else logging.DEBUG
+            logger.log(level, "breakable graph fallback to eager (%s): %d tokens, %s", reason, fb.num_tokens,
+                       fb.forward_mode.name)
         return reason is None
 
     def replay(self, fb: ForwardBatch) -> LogitsOutput:
@@ -153,7 +158,7 @@ class BreakableCudaGraphRunner:
     def forward_padded_eager(self, fb: ForwardBatch) -> torch.Tensor:
         """The replay's exact computation without the graph: same padding, same static
         metadata shapes, same kernels. Replay must match it bit for bit, which separates
-        capture bugs from rounding (used by tests and --debug-cuda-graph checks)."""
+        capture bugs from rounding (the equivalence tests compare against it)."""
         n = fb.num_tokens
         bucket = self.bucket_for(n)
         static_fb = self._fill(fb, bucket)

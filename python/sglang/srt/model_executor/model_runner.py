@@ -170,8 +170,11 @@ class ModelRunner:
         """One DP-attention step on the path every rank agreed on (managers/dp_sync.py).
         Idle ranks come with an empty batch and still join every collective."""
         from sglang.srt.managers.dp_sync import PathKind
+        from sglang.srt.two_batch_overlap import compute_split_index
 
         fb = forward_batch
+        # Two-batch overlap is off (start-up refuses it): this returns None at once.
+        compute_split_index(fb, enabled=False)
         if path.kind == PathKind.BCG:
             hidden = self._runner_of("BreakableCudaGraphRunner").replay_hidden(fb, bucket=path.size)
             self.stats["dp_bcg_steps"] = self.stats.get("dp_bcg_steps", 0) + 1

@@ -1,9 +1,10 @@
 """DSV4 MoE: routed experts with clamped SwiGLU plus a shared expert.
 
 Expert weights are stacked ([E, I, d]) so the whole MoE has static shapes and can live
-inside a captured graph segment. The portable path computes every expert for every row
-and weights by the (mostly zero) dense routing matrix: exact, graph-safe, and fine for the
-small presets; `sgl-kernel`'s fused grouped GEMM replaces it on GPU.
+inside a captured graph segment. This path computes every expert for every row and weights
+by the (mostly zero) dense routing matrix: exact, graph-safe, and fine for the small
+presets. `sgl-kernel`'s fused grouped GEMM (dsv4_kernels.fused_moe) is tested against the
+same math but not wired in yet: on GPU this costs E/top_k times the needed FLOPs.
 """
 
 from __future__ import annotations
