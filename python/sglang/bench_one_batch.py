@@ -101,7 +101,7 @@ def main(argv=None):
         disable_cuda_graph=True, attention_backend=a.attention_backend,
     )
     runner = ModelRunner(cfg)
-    bcg = runner.graph_runners[0]
+    bcg = runner.bcg_runner
     dev = runner.device
     rows = []
     header = f"{'mode':6} {'tokens':>6} {'eager ms':>9} {'bcg ms':>8} {'ideal ms':>9} {'eager/bcg':>9} {'bcg/ideal':>9} {'breaks':>6}"

@@ -103,7 +103,9 @@ class ModelRunner:
                                                   max_seq_len=self.max_context_len,
                                                   kernels=resolve_attention_kernels(cfg.attention_backend, self.device))
         self.stats = {"forward_eager": 0}
-        self.graph_runners = []  # BCG / decode graph runners register here (first match wins)
+        self.bcg_runner = None  # extend / mixed batches (breakable graphs)
+        self.decode_graph_runner = None  # decode batches (full graphs)
+        self.graph_runners = []  # both, in the order forward() tries them
         self._init_graph_runners(cfg)
 
     def _init_graph_runners(self, cfg: ModelRunnerConfig) -> None:
@@ -113,12 +115,14 @@ class ModelRunner:
             bcg = BreakableCudaGraphRunner(self, cfg.breakable_cuda_graph_tokens,
                                            cfg.breakable_cuda_graph_max_tokens, debug=cfg.debug_cuda_graph)
             bcg.capture()
+            self.bcg_runner = bcg
             self.graph_runners.append(bcg)
         if not cfg.disable_cuda_graph and (self.device.type == "cuda" or cfg.cuda_graph_on_cpu):
             from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 
             decode = CudaGraphRunner(self, cfg.cuda_graph_max_bs, debug=cfg.debug_cuda_graph)
             decode.capture()
+            self.decode_graph_runner = decode
             self.graph_runners.append(decode)
 
     def _shard_experts_for_dp(self, cfg: ModelRunnerConfig) -> None:
@@ -176,10 +180,10 @@ class ModelRunner:
         # Two-batch overlap is off (start-up refuses it): this returns None at once.
         compute_split_index(fb, enabled=False)
         if path.kind == PathKind.BCG:
-            hidden = self._runner_of("BreakableCudaGraphRunner").replay_hidden(fb, bucket=path.size)
+            hidden = self.bcg_runner.replay_hidden(fb, bucket=path.size)
             self.stats["dp_bcg_steps"] = self.stats.get("dp_bcg_steps", 0) + 1
         elif path.kind == PathKind.DECODE_GRAPH:
-            hidden = self._runner_of("CudaGraphRunner").replay_hidden(fb, bs=path.size)
+            hidden = self.decode_graph_runner.replay_hidden(fb, bs=path.size)
         else:
             self.stats["dp_eager_steps"] = self.stats.get("dp_eager_steps", 0) + 1
             return self.forward_eager(fb, dp_pad_tokens=path.size)
@@ -187,22 +191,17 @@ class ModelRunner:
 
     def dp_local_eligibility(self, fb: ForwardBatch):
         """(could replay a breakable graph, could replay a decode graph) for the consensus."""
-        bcg = [r for r in self.graph_runners if type(r).__name__ == "BreakableCudaGraphRunner"]
-        dec = [r for r in self.graph_runners if type(r).__name__ == "CudaGraphRunner"]
-        ok_bcg = bool(bcg) and fb.num_tokens <= bcg[0].max_num_tokens
-        ok_dec = bool(dec) and fb.input_embeds is None and fb.batch_size <= dec[0].max_bs
+        bcg, dec = self.bcg_runner, self.decode_graph_runner
+        ok_bcg = bcg is not None and fb.num_tokens <= bcg.max_num_tokens
+        ok_dec = dec is not None and fb.input_embeds is None and fb.batch_size <= dec.max_bs
         return ok_bcg, ok_dec
-
-    def _runner_of(self, cls_name: str):
-        return next(r for r in self.graph_runners if type(r).__name__ == cls_name)
 
     def dp_graph_config(self):
         from sglang.srt.managers.dp_sync import GraphConfig
 
-        bcg = [r for r in self.graph_runners if type(r).__name__ == "BreakableCudaGraphRunner"]
-        dec = [r for r in self.graph_runners if type(r).__name__ == "CudaGraphRunner"]
-        return GraphConfig(bcg_buckets=tuple(bcg[0].capture_num_tokens) if bcg else (),
-                           decode_bs_buckets=tuple(dec[0].capture_bs) if dec else (),
+        bcg, dec = self.bcg_runner, self.decode_graph_runner
+        return GraphConfig(bcg_buckets=tuple(bcg.capture_num_tokens) if bcg else (),
+                           decode_bs_buckets=tuple(dec.capture_bs) if dec else (),
                            idle_policy=self.runner_config.dp_idle_policy)
 
     def get_stats(self) -> dict:
@@ -215,3 +214,4 @@ class ModelRunner:
         for runner in self.graph_runners:
             runner.release()
         self.graph_runners = []
+        self.bcg_runner = self.decode_graph_runner = None

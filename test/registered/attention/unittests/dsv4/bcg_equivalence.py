@@ -84,7 +84,7 @@ def random_batch(rng: random.Random, live: List[Req], target: int, max_reqs: int
 def run_equivalence(runners, buckets, batches_per_bucket: int, seed: int = 0, max_len: int = 700,
                     atol_unpadded: float = 1e-4) -> Report:
     bcg, padded, eager = runners
-    graph_runner = bcg.graph_runners[0]
+    graph_runner = bcg.bcg_runner
     padded_runner = _padded_view(padded, graph_runner)
     rng = random.Random(seed)
     live: List[Req] = []

@@ -149,7 +149,7 @@ def test_replay_equals_eager_on_randomised_extend_and_mixed_batches(runners):
     assert report.modes.get("MIXED", 0) > 100 and report.modes.get("EXTEND", 0) > 100
     for b in BUCKETS:  # token counts at the bucket size and just under it were exercised
         assert b in report.tokens and b - 1 in report.tokens
-    assert runners[0].graph_runners[0].num_replays >= report.batches
+    assert runners[0].bcg_runner.num_replays >= report.batches
 
 
 def test_harness_catches_a_refresh_that_assigns_a_copy_field(monkeypatch):
@@ -194,7 +194,7 @@ def test_input_embeds_batches_replay_through_the_static_embeddings_buffer():
         fb = _batch(m, [ids])
         fb.input_embeds = m.model.embed(fb.input_ids) * 0.5  # not the lookup: must be used as given
         outs.append(m.forward(fb).next_token_logits)
-    assert graph.graph_runners[0].num_replays == 1
+    assert graph.bcg_runner.num_replays == 1
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-4)
 
 
@@ -204,7 +204,7 @@ def test_decode_graphs_replay_the_same_logits_as_eager_decode():
     cfg = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=8192, max_num_reqs=12)
     graph = ModelRunner(ModelRunnerConfig(**cfg, cuda_graph_on_cpu=True, cuda_graph_max_bs=8))
     eager = ModelRunner(ModelRunnerConfig(**cfg))
-    decode_runner = graph.graph_runners[0]
+    decode_runner = graph.decode_graph_runner
     assert decode_runner.capture_bs == [1, 2, 4, 8]
     gen = torch.Generator().manual_seed(0)
     for bs in (1, 3, 4, 6, 8):  # at and between buckets
