@@ -1,7 +1,11 @@
 """`python -m sglang.launch_server [server args]`: the HTTP server in this process, the
-scheduler (model) in a child process. With no arguments: dsv4-tiny with random weights on
-port 30000, on the GPU if there is one. Listens only once the model is ready; SIGINT/SIGTERM
-stop both processes; exits non-zero if the scheduler process dies."""
+scheduler (model) in a child process, one per DP rank with --enable-dp-attention --dp-size N.
+With no arguments: dsv4-tiny with random weights on port 30000, on the GPU if there is one.
+Listens only once every model is ready; SIGINT/SIGTERM stop all processes; exits non-zero if
+a scheduler process dies.
+
+Multi-node: every node runs the same command with its own --node-rank; node 0 serves HTTP,
+the others (`--node-rank k > 0`) only run their DP ranks and block until node 0 stops."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import socket
 import sys
 
 from sglang.srt.entrypoints.http_server import serve
+from sglang.srt.managers.dp_controller import run_headless_node
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 
@@ -39,14 +44,17 @@ def launch_server(server_args: ServerArgs) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     manager = None
     try:
+        if server_args.nnodes > 1 and server_args.node_rank > 0:
+            return run_headless_node(server_args)
         _check_port_free(server_args.host, server_args.port)
         manager = TokenizerManager(server_args)
         manager.launch()
         args = manager.server_args  # resolved by the scheduler process
         url = f"http://{args.host}:{args.port}"
+        dp = f", DP attention over {args.dp_size} ranks ({args.load_balance_method})" if args.dp_size > 1 else ""
         ready = (
             f"sglang server ready at {url} (model {manager.served_model_name}, device {args.device}, "
-            f"context {manager.context_length})"
+            f"context {manager.context_length}{dp})"
         )
         return asyncio.run(serve(manager, args.host, args.port, ready_message=ready))
     except KeyboardInterrupt:
@@ -62,7 +70,11 @@ def launch_server(server_args: ServerArgs) -> int:
 
 
 def main(argv=None) -> None:
-    server_args = prepare_server_args(sys.argv[1:] if argv is None else argv)
+    try:
+        server_args = prepare_server_args(sys.argv[1:] if argv is None else argv)
+    except (ValueError, NotImplementedError) as e:  # argument rules: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     logging.basicConfig(
         level=getattr(logging, server_args.log_level.upper()),
         format="[server] %(asctime)s %(levelname)s %(name)s: %(message)s",

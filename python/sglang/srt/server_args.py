@@ -152,7 +152,7 @@ class ServerArgs:
             max_total_tokens=max_total_tokens,
             chunked_prefill_size=self.chunked_prefill_size or _DEFAULT_CHUNKED_PREFILL_SIZE[pick],
             # Triton kernels for the attention core on CUDA; the plain-torch reference elsewhere
-            attention_backend=(("triton" if cuda_available and _triton_importable() else "torch")
+            attention_backend=(("triton" if on_cuda and _triton_importable() else "torch")
                                if self.attention_backend == "auto" else self.attention_backend),
             breakable_cuda_graph_max_tokens=bcg_max,
             cuda_graph_max_bs=self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick],
@@ -221,12 +221,27 @@ def _validate(a: ServerArgs) -> None:
         raise ValueError(f"--node-rank must be in [0, {a.nnodes}), got {a.node_rank}")
     if a.nnodes > 1 and not a.dist_init_addr:
         raise ValueError("--nnodes > 1 needs --dist-init-addr (host:port of node 0)")
+    if a.dp_size % a.nnodes:
+        raise ValueError(f"--dp-size ({a.dp_size}) must be divisible by --nnodes ({a.nnodes}): "
+                         "each node runs the same number of DP ranks")
+    if a.dist_init_addr is not None:
+        _check_dist_init_addr(a.dist_init_addr)
+    from sglang.srt.two_batch_overlap import check_two_batch_overlap
+
+    check_two_batch_overlap(a.enable_two_batch_overlap)
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
     if a.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {a.stream_interval}")
     if a.watchdog_timeout <= 0:
         raise ValueError(f"--watchdog-timeout must be positive, got {a.watchdog_timeout}")
+
+
+def _check_dist_init_addr(addr: str) -> None:
+    host, sep, port = addr.rpartition(":")
+    # port + 1 is node 0's DP controller (managers/dp_controller.py)
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65534:
+        raise ValueError(f"--dist-init-addr must be host:port with a port in [1, 65534], got {addr!r}")
 
 
 def _flag(name: str) -> str:
@@ -283,8 +298,15 @@ _HELP = {
     "breakable_cuda_graph_max_tokens": "largest breakable-graph bucket (default 4096 CUDA / 512 CPU)",
     "breakable_cuda_graph_tokens": "explicit breakable-graph token buckets",
     "cuda_graph_max_bs": "largest decode graph batch size (default 256 CUDA / 16 CPU)",
+    "dp_size": "DP attention ranks (scheduler processes, one GPU each); needs --enable-dp-attention",
+    "load_balance_method": "how the DP controller picks a rank: round_robin, or least_loaded "
+                           "(fewest outstanding requests, then tokens)",
     "dp_idle_policy": "what ranks do on steps where some DP rank is idle",
-    "dist_init_addr": "host:port of node 0 for multi-node rendezvous",
+    "enable_two_batch_overlap": "not implemented yet: start-up fails with NotImplementedError",
+    "nnodes": "nodes the DP ranks span (--dp-size must be a multiple)",
+    "node_rank": "this node's index; node 0 runs the HTTP server, the others only their DP ranks",
+    "dist_init_addr": "host:port of node 0 for the torch.distributed rendezvous; node 0's DP "
+                      "controller also listens on port+1",
     "stream_interval": "stream every N tokens (always on finish)",
     "watchdog_timeout": "seconds a forward may take before the server is considered hung",
 }

@@ -2,6 +2,9 @@
 
 `Engine(...).generate(prompts, sampling_params)` queues every prompt at once and steps the
 scheduler until they all finish, so a list of prompts is served as one continuous batch.
+
+With `enable_dp_attention=True, dp_size=N` the schedulers run in N processes, as in the
+server (managers/dp_controller.py); `_DPSchedulerClient` stands in for the scheduler here.
 """
 
 from __future__ import annotations
@@ -9,11 +12,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import queue
+import threading
+from multiprocessing.connection import wait as wait_for
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from sglang.srt.managers.io_struct import GenerateReqInput, output_text
+from sglang.srt.managers.io_struct import AbortReq, GenerateReqInput, ServerInfo, ServerInfoReq, TokenOut, output_text
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
@@ -51,15 +57,31 @@ def _load_tokenizer(server_args: ServerArgs, model_config):
 
 class Engine:
     def __init__(self, model_path: str = "dsv4-tiny", **server_arg_overrides: Any):
+        args = ServerArgs(model_path=model_path, **server_arg_overrides)
+        self._rids = itertools.count()
+        self._closed = False
+        if args.dp_size > 1:
+            self._init_dp(args)
+            return
         from sglang.srt.model_executor.model_runner import ModelRunner  # heavy: the model
 
-        args = ServerArgs(model_path=model_path, **server_arg_overrides)
         self.server_args = args.resolve(cuda_available=torch.cuda.is_available())
         self.model_runner = ModelRunner(self.server_args)
         self.tokenizer = _load_tokenizer(self.server_args, self.model_runner.config)
         self.scheduler = Scheduler(self.server_args, self.model_runner, decode_fn=self.tokenizer.decode)
-        self._rids = itertools.count()
-        self._closed = False
+
+    def _init_dp(self, args: ServerArgs) -> None:
+        from sglang.srt.configs.deepseek_v4 import load_model_config
+        from sglang.srt.managers.dp_controller import DataParallelController
+
+        if args.nnodes > 1:
+            raise ValueError("the offline Engine runs on one node: use launch_server for --nnodes > 1")
+        controller = DataParallelController(args)
+        ready = controller.launch()
+        self.server_args = ready.server_args
+        self.model_runner = None  # in the rank processes
+        self.tokenizer = _load_tokenizer(self.server_args, load_model_config(self.server_args.model_path))
+        self.scheduler = _DPSchedulerClient(controller, ready)
 
     # ---- generation ------------------------------------------------------------------
 
@@ -124,13 +146,23 @@ class Engine:
     # ---- lifecycle and info ----------------------------------------------------------
 
     def get_server_info(self) -> Dict[str, Any]:
+        """Server args and the scheduler's stats; under DP the sums over ranks, and each rank's
+        own in `dp_rank_stats`."""
         self._check_open()
+        if isinstance(self.scheduler, _DPSchedulerClient):
+            from sglang.srt.managers.dp_controller import aggregate_stats
+
+            per_rank = self.scheduler.get_rank_stats()
+            return {"server_args": dataclasses.asdict(self.server_args), **aggregate_stats(per_rank),
+                    "dp_rank_stats": per_rank}
         return {"server_args": dataclasses.asdict(self.server_args), **self.scheduler.get_stats()}
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if isinstance(self.scheduler, _DPSchedulerClient):
+            self.scheduler.shutdown()  # each rank releases its graphs, then its process groups
         shutdown = getattr(self.model_runner, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -146,6 +178,92 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+class _DPSchedulerClient:
+    """The scheduler calls the Engine makes (add_request, abort_request, has_work, step), served
+    by the DP ranks' processes: requests go to the rank the controller picks, and step() waits
+    for the next outputs any rank sends. Sends go through a thread, so a rank that is busy
+    writing outputs can never deadlock with this process writing requests."""
+
+    def __init__(self, controller, ready):
+        self.controller = controller
+        self.vocab_size = ready.vocab_size
+        self.context_length = ready.context_length
+        self.timeout_s = ready.server_args.watchdog_timeout
+        self._held: List[TokenOut] = []  # outputs read while waiting for stats
+        self._sends: queue.Queue = queue.Queue()
+        threading.Thread(target=self._sender, name="engine-dp-sender", daemon=True).start()
+
+    def _sender(self) -> None:
+        while (item := self._sends.get()) is not None:
+            rank, msg = item
+            try:
+                self.controller.channels[rank].send(msg)
+            except (OSError, ValueError):
+                pass  # the rank is gone: step() reports it
+
+    def add_request(self, req: GenerateReqInput) -> None:
+        """The scheduler's own checks that need no KV state, so bad input still raises here."""
+        params = req.sampling_params
+        params.verify(self.vocab_size)
+        ids = req.input_ids
+        if not ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"input_ids must be a non-empty list of integers in [0, {self.vocab_size})")
+        if len(ids) >= self.context_length:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the context length is {self.context_length} "
+                             "(at least one position must remain for output)")
+        for item in self.controller.route(req):
+            self._sends.put(item)
+
+    def abort_request(self, rid: str) -> bool:
+        rank = self.controller.owner_of(rid)
+        if rank is None:
+            return False
+        self._sends.put((rank, AbortReq(rid=rid)))
+        return True
+
+    def has_work(self) -> bool:
+        return self.controller.num_outstanding > 0
+
+    def step(self) -> List[TokenOut]:
+        outs, self._held = self._held, []
+        if not outs:
+            outs = [o for _, msg in self._read(self.timeout_s) if not isinstance(msg, ServerInfo) for o in msg]
+        self.controller.on_outputs(outs)
+        return outs
+
+    def get_rank_stats(self) -> List[dict]:
+        n = self.controller.dp_size
+        for rank in range(n):
+            self._sends.put((rank, ServerInfoReq()))
+        stats: Dict[int, dict] = {}
+        while len(stats) < n:
+            for rank, msg in self._read(self.timeout_s):
+                if isinstance(msg, ServerInfo):
+                    stats[rank] = msg.stats
+                else:
+                    self._held.extend(msg)
+        return [stats[r] for r in range(n)]
+
+    def _read(self, timeout_s: float) -> list:
+        """(rank, message) for every message ready within `timeout_s`; raises if a rank died."""
+        channels = self.controller.channels
+        ready = wait_for([c.recv_conn for c in channels], timeout=timeout_s)
+        if not ready:
+            raise RuntimeError(f"no output from any DP rank for {timeout_s:.0f} s")
+        got = []
+        for c in channels:
+            while c.recv_conn in ready and c.recv_conn.poll():
+                try:
+                    got.append((c.dp_rank, c.recv()))
+                except (EOFError, OSError):
+                    raise RuntimeError(self.controller.death_message(c.dp_rank)) from None
+        return got
+
+    def shutdown(self) -> None:
+        self._sends.put(None)
+        self.controller.shutdown()
 
 
 def _as_prompt_list(prompt) -> tuple:

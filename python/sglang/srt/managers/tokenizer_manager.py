@@ -1,7 +1,8 @@
-"""TokenizerManager: the server process's side of the scheduler. It tokenizes and validates
-requests, ships them to the scheduler process, routes TokenOut back to per-request asyncio
-queues, detokenizes incrementally, aborts requests whose client went away, and fails every
-in-flight request (and reports it) if the scheduler process dies."""
+"""TokenizerManager: the server process's side of the schedulers. It tokenizes and validates
+requests, ships each to the scheduler process (the DP rank) the controller picks, routes
+TokenOut back to per-request asyncio queues, detokenizes incrementally, aborts requests whose
+client went away, and fails every in-flight request (and reports it) if a scheduler process
+dies."""
 
 from __future__ import annotations
 
@@ -9,15 +10,13 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import multiprocessing as mp
-import os
 import queue
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from sglang.srt.managers.dp_controller import DataParallelController, aggregate_stats
 from sglang.srt.managers.io_struct import (
     AbortReq,
     GenerateReqInput,
@@ -25,18 +24,15 @@ from sglang.srt.managers.io_struct import (
     ServerInfoReq,
     visible_output_ids,
 )
-from sglang.srt.managers.scheduler_process import (
-    SHUTDOWN,
-    ReadyMsg,
-    StartupError,
-    run_scheduler_process,
-)
+from sglang.srt.managers.scheduler_process import ReadyMsg
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.tokenizer import IncrementalDetokenizer, get_tokenizer
 
 logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 1.0
+# After a scheduler process died the others may sit in a collective: do not wait long for them.
+SHUTDOWN_AFTER_DEATH_S = 1.0
 
 
 class RequestError(ValueError):
@@ -44,7 +40,7 @@ class RequestError(ValueError):
 
 
 class SchedulerDiedError(RuntimeError):
-    """The scheduler process is gone: HTTP 503, and the server exits."""
+    """A scheduler process is gone: HTTP 503, and the server exits."""
 
 
 @dataclass
@@ -77,146 +73,116 @@ class TokenizerManager:
         self.dead = False
         self.death_message = ""
         self._closing = False
-        self._proc = None
+        self.controller: DataParallelController | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._death_event: asyncio.Event | None = None
-        self._info_waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._info_waiters: list[collections.deque[asyncio.Future]] = []
         self._send_queue: queue.Queue = queue.Queue()
 
     # ---- process lifecycle --------------------------------------------------------------
 
     def launch(self, timeout_s: float | None = None) -> ReadyMsg:
-        """Start the scheduler process and block until its model is ready; raise
-        RuntimeError with the child's traceback if start-up fails."""
-        ctx = mp.get_context("spawn")
-        req_r, self._req_w = ctx.Pipe(duplex=False)
-        self._out_r, out_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(
-            target=run_scheduler_process,
-            args=(self.server_args, req_r, out_w, os.getpid()),
-            name="sglang-scheduler",
-            daemon=True,  # multiprocessing's atexit also reaps it
-        )
-        self._proc.start()
-        # Drop our copies of the child's ends: then the child exiting is EOF on our side.
-        req_r.close()
-        out_w.close()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self._out_r.poll(0.2):
-            if not self._proc.is_alive():
-                raise RuntimeError(f"scheduler process exited during start-up (exit code {self._proc.exitcode})")
-            if deadline is not None and time.monotonic() > deadline:
-                raise RuntimeError(f"scheduler process not ready after {timeout_s} s")
-        msg = self._out_r.recv()
-        if isinstance(msg, StartupError):
-            raise RuntimeError(f"scheduler process failed to start:\n{msg.message}")
-        assert isinstance(msg, ReadyMsg), msg
+        """Start the scheduler processes (one per DP rank) and block until every model is
+        ready; raise RuntimeError with the failing process's traceback if start-up fails."""
+        self.controller = DataParallelController(self.server_args)
+        self._info_waiters = [collections.deque() for _ in range(self.controller.dp_size)]
+        msg = self.controller.launch(timeout_s)
         self.server_args = msg.server_args
         self.context_length, self.vocab_size = msg.context_length, msg.vocab_size
         return msg
 
     def start_io(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
-        """Start the pipe threads and the watchdog on `loop`; the returned event is set if the
+        """Start the pipe threads and the watchdog on `loop`; the returned event is set if a
         scheduler process dies."""
         self._loop = loop
         self._death_event = asyncio.Event()
-        threading.Thread(target=self._reader, name="scheduler-reader", daemon=True).start()
+        for rank in range(self.controller.dp_size):
+            threading.Thread(target=self._reader, args=(rank,), name=f"scheduler-reader-{rank}", daemon=True).start()
         threading.Thread(target=self._sender, name="scheduler-sender", daemon=True).start()
         self._watchdog_task = loop.create_task(self._watchdog())  # held: the loop keeps weak refs
         return self._death_event
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop the scheduler process: ask, then terminate, then kill. Never leaves it behind."""
+        """Stop the scheduler processes: ask, then terminate, then kill. Never leaves one behind."""
         self._closing = True
-        proc = self._proc
-        if proc is None:
-            return
-        if proc.is_alive():
-            if self._loop is not None:
-                self._send_queue.put(SHUTDOWN)
-            else:
-                try:
-                    self._req_w.send(SHUTDOWN)
-                except OSError:
-                    pass
-            proc.join(timeout_s)
-        for stop in (proc.terminate, proc.kill):
-            if not proc.is_alive():
-                break
-            stop()
-            proc.join(timeout_s)
+        if self.controller is not None:
+            self.controller.shutdown(SHUTDOWN_AFTER_DEATH_S if self.dead else timeout_s)
         self._send_queue.put(None)  # ends the sender thread
 
     @property
     def scheduler_pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self.controller.pids[0] if self.controller is not None else None
 
-    def _reader(self) -> None:
+    def _reader(self, rank: int) -> None:
         # Blocking reads off the event loop; each message is handed to the loop thread.
+        channel = self.controller.channels[rank]
         while True:
             try:
-                msg = self._out_r.recv()
+                msg = channel.recv()
             except (EOFError, OSError):
-                self._to_loop(self._on_scheduler_exit)
+                self._to_loop(self._on_scheduler_exit, rank)
                 return
-            self._to_loop(self._dispatch, msg)
+            self._to_loop(self._dispatch, rank, msg)
 
     def _to_loop(self, fn, *args) -> None:
         try:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:
             pass  # the event loop is closed: the server is shutting down
+
     def _sender(self) -> None:
         # A thread, so a full pipe (scheduler busy in a long step) never blocks the event loop.
-        while (msg := self._send_queue.get()) is not None:
+        while (item := self._send_queue.get()) is not None:
+            rank, msg = item
             try:
-                self._req_w.send(msg)
-            except OSError:
-                self._to_loop(self._on_scheduler_exit)
-                return
-            if msg == SHUTDOWN:
-                return
+                self.controller.channels[rank].send(msg)
+            except (OSError, ValueError):  # gone, or closed by shutdown
+                self._to_loop(self._on_scheduler_exit, rank)
 
     async def _watchdog(self) -> None:
-        # The reader's EOF normally reports a death first; this catches a child that is gone
-        # while the pipe somehow stays open.
+        # The readers' EOF normally reports a death first; this catches a child that is gone
+        # while its pipe somehow stays open.
         while not self.dead:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            if self._proc is not None and not self._proc.is_alive():
-                self._on_scheduler_exit()
+            rank = self.controller.first_dead_rank()
+            if rank is not None:
+                self._on_scheduler_exit(rank)
 
-    def _on_scheduler_exit(self) -> None:
-        if self.dead:
+    def _on_scheduler_exit(self, rank: int) -> None:
+        if self.dead or self._closing:
             return
         self.dead = True
-        self._proc.join(1.0)
-        code = self._proc.exitcode
-        self.death_message = f"the scheduler process exited unexpectedly (exit code {code})"
-        if self._closing:
-            return
+        self.death_message = self.controller.death_message(rank)
         logger.error("%s; failing %d in-flight request(s)", self.death_message, len(self.rid_to_state))
         err = SchedulerDiedError(self.death_message)
         for state in self.rid_to_state.values():
             state.queue.put_nowait(err)
-        while self._info_waiters:
-            fut = self._info_waiters.popleft()
-            if not fut.done():
-                fut.set_exception(err)
+        for waiters in self._info_waiters:
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_exception(err)
         self._death_event.set()
 
-    def _dispatch(self, msg) -> None:
+    def _dispatch(self, rank: int, msg) -> None:
         if isinstance(msg, ServerInfo):
-            fut = self._info_waiters.popleft()
+            fut = self._info_waiters[rank].popleft()
             if not fut.done():
                 fut.set_result(msg)
             return
+        self.controller.on_outputs(msg)
         for out in msg:  # a list of TokenOut from one scheduler step
             state = self.rid_to_state.get(out.rid)
             if state is not None:  # else: aborted, its late outputs are dropped
                 state.queue.put_nowait(out)
 
-    def _send(self, msg) -> None:
-        self._send_queue.put(msg)
+    def _send_to(self, rank: int, msg) -> None:
+        self._send_queue.put((rank, msg))
+
+    def _abort(self, rid: str) -> None:
+        rank = self.controller.owner_of(rid)
+        if rank is not None:  # else it already finished
+            self._send_to(rank, AbortReq(rid=rid))
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -288,7 +254,8 @@ class TokenizerManager:
             raise RequestError(f"request id {rid!r} is already in use")
         state = _ReqState(IncrementalDetokenizer(self.tokenizer, skip_special_tokens, req.sampling_params.stop))
         self.rid_to_state[rid] = state
-        self._send(req)
+        for rank, msg in self.controller.route(req):
+            self._send_to(rank, msg)
         finished = False
         try:
             while not finished:
@@ -301,7 +268,7 @@ class TokenizerManager:
         finally:
             self.rid_to_state.pop(rid, None)
             if not finished and not self.dead:
-                self._send(AbortReq(rid=rid))
+                self._abort(rid)
 
     def _fold(self, req: GenerateReqInput, detok: IncrementalDetokenizer, items: list) -> GenerateOutput:
         text, ids, last = [], [], None
@@ -323,7 +290,7 @@ class TokenizerManager:
             if detok.stopped:
                 # A stop string the scheduler has not acted on yet: end here, free its slot.
                 finished, finish_reason = True, {"type": "stop", "matched": detok.matched_stop}
-                self._send(AbortReq(rid=req.rid))
+                self._abort(req.rid)
                 break
         if finished:
             text.append(detok.finish())
@@ -338,13 +305,17 @@ class TokenizerManager:
         )
 
     async def get_server_info(self, timeout_s: float = 30.0) -> dict:
-        """Server args plus the scheduler's live stats (BCG replays, fallbacks, ...)."""
+        """Server args plus the schedulers' live stats (BCG replays, fallbacks, ...): summed over
+        DP ranks in `scheduler_stats`, each rank's own in `dp_rank_stats`."""
         if self.dead:
             raise SchedulerDiedError(self.death_message)
-        fut = self._loop.create_future()
-        self._info_waiters.append(fut)
-        self._send(ServerInfoReq())
-        info = await asyncio.wait_for(fut, timeout_s)
+        futs = []
+        for rank, waiters in enumerate(self._info_waiters):
+            fut = self._loop.create_future()
+            waiters.append(fut)
+            self._send_to(rank, ServerInfoReq())
+            futs.append(fut)
+        per_rank = [info.stats for info in await asyncio.wait_for(asyncio.gather(*futs), timeout_s)]
         args = self.server_args
         args = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
         return {
@@ -353,5 +324,7 @@ class TokenizerManager:
             "context_length": self.context_length,
             "vocab_size": self.vocab_size,
             "scheduler_pid": self.scheduler_pid,
-            "scheduler_stats": info.stats,
+            "scheduler_pids": self.controller.pids,
+            "scheduler_stats": aggregate_stats(per_rank),
+            "dp_rank_stats": per_rank,
         }
