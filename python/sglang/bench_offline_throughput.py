@@ -117,32 +117,46 @@ def run_benchmark(server_args: ServerArgs, bench_args: BenchArgs) -> dict:
     engine = Engine(model_path=server_args.model_path, **overrides)
     try:
         sched = engine.scheduler
-        vocab = engine.model_runner.config.vocab_size
+        dp = engine.model_runner is None  # DP attention: the ranks live in their own processes
+        vocab = sched.vocab_size if dp else engine.model_runner.config.vocab_size
         if bench_args.warmup_prompts:
             warm = random_prompts(bench_args.warmup_prompts, min(bench_args.random_input_len, 16), vocab,
                                   bench_args.dataset_seed + 1)
             run_requests(sched, warm, 2, "warmup-")
-        before = sched.get_stats()
+        before = _stats(sched)
         prompts = random_prompts(bench_args.num_prompts, bench_args.random_input_len, vocab, bench_args.dataset_seed)
         start = time.perf_counter()
         recs = run_requests(sched, prompts, bench_args.random_output_len, "bench-")
         elapsed = time.perf_counter() - start
-        after = sched.get_stats()
+        after = _stats(sched)
         result = summarize(recs, bench_args.random_input_len, elapsed)
         # scheduler counters of this run only (the runner's own stats are reported as they are)
         result["forwards"] = {k[len("num_forwards_"):]: after[k] - before[k] for k in after
                               if k.startswith("num_forwards_")}
         result["num_retracted_reqs"] = after["num_retracted_reqs"] - before["num_retracted_reqs"]
-        result["runner_stats"] = engine.model_runner.get_stats()
+        result["runner_stats"] = after if dp else engine.model_runner.get_stats()
+        if dp:  # share of extend/mixed DP steps (idle-rank steps included) that replayed BCG
+            bcg = after.get("dp_bcg_steps", 0) - before.get("dp_bcg_steps", 0)
+            ext = after.get("dp_extend_steps", 0) - before.get("dp_extend_steps", 0)
+            result["dp_bcg_replayed_fraction"] = bcg / max(1, ext)
         result["config"] = {
             **dataclasses.asdict(bench_args),
             **{k: getattr(engine.server_args, k) for k in (
                 "model_path", "device", "dtype", "enable_mixed_chunk", "enable_breakable_cuda_graph",
-                "chunked_prefill_size", "max_running_requests", "max_total_tokens", "disable_cuda_graph")},
+                "chunked_prefill_size", "max_running_requests", "max_total_tokens", "disable_cuda_graph",
+                "dp_size", "dp_idle_policy")},
         }
         return result
     finally:
         engine.shutdown()
+
+
+def _stats(sched) -> dict:
+    if hasattr(sched, "get_rank_stats"):
+        from sglang.srt.managers.dp_controller import aggregate_stats
+
+        return aggregate_stats(sched.get_rank_stats())
+    return sched.get_stats()
 
 
 def format_result(r: dict) -> str:
@@ -157,6 +171,8 @@ def format_result(r: dict) -> str:
         f"retracted requests:       {r['num_retracted_reqs']}",
         f"runner stats:             {json.dumps(r['runner_stats'])}",
     ]
+    if "dp_bcg_replayed_fraction" in r:
+        lines.append(f"DP extend/mixed steps replayed from breakable graphs: {r['dp_bcg_replayed_fraction']:.1%}")
     return "\n".join(lines)
 
 

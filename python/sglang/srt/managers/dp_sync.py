@@ -66,6 +66,7 @@ class StepPath:
     # BCG: the token bucket; DECODE_GRAPH: the batch-size bucket; EAGER: the MoE pad length
     size: int
     global_num_tokens: tuple
+    extend_or_mixed: bool = False  # some rank has prefill tokens (what BCG is for)
 
     def code(self) -> int:
         return int(self.kind) * 1_000_000 + self.size
@@ -83,18 +84,19 @@ def decide_step_path(infos: Sequence[LocalStepInfo], cfg: GraphConfig) -> StepPa
     if not live:
         return StepPath(PathKind.IDLE, 0, tokens)
     max_tokens = max(tokens)
+    extend = any(i.mode != ForwardMode.DECODE for i in live)
     has_idle = len(live) < len(infos)
     if has_idle and cfg.idle_policy == "eager":
-        return StepPath(PathKind.EAGER, max_tokens, tokens)
-    if all(i.mode == ForwardMode.DECODE for i in live) and all(i.decode_graph_eligible for i in live):
+        return StepPath(PathKind.EAGER, max_tokens, tokens, extend)
+    if not extend and all(i.decode_graph_eligible for i in live):
         bs = _bucket(cfg.decode_bs_buckets, max(i.batch_size for i in live))
         if bs is not None:
-            return StepPath(PathKind.DECODE_GRAPH, bs, tokens)
-    if all(i.bcg_eligible for i in live) and any(i.mode != ForwardMode.DECODE for i in live):
+            return StepPath(PathKind.DECODE_GRAPH, bs, tokens, extend)
+    if extend and all(i.bcg_eligible for i in live):
         bucket = _bucket(cfg.bcg_buckets, max_tokens)
         if bucket is not None:
-            return StepPath(PathKind.BCG, bucket, tokens)
-    return StepPath(PathKind.EAGER, max_tokens, tokens)
+            return StepPath(PathKind.BCG, bucket, tokens, extend)
+    return StepPath(PathKind.EAGER, max_tokens, tokens, extend)
 
 
 class DPConsensusError(RuntimeError):

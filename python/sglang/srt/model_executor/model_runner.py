@@ -179,15 +179,23 @@ class ModelRunner:
         fb = forward_batch
         # Two-batch overlap is off (start-up refuses it): this returns None at once.
         compute_split_index(fb, enabled=False)
+        self._count_dp_step(path)
         if path.kind == PathKind.BCG:
             hidden = self.bcg_runner.replay_hidden(fb, bucket=path.size)
-            self.stats["dp_bcg_steps"] = self.stats.get("dp_bcg_steps", 0) + 1
         elif path.kind == PathKind.DECODE_GRAPH:
             hidden = self.decode_graph_runner.replay_hidden(fb, bs=path.size)
         else:
-            self.stats["dp_eager_steps"] = self.stats.get("dp_eager_steps", 0) + 1
             return self.forward_eager(fb, dp_pad_tokens=path.size)
         return compute_logits(self.model, hidden, fb)
+
+    def _count_dp_step(self, path) -> None:
+        from sglang.srt.managers.dp_sync import PathKind
+
+        key = {PathKind.BCG: "dp_bcg_steps", PathKind.DECODE_GRAPH: "dp_decode_graph_steps",
+               PathKind.EAGER: "dp_eager_steps"}[path.kind]
+        self.stats[key] = self.stats.get(key, 0) + 1
+        if path.extend_or_mixed:  # the steps BCG is for; the replayed share is what we report
+            self.stats["dp_extend_steps"] = self.stats.get("dp_extend_steps", 0) + 1
 
     def dp_local_eligibility(self, fb: ForwardBatch):
         """(could replay a breakable graph, could replay a decode graph) for the consensus."""
