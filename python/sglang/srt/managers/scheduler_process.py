@@ -220,15 +220,16 @@ def _init_dp(server_args, rank: RankSpec) -> None:
 
     from sglang.srt.distributed.parallel_state import init_dp_groups
 
+    # The ranks of one node share its cores; each taking all of them (torch's default) makes
+    # their thread pools fight: on CPU every collective slows by an order of magnitude, on
+    # GPU the host-side step work (metadata, buffer fills) does. An explicit OMP_NUM_THREADS wins.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.ranks_per_node))
     if server_args.device == "cuda":
         # NVLink multicast hung on the H200 hosts this was built on (DESIGN.md section 5).
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         device = torch.device("cuda", torch.cuda.current_device())
     else:
-        # CPU ranks of one node share its cores; oversubscribing them slows every collective
-        # by an order of magnitude. An explicit OMP_NUM_THREADS wins.
-        if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.ranks_per_node))
         device = torch.device("cpu")
     init_dp_groups(rank.dp_rank, rank.dp_size, rank.init_method, device, timeout_s=server_args.watchdog_timeout)
 
