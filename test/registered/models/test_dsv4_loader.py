@@ -71,7 +71,7 @@ def test_writer_uses_the_release_key_names_dtypes_and_shapes(dsv4_reference_dir,
     init_random_weights(model, seed=1)
     save_checkpoint(model, config, str(tmp_path))
     with safe_open(str(ref_dir / "model.safetensors"), framework="pt") as f:
-        ref = {k: f.get_slice(k) for k in f.keys() if not k.startswith("mtp.")}
+        ref = {k: f.get_slice(k) for k in f.keys()}  # MTP layers included: the model has them too
         ref = {k: (tuple(s.get_shape()), s.get_dtype()) for k, s in ref.items()}
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         got = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
@@ -238,3 +238,22 @@ def test_mtp_tensors_are_skipped(source, tmp_path):
     with_mtp = _runner(_copy_with(ckpt, tmp_path / "mtp", edit))
     plain = _runner(ckpt)
     assert torch.equal(_logits(with_mtp), _logits(plain))
+
+
+def test_mtp_layers_of_a_real_checkpoint_load_exactly_and_refuse_to_run(dsv4_reference_dir):
+    from sglang.srt.model_loader.key_mapping import checkpoint_to_param
+
+    ckpt = dsv4_reference_dir / "conformance-tiny"
+    model = ModelRunner(ModelRunnerConfig(model_path=str(ckpt), context_length=512, max_total_tokens=1024)).model
+    assert len(model.mtp) == 1  # num_nextn_predict_layers, with its compress_ratios entry
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        mtp_keys = [k for k in f.keys() if k.startswith("mtp.")]
+        assert len(mtp_keys) > 40
+        for key in mtp_keys:
+            name, expert = checkpoint_to_param(key)
+            dst = params[name] if expert is None else params[name][expert]
+            assert torch.equal(dst, f.get_tensor(key).to(dst.dtype)), key
+    with pytest.raises(NotImplementedError, match="speculative decoding"):
+        model.mtp[0](torch.zeros(1, 4, 128), torch.zeros(1, dtype=torch.long))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from typing import Optional, Tuple
 
-_HC = re.compile(r"^(layers\.\d+\.)hc_(attn|ffn)_(fn|base|scale)$")
+_HC = re.compile(r"^((?:layers|mtp)\.\d+\.)hc_(attn|ffn|head)_(fn|base|scale)$")
 _HC_HEAD = re.compile(r"^hc_head_(fn|base|scale)$")
-_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+_EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 
 
 def checkpoint_to_param(key: str) -> Tuple[str, Optional[int]]:
@@ -22,9 +22,9 @@ def checkpoint_to_param(key: str) -> Tuple[str, Optional[int]]:
     return key, None
 
 
-_P_HC = re.compile(r"^(layers\.\d+\.)hc_(attn|ffn)\.(fn|base|scale)$")
+_P_HC = re.compile(r"^((?:layers|mtp)\.\d+\.)hc_(attn|ffn|head)\.(fn|base|scale)$")
 _P_HC_HEAD = re.compile(r"^hc_head\.(fn|base|scale)$")
-_P_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(w[123])$")
+_P_EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(w[123])$")
 
 
 def param_to_checkpoint(name: str, expert: Optional[int] = None) -> str:

@@ -4,7 +4,9 @@ Loading casts every tensor to its parameter's dtype (checkpoints mix bf16 weight
 fp32 norms, hc_*, ape, attn_sink, compressor weights and head, and int32 tid2eid).
 FP8 e4m3 weights with a block scale (`<name>.scale`, blocks from quantization_config,
 default 128x128) are dequantised on load. FP4 experts are not supported (clear error).
-MTP layers (`mtp.*`) are recognised and skipped: speculative decoding is out of scope.
+MTP layers (`mtp.*`) load into the model's `mtp` modules when the config declares them
+(num_nextn_predict_layers); they are not run (speculative decoding is out of scope), and
+are skipped when the model has none.
 """
 
 from __future__ import annotations
@@ -54,10 +56,11 @@ def load_checkpoint(model: torch.nn.Module, model_dir: str, fp8_block: Optional[
     params.update(dict(model.named_buffers()))
     tensors = dict(_iter_tensors(model_dir))
     loaded, skipped_mtp = set(), 0
+    has_mtp = any(name.startswith("mtp.") for name in params)
     for key, t in tensors.items():
         if key.endswith(_SCALE_SUFFIXES):
             continue
-        if key.startswith("mtp."):
+        if key.startswith("mtp.") and not has_mtp:
             skipped_mtp += 1
             continue
         if str(t.dtype).startswith("torch.float4") or (t.dtype in (torch.int8, torch.uint8) and ".experts." in key):

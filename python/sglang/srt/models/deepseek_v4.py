@@ -124,6 +124,25 @@ class DeepseekV4DecoderLayer(nn.Module):
         return HyperConnection.post(self.ffn(self.ffn_norm(x), input_ids), h, post, comb)
 
 
+class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
+    """A multi-token-prediction layer (`mtp.{k}.*`): a decoder layer plus the projections that
+    mix the next token's embedding into the hidden state, and its own head mixing. Loaded so
+    checkpoints round-trip; never run (speculative decoding is out of scope)."""
+
+    def __init__(self, config, layer_id: int, dtype: torch.dtype, rope_tables: dict):
+        super().__init__(config, layer_id, dtype, rope_tables)
+        c = config
+        self.e_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False, dtype=dtype)
+        self.h_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False, dtype=dtype)
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError("MTP layers are loaded but not run: speculative decoding is not supported")
+
+
 class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, config, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
         super().__init__()
@@ -137,6 +156,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=torch.float32)
+        n_mtp = c.num_nextn_predict_layers if len(c.compress_ratios) > c.num_hidden_layers else 0
+        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(c, c.num_hidden_layers + k, dtype, self.rope_tables)
+                                 for k in range(n_mtp))
         for p in self.parameters():
             p.requires_grad_(False)
 
