@@ -4,6 +4,7 @@ records every live row's logits so the parent can compare with one process run e
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import traceback
@@ -163,9 +164,13 @@ def dp_rank_main(rank: int, world: int, port: int, steps: int, seed: int, idle_p
             if spec:
                 records.append(StepRecord(step, spec, logits.float().cpu(), path.kind.name))
         stats = runner.get_stats()
-        runner.shutdown()  # graphs first, then the process group
-        destroy_dp_groups()
         torch.save(dict(records=records, paths=paths, stats=stats), os.path.join(out_dir, f"rank{rank}.pt"))
+        runner.shutdown()  # graphs first, then the process group
+        # Nothing may still reference the groups when they are destroyed: a leftover
+        # reference can abort the process at exit.
+        del runner, sync, groups, table
+        gc.collect()
+        destroy_dp_groups()
     except BaseException:  # noqa: BLE001 - the parent asserts on the text
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
