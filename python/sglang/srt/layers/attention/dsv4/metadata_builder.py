@@ -34,7 +34,6 @@ class TokenLayout:
         ext = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64)
         n_real = int(ext.sum())
         starts = torch.cumsum(ext, 0) - ext
-        pad = T - n_real
         host = torch.zeros(4, T, dtype=torch.int64)
         host[0, :n_real] = torch.repeat_interleave(torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64), ext)
         host[1, :n_real] = torch.repeat_interleave(starts, ext)
@@ -44,7 +43,6 @@ class TokenLayout:
         valid = dev[3].bool()
         req = torch.where(valid, fb.token_req_slot.long(), torch.full_like(fb.token_req_slot.long(), padding_slot))
         pos = torch.where(valid, fb.positions.long(), torch.zeros_like(fb.positions.long()))
-        del pad
         return TokenLayout(req, pos, dev[0], dev[1], dev[2], valid)
 
 
