@@ -62,7 +62,7 @@ class BreakableCudaGraphRunner:
         rtp = model_runner.req_to_token_pool
         self.buffers = StaticBatchBuffers(
             self.max_num_tokens, rtp.max_num_reqs + 1, model_runner.config.hidden_size, rtp.padding_slot,
-            loc_dtype=torch.int64, embed_dtype=model_runner.dtype, device=self.device,
+            loc_dtype=rtp.req_to_token.dtype, embed_dtype=model_runner.dtype, device=self.device,
         )
         self.graphs: Dict[int, object] = {}
         self.outputs: Dict[int, torch.Tensor] = {}

@@ -45,7 +45,7 @@ class CudaGraphRunner:
         self.capture_bs = default_capture_bs(min(max_bs, rtp.max_num_reqs))
         self.max_bs = self.capture_bs[-1]
         self.buffers = StaticBatchBuffers(self.max_bs, self.max_bs, model_runner.config.hidden_size,
-                                          rtp.padding_slot, torch.int64, model_runner.dtype, self.device)
+                                          rtp.padding_slot, rtp.req_to_token.dtype, model_runner.dtype, self.device)
         self.graphs: Dict[int, object] = {}
         self.outputs: Dict[int, torch.Tensor] = {}
         self.metadata: Dict[int, object] = {}

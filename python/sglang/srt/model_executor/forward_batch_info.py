@@ -129,11 +129,8 @@ def build_forward_batch(
         forward_mode = ForwardMode.IDLE
     slots = torch.tensor(list(req_pool_indices), dtype=torch.int64)
     tok_slot = torch.repeat_interleave(slots, torch.tensor(ext, dtype=torch.int64))
-    rtt = req_to_token if req_to_token.device.type == "cpu" else None
-    if rtt is not None:
-        out_loc = rtt[tok_slot, pos].to(torch.int64)
-    else:
-        out_loc = req_to_token[tok_slot.to(req_to_token.device), pos.to(req_to_token.device)].to(torch.int64)
+    # Raw KV write slots keep the page table's index dtype (what the KV pools are indexed with).
+    out_loc = req_to_token[tok_slot.to(req_to_token.device), pos.to(req_to_token.device)]
     dev = torch.device(device)
     return ForwardBatch(
         forward_mode=forward_mode,

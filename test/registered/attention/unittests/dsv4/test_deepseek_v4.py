@@ -233,3 +233,14 @@ def test_decode_graphs_replay_the_same_logits_as_eager_decode():
             eager.req_to_token_pool.free_req(s[1])
     assert decode_runner.num_replays == 15
     assert graph.stats["forward_eager"] == 5  # only the prefills ran eagerly
+
+
+def test_static_cache_location_buffers_follow_the_pool_index_dtype():
+    runner = ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096,
+                                           max_num_reqs=4, enable_breakable_cuda_graph=True,
+                                           breakable_cuda_graph_tokens=[8], cuda_graph_on_cpu=True,
+                                           cuda_graph_max_bs=2))
+    index_dtype = runner.req_to_token_pool.req_to_token.dtype
+    assert runner.bcg_runner.buffers.out_cache_loc.dtype == index_dtype
+    assert runner.decode_graph_runner.buffers.out_cache_loc.dtype == index_dtype
+    assert _batch(runner, [[5, 6, 7]]).out_cache_loc.dtype == index_dtype  # no conversion per step
