@@ -62,6 +62,7 @@ class ServerArgs:
     cuda_graph_max_bs: Optional[int] = None
     disable_cuda_graph: bool = False
     debug_cuda_graph: bool = False
+    enable_segment_kernels: bool = False
     # data parallel attention and multi-node
     enable_dp_attention: bool = False
     dp_size: int = 1
@@ -281,6 +282,9 @@ def _query_gpu_free_memory() -> int:
 # ---- CLI ----------------------------------------------------------------------------------
 
 _HELP = {
+    "enable_segment_kernels": "route the in-segment DSV4 pieces (q RMS+RoPE, KV norm+RoPE+cache write, inverse "
+                              "RoPE, compressors, indexer) through sgl-kernel's dsv4_kernels ops: Triton on "
+                              "CUDA, their torch references elsewhere (opt-in until verified on a GPU)",
     "model_path": "preset name (dsv4-tiny, dsv4-mini, dsv4-flash-slice) or a directory with config.json "
                   "and *.safetensors [+ tokenizer.json]",
     "tokenizer_path": "tokenizer.json or a directory holding one (default: the model directory's, else bytes)",

@@ -83,10 +83,12 @@ def scatter_rows_(dst, loc, rows, keep=None):
     keep = loc >= 0 if keep is None else keep
     loc = loc.long()
     rows = rows.to(dst.dtype)
-    first = keep.int().argmax()  # 0 when nothing is kept
+    # index_select with a 1-element index, not loc[first]: indexing with a 0-d tensor reads
+    # it back to the host (.item()), which a captured graph segment cannot do.
+    first = keep.int().argmax().view(1)  # 0 when nothing is kept
     any_kept = keep.any()
-    fallback_loc = torch.where(any_kept, loc[first].clamp(min=0), 0)
-    fallback_row = torch.where(any_kept, rows[first], dst[0])
+    fallback_loc = torch.where(any_kept, loc.index_select(0, first).clamp(min=0), 0)
+    fallback_row = torch.where(any_kept, rows.index_select(0, first)[0], dst[0])
     target = torch.where(keep, loc, fallback_loc)
     values = torch.where(keep[:, None], rows.reshape(rows.shape[0], -1),
                          fallback_row.reshape(1, -1))

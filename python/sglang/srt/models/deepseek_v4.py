@@ -35,6 +35,13 @@ deepseek_v4_attention_with_output = register_split_op(
 )
 
 
+def dsv4_kernel_ops():
+    """sgl-kernel's DSV4 ops (Triton on CUDA tensors, their torch references elsewhere)."""
+    from dsv4_kernels import ops
+
+    return ops
+
+
 def rope_tables_for(config, max_positions: int) -> dict:
     """The two RoPE tables every layer shares: plain (ratio 0) and YaRN (compressed layers),
     sized to the positions the runtime can reach, not the model's 1M-position maximum."""
@@ -73,30 +80,39 @@ class DeepseekV4Attention(nn.Module):
         backend = ctx.attn_backend
         meta, pool = backend.forward_metadata, backend.kv_pool
         T = x.shape[0]
+        kernels = dsv4_kernel_ops() if backend.segment_kernels else None
         cos, sin = self.rope.lookup(meta.positions)
+        rd = self.rope.rope_dim
 
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = rms_normalize(q, self.eps).to(x.dtype)  # per-head, weight-free
-        apply_rope_(q, cos, sin)
-
-        kv = self.kv_norm(self.wkv(x))
-        apply_rope_(kv, cos, sin)
-        scatter_rows_(pool.raw[self.layer_id], meta.raw_out_loc, kv, trash=0)
+        if kernels is not None:  # one launch each: per-head RMS + RoPE; norm + RoPE + cache write
+            kernels.q_rms_rope(q, self.rope.cos, self.rope.sin, meta.positions, rd, self.eps)
+            kernels.rmsnorm_rope_store(self.wkv(x), self.kv_norm.weight, self.eps, self.rope.cos, self.rope.sin,
+                                       meta.positions, rd, pool.raw[self.layer_id], meta.raw_out_loc)
+        else:
+            q = rms_normalize(q, self.eps).to(x.dtype)  # per-head, weight-free
+            apply_rope_(q, cos, sin)
+            kv = self.kv_norm(self.wkv(x))
+            apply_rope_(kv, cos, sin)
+            scatter_rows_(pool.raw[self.layer_id], meta.raw_out_loc, kv, trash=0)
 
         trash_row = backend.padding_ring_row
         if self.ratio:
             state = pool.compressor_state[self.layer_id]
             self.compressor(x, meta.positions, meta.compressor(self.ratio), state,
-                            pool.compressed[self.layer_id], self.rope, trash_row * state.ring)
+                            pool.compressed[self.layer_id], self.rope, trash_row * state.ring, kernels)
         if self.ratio == 4:
             istate = pool.indexer_state[self.layer_id]
             self.indexer(x, qr, cos, sin, meta, istate, pool.indexer_keys[self.layer_id], self.rope,
-                         trash_row * istate.ring)
+                         trash_row * istate.ring, kernels)
 
         o = torch.zeros_like(q)
         deepseek_v4_attention_with_output(q, self.attn_sink, o, self.layer_id)
-        apply_rope_(o, cos, sin, inverse=True)
+        if kernels is not None:
+            kernels.inverse_rope_(o, self.rope.cos, self.rope.sin, meta.positions, rd)
+        else:
+            apply_rope_(o, cos, sin, inverse=True)
 
         o = o.view(T, self.n_groups, self.n_heads * self.head_dim // self.n_groups)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)

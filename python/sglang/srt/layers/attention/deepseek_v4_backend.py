@@ -21,11 +21,15 @@ logger = logging.getLogger(__name__)
 class DeepseekV4AttnBackend(AttentionBackend):
     use_captured_forward_metadata_for_breakable_cuda_graph = True
 
-    def __init__(self, config, kv_pool, req_to_token_pool, max_seq_len: int, kernels: str = "torch"):
+    def __init__(self, config, kv_pool, req_to_token_pool, max_seq_len: int, kernels: str = "torch",
+                 segment_kernels: bool = False):
         if kernels not in ("torch", "triton"):
             raise ValueError(f"unknown attention kernels {kernels!r} (expected 'torch' or 'triton')")
         # The attention core is the break op: with Triton it is one launch per layer.
         self.kernels = kernels
+        # The pieces inside graph segments (norms, RoPE, cache writes, compressors, indexer)
+        # through dsv4_kernels ops instead of the model's own torch code.
+        self.segment_kernels = segment_kernels
         self.config = config
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool

@@ -31,10 +31,18 @@ class Compressor(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: DSV4CompressorMetadata,
-                state: CompressorState, pool: torch.Tensor, rope: RotaryTable, trash_ring_row: int) -> None:
+                state: CompressorState, pool: torch.Tensor, rope: RotaryTable, trash_ring_row: int,
+                kernels=None) -> None:
         xf = x.float()
         kv = self.wkv(xf)
         score = self.wgate(xf) + self.ape[positions % self.ratio]
+        if kernels is not None:  # dsv4_kernels: pool, then ring update, then norm + RoPE + store
+            pooled = kv.new_empty(meta.gather_idx.shape[0], self.norm.weight.shape[0])
+            kernels.compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled)
+            kernels.compressor_state_update(state.kv, state.score, kv, score, meta.ring_write_loc)
+            kernels.compressor_norm_rope_store(pooled, self.norm.weight, self.norm.eps, rope.cos, rope.sin,
+                                               meta.positions, rope.rope_dim, pool, meta.out_loc)
+            return
         pooled = compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio)
         # Ring update after pooling: this step's emissions read the previous contents.
         C = kv.shape[-1]

@@ -23,10 +23,13 @@ class Indexer(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def forward(self, x, qr, cos, sin, meta, state, key_pool, rope, trash_ring_row) -> None:
+    def forward(self, x, qr, cos, sin, meta, state, key_pool, rope, trash_ring_row, kernels=None) -> None:
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         apply_rope_(q, cos, sin)
-        self.compressor(x, meta.positions, meta.c4_compressor, state, key_pool, rope, trash_ring_row)
+        self.compressor(x, meta.positions, meta.c4_compressor, state, key_pool, rope, trash_ring_row, kernels)
         w = self.weights_proj(x).float() * self.weight_scale
         im = meta.indexer
-        im.topk_slots.copy_(indexer_topk(q, w, key_pool, im.cand_slots, im.cand_len, im.topk))
+        if kernels is not None:  # logits kernel + top-k straight into the produced buffer
+            kernels.indexer_topk(q, w, key_pool, im.cand_slots, im.cand_len, im.topk, im.topk_slots)
+        else:
+            im.topk_slots.copy_(indexer_topk(q, w, key_pool, im.cand_slots, im.cand_len, im.topk))
