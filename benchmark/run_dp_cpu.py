@@ -6,7 +6,6 @@ test/registered/dp, N rank processes, then each rank's outputs against one eager
 
 import argparse
 import os
-import socket
 import tempfile
 import time
 
@@ -14,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from sglang.test.dp_harness import dp_rank_main, eager_reference
+from sglang.test.server_process import free_port
 
 
 def main():
@@ -23,9 +23,7 @@ def main():
     p.add_argument("--idle-policy", default="replay")
     p.add_argument("--seed", type=int, default=7)
     a = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tempfile.mkdtemp()
     start = time.perf_counter()
     ctx = mp.get_context("spawn")

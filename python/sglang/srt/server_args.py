@@ -100,6 +100,7 @@ class ServerArgs:
             raise ValueError("--device cuda was requested but CUDA is not available")
         device = self.device if self.device != "auto" else ("cuda" if cuda_available else "cpu")
         on_cuda = device == "cuda"
+        from dsv4_kernels.ops import triton_available
         if model_config is None:
             from sglang.srt.configs.deepseek_v4 import load_model_config
 
@@ -153,7 +154,8 @@ class ServerArgs:
             max_total_tokens=max_total_tokens,
             chunked_prefill_size=self.chunked_prefill_size or _DEFAULT_CHUNKED_PREFILL_SIZE[pick],
             # Triton kernels for the attention core on CUDA; the plain-torch reference elsewhere
-            attention_backend=(("triton" if on_cuda and _triton_importable() else "torch")
+            # (triton_available: the same probe the model runner and dsv4_kernels use)
+            attention_backend=(("triton" if on_cuda and triton_available() else "torch")
                                if self.attention_backend == "auto" else self.attention_backend),
             breakable_cuda_graph_max_tokens=bcg_max,
             cuda_graph_max_bs=self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick],
@@ -354,8 +356,3 @@ def prepare_server_args(argv: Sequence[str]) -> ServerArgs:
 
 __all__: List[str] = ["ServerArgs", "add_cli_args", "from_cli_args", "prepare_server_args"]
 
-
-def _triton_importable() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None

@@ -131,7 +131,7 @@ def dp_rank_main(rank: int, world: int, port: int, steps: int, seed: int, idle_p
     torch.set_num_threads(1)
     try:
         from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
-        from sglang.srt.managers.dp_sync import DPStepSync, PathKind, StepPath, decide_step_path
+        from sglang.srt.managers.dp_sync import DPStepSync, PathKind, decide_step_path
         from sglang.srt.model_executor.forward_batch_info import DPInfo
         from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
 

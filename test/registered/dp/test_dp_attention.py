@@ -4,10 +4,7 @@ run eagerly; the consensus is a pure function; a rank that disagrees fails loudl
 
 from __future__ import annotations
 
-import itertools
-import os
 import random
-import socket
 
 import pytest
 import torch
@@ -16,20 +13,15 @@ import torch.multiprocessing as mp
 from sglang.srt.managers.dp_sync import GraphConfig, LocalStepInfo, PathKind, decide_step_path
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.test.dp_harness import dp_rank_main, eager_reference
+from sglang.test.server_process import free_port
 
 STEPS = 1000
 SEED = 7
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(tmp_path, steps, idle_policy, **kw):
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=dp_rank_main, args=(r, 2, port, steps, SEED, idle_policy, str(tmp_path)), kwargs=kw)
              for r in range(2)]
     for p in procs:

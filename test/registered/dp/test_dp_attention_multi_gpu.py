@@ -4,29 +4,23 @@ same random schedule as the CPU test, outputs equal to one eager process (float3
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from sglang.test.dp_harness import dp_rank_main, eager_reference
+from sglang.test.server_process import free_port
 
 pytestmark = [pytest.mark.multi_gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("idle_policy", ["replay", "eager"])
 def test_dp2_nccl_real_graphs_equal_one_eager_process(tmp_path, idle_policy):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     steps = 400
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=dp_rank_main, args=(r, 2, port, steps, 11, idle_policy, str(tmp_path)),
                          kwargs=dict(device="cuda", timeout_s=120)) for r in range(2)]

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from sglang.test.server_process import ServerProcess, free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MAX_NEW = 8
 GRAPHS = ["--enable-breakable-cuda-graph", "--enable-mixed-chunk", "--breakable-cuda-graph-tokens", "16", "64", "128"]
@@ -27,16 +29,12 @@ PROMPTS = [[(7 * i + 13 * j) % 500 + 3 for j in range(3 + i)] for i in range(16)
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"), pytest.mark.timeout(180)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _free_port_pair() -> int:
     """A port p with p + 1 free as well (rendezvous and node 0's controller)."""
     for _ in range(50):
-        p = _free_port()
+        p = free_port()
         try:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", p + 1))
@@ -74,32 +72,16 @@ def _env() -> dict:
                 PYTHONPATH=os.pathsep.join([str(REPO_ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
 
 
-class Server:
+class Server(ServerProcess):
     """One `launch_server` process; `wait_ready` only for node 0 (the one with HTTP)."""
 
     def __init__(self, tmp_dir: Path, *args: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp_dir / f"server-{self.port}-{time.monotonic_ns()}.log"
-        cmd = [sys.executable, "-m", "sglang.launch_server", *SMALL, "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=_env())
+        port = free_port()
+        cmd = [sys.executable, "-m", "sglang.launch_server", *SMALL, "--port", str(port), *args]
+        super().__init__(cmd, port, tmp_dir / f"server-{port}-{time.monotonic_ns()}.log", _env())
 
     def wait_ready(self, timeout_s: float = 90) -> "Server":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if requests.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text()
+        return super().wait_ready(timeout_s)
 
     def info(self) -> dict:
         return requests.get(self.url + "/get_server_info", timeout=30).json()
@@ -110,16 +92,6 @@ class Server:
         r = requests.post(self.url + "/generate", json=body, timeout=120)
         assert r.status_code == 200, r.text
         return r.json()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
@@ -299,7 +271,7 @@ def test_sigterm_on_node_0_stops_both_nodes_cleanly(tmp_path):
 
 
 def _launch_fails(*args: str) -> tuple:
-    cmd = [sys.executable, "-m", "sglang.launch_server", *SMALL, "--port", str(_free_port()), *args]
+    cmd = [sys.executable, "-m", "sglang.launch_server", *SMALL, "--port", str(free_port()), *args]
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=90)
     return r.returncode, r.stdout + r.stderr
 

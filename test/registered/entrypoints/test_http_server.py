@@ -6,7 +6,6 @@ disconnects, and process hygiene (SIGTERM, scheduler death)."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 import requests
 
 from sglang.srt.tokenizer import ByteTokenizer
+from sglang.test.server_process import ServerProcess, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MODEL = "dsv4-tiny"
@@ -26,10 +26,6 @@ TOK = ByteTokenizer(512)
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -66,37 +62,12 @@ def _server_command(port: int, *extra_args: str):
     return cmd, env
 
 
-class Server:
+class Server(ServerProcess):
     def __init__(self, tmp_dir: Path, *extra_args: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp_dir / f"server-{self.port}.log"
-        cmd, env = _server_command(self.port, *extra_args)
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if requests.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.25)
-        self.proc.kill()
-        raise RuntimeError(f"server not ready after 180 s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        port = free_port()
+        cmd, env = _server_command(port, *extra_args)
+        super().__init__(cmd, port, tmp_dir / f"server-{port}.log", env)
+        self.wait_ready(180, poll_s=0.25)
 
 
 @pytest.fixture(scope="module")
@@ -345,7 +316,7 @@ def test_scheduler_death_fails_in_flight_requests_and_the_server_exits_nonzero(t
 
 
 def test_startup_failure_exits_nonzero_with_the_reason():
-    cmd, env = _server_command(_free_port(), "--context-length", "100000")
+    cmd, env = _server_command(free_port(), "--context-length", "100000")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert "exceeds the model's max_position_embeddings (4096)" in r.stdout + r.stderr

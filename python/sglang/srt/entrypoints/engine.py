@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 from multiprocessing.connection import wait as wait_for
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Sequence, Union
 
 import torch
 

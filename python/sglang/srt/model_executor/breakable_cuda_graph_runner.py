@@ -19,7 +19,7 @@ import torch
 
 from sglang.srt.layers.logits_processor import LogitsOutput, compute_logits
 from sglang.srt.model_executor.breakable_cuda_graph import create_breakable_graph, graph_memory_pool
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.forward_context import forward_context
 from sglang.srt.model_executor.graph_batch import StaticBatchBuffers
 
@@ -47,13 +47,12 @@ def _has_inactive_dp_rank(forward_batch: ForwardBatch) -> bool:
 
 class BreakableCudaGraphRunner:
     def __init__(self, model_runner, capture_num_tokens: Optional[Sequence[int]] = None,
-                 max_tokens: int = 512, debug: bool = False, allow_inactive_dp_rank: bool = False):
+                 max_tokens: int = 512, debug: bool = False):
         self.model_runner = model_runner
         self.model = model_runner.model
         self.attn_backend = model_runner.attn_backend
         self.device = model_runner.device
         self.debug = debug
-        self.allow_inactive_dp_rank = allow_inactive_dp_rank
         buckets = sorted(set(capture_num_tokens)) if capture_num_tokens else default_capture_num_tokens(max_tokens)
         if not buckets or buckets[0] < 1:
             raise ValueError(f"breakable CUDA graph token buckets must be positive, got {buckets}")
@@ -124,7 +123,9 @@ class BreakableCudaGraphRunner:
             return "empty_batch"
         if self.bucket_for(n) - n > 2 * n:
             return "padding_waste"
-        if _has_inactive_dp_rank(fb) and not self.allow_inactive_dp_rank:
+        if _has_inactive_dp_rank(fb):
+            # Under DP attention the step consensus decides instead (forward_dp, idle
+            # policies); a batch reaching this single-rank path with an idle peer stays eager.
             return "inactive_dp_rank"
         return None
 

@@ -21,7 +21,7 @@ from sglang.srt.model_executor.breakable_cuda_graph import (
     create_breakable_graph,
     graph_memory_pool,
 )
-from sglang.srt.model_executor.breakable_cuda_graph_runner import _free_memory, _progress
+from sglang.srt.model_executor.breakable_cuda_graph_runner import _progress
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_executor.forward_context import forward_context
 from sglang.srt.model_executor.graph_batch import StaticBatchBuffers

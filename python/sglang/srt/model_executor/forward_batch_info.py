@@ -7,7 +7,7 @@ Kept small on purpose: model- or feature-specific state lives in typed sub-objec
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch

@@ -16,7 +16,9 @@ import torch
 
 from sglang.srt.configs.deepseek_v4 import load_model_config
 from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
+from sglang.srt.layers.dp_attention import DPMoEContext, expert_shard
 from sglang.srt.layers.logits_processor import LogitsOutput, compute_logits
+from sglang.srt.managers.dp_sync import GraphConfig, PathKind
 from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
 from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -24,6 +26,7 @@ from sglang.srt.model_executor.forward_context import forward_context
 from sglang.srt.model_loader.random_init import init_random_weights
 from sglang.srt.model_loader.safetensors_io import load_checkpoint
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+from sglang.srt.two_batch_overlap import compute_split_index
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +74,9 @@ class ModelRunnerConfig:
 def resolve_attention_kernels(choice: str, device: torch.device) -> str:
     """'auto' -> Triton on CUDA when triton imports, the plain-torch reference otherwise."""
     if choice == "auto":
-        if device.type != "cuda":
-            return "torch"
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return "torch"
-        return "triton"
+        from dsv4_kernels.ops import triton_available
+
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
     if choice == "triton" and device.type != "cuda":
         raise ValueError("--attention-backend triton needs a CUDA device (use torch on CPU)")
     return choice
@@ -129,7 +128,6 @@ class ModelRunner:
 
     def _shard_experts_for_dp(self, cfg: ModelRunnerConfig) -> None:
         from sglang.srt.distributed.parallel_state import get_dp_groups
-        from sglang.srt.layers.dp_attention import expert_shard
 
         self.dp_groups = get_dp_groups()
         if self.dp_groups is None or self.dp_groups.dp_size != cfg.dp_size:
@@ -142,8 +140,6 @@ class ModelRunner:
         """The MoE's DP context for a step whose ranks each contribute `pad_tokens` rows."""
         if self.dp_groups is None:
             return None
-        from sglang.srt.layers.dp_attention import DPMoEContext
-
         g = self.dp_groups
         return DPMoEContext(g.device_group, g.dp_rank, g.dp_size, pad_tokens)
 
@@ -175,9 +171,6 @@ class ModelRunner:
     def forward_dp(self, forward_batch: ForwardBatch, path) -> LogitsOutput:
         """One DP-attention step on the path every rank agreed on (managers/dp_sync.py).
         Idle ranks come with an empty batch and still join every collective."""
-        from sglang.srt.managers.dp_sync import PathKind
-        from sglang.srt.two_batch_overlap import compute_split_index
-
         fb = forward_batch
         # Two-batch overlap is off (start-up refuses it): this returns None at once.
         compute_split_index(fb, enabled=False)
@@ -191,8 +184,6 @@ class ModelRunner:
         return compute_logits(self.model, hidden, fb)
 
     def _count_dp_step(self, path) -> None:
-        from sglang.srt.managers.dp_sync import PathKind
-
         key = {PathKind.BCG: "dp_bcg_steps", PathKind.DECODE_GRAPH: "dp_decode_graph_steps",
                PathKind.EAGER: "dp_eager_steps"}[path.kind]
         self.stats[key] = self.stats.get(key, 0) + 1
@@ -206,9 +197,7 @@ class ModelRunner:
         ok_dec = dec is not None and fb.input_embeds is None and fb.batch_size <= dec.max_bs
         return ok_bcg, ok_dec
 
-    def dp_graph_config(self):
-        from sglang.srt.managers.dp_sync import GraphConfig
-
+    def dp_graph_config(self) -> GraphConfig:
         bcg, dec = self.bcg_runner, self.decode_graph_runner
         return GraphConfig(bcg_buckets=tuple(bcg.capture_num_tokens) if bcg else (),
                            decode_bs_buckets=tuple(dec.capture_bs) if dec else (),

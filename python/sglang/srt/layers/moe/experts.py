@@ -44,6 +44,7 @@ class RoutedExperts(nn.Module):
     def __init__(self, n_experts: int, dim: int, inter: int, limit: float, dtype: torch.dtype):
         super().__init__()
         self.limit = limit
+        self.n_total = n_experts  # routing ids index all experts, also when this rank holds a shard
         self.first_expert = 0  # > 0 when DP attention shards the experts across ranks
         self.w1 = nn.Parameter(torch.zeros(n_experts, inter, dim, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.zeros(n_experts, dim, inter, dtype=dtype), requires_grad=False)
@@ -63,14 +64,9 @@ class RoutedExperts(nn.Module):
         act = clamped_swiglu(gate, up, self.limit) * dense.t().unsqueeze(-1)
         return torch.einsum("eti,edi->td", act.to(x.dtype), self.w2).float()
 
-    @property
-    def n_total(self) -> int:
-        return getattr(self, "_n_total", self.w1.shape[0])
-
     @torch.no_grad()
     def keep_shard_(self, start: int, end: int) -> None:
         """Keep experts [start, end) only (this DP rank's share)."""
-        self._n_total = self.w1.shape[0]
         self.first_expert = start
         for name in ("w1", "w2", "w3"):
             full = getattr(self, name)

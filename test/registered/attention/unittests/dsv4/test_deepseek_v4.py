@@ -249,6 +249,25 @@ def test_decode_graphs_replay_the_same_logits_as_eager_decode():
     assert graph.stats["forward_eager"] == 5  # only the prefills ran eagerly
 
 
+def test_has_inactive_dp_rank_guard_sends_the_batch_to_eager():
+    from sglang.srt.model_executor.breakable_cuda_graph_runner import _has_inactive_dp_rank
+    from sglang.srt.model_executor.forward_batch_info import DPInfo
+
+    runner = ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096,
+                                           max_num_reqs=4, enable_breakable_cuda_graph=True,
+                                           breakable_cuda_graph_tokens=[8]))
+    fb = _batch(runner, [[5, 6, 7, 8, 9]])
+    assert not _has_inactive_dp_rank(fb) and runner.bcg_runner.can_run(fb)  # no DP info: single rank
+    fb.dp = DPInfo(global_num_tokens_cpu=[5, 3], dp_rank=0)
+    assert not _has_inactive_dp_rank(fb) and runner.bcg_runner.can_run(fb)
+    fb.dp = DPInfo(global_num_tokens_cpu=[5, 0], dp_rank=0)
+    assert _has_inactive_dp_rank(fb)
+    assert runner.bcg_runner.fallback_reason(fb) == "inactive_dp_rank"
+    runner.forward(fb)
+    assert runner.get_stats()["bcg_fallbacks"] == {"inactive_dp_rank": 1}
+    assert runner.stats["forward_eager"] == 1
+
+
 def test_static_cache_location_buffers_follow_the_pool_index_dtype():
     runner = ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096,
                                            max_num_reqs=4, enable_breakable_cuda_graph=True,

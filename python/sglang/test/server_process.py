@@ -1,0 +1,54 @@
+"""A `launch_server` (or any HTTP server) child process for tests: start, wait for /health,
+read its log, stop with SIGTERM (then kill). Every wait is bounded."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, cmd: Sequence[str], port: int, log_path: Path, env: Optional[dict] = None):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.proc = subprocess.Popen(list(cmd), stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout_s: float = 180, poll_s: float = 0.1) -> "ServerProcess":
+        """Until /health answers 200; raises with the server's log if it exits or times out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except requests.ConnectionError:
+                pass
+            time.sleep(poll_s)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
