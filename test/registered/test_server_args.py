@@ -132,3 +132,17 @@ def test_invalid_values_raise_clear_errors(kwargs, message):
 def test_resolution_errors(kwargs, cuda, message):
     with pytest.raises(ValueError, match=message):
         ServerArgs(**kwargs).resolve(cuda_available=cuda)
+
+
+def test_segment_kernel_flags():
+    """Segment kernels follow the attention kernels (on with Triton on CUDA); on CPU they
+    are off unless forced, and the two flags cannot both be given."""
+    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+
+    with pytest.raises(ValueError, match="contradict"):
+        ServerArgs(enable_segment_kernels=True, disable_segment_kernels=True)
+    a = prepare_server_args(["--disable-segment-kernels"])
+    assert a.disable_segment_kernels and not a.enable_segment_kernels
+    tiny = dict(max_total_tokens=1024, max_num_reqs=2, context_length=256)
+    assert not ModelRunner(ModelRunnerConfig(**tiny)).attn_backend.segment_kernels
+    assert ModelRunner(ModelRunnerConfig(**tiny, enable_segment_kernels=True)).attn_backend.segment_kernels

@@ -63,6 +63,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     debug_cuda_graph: bool = False
     enable_segment_kernels: bool = False
+    disable_segment_kernels: bool = False
     # data parallel attention and multi-node
     enable_dp_attention: bool = False
     dp_size: int = 1
@@ -222,6 +223,8 @@ def _validate(a: ServerArgs) -> None:
         raise ValueError(f"--nnodes must be >= 1, got {a.nnodes}")
     if not 0 <= a.node_rank < a.nnodes:
         raise ValueError(f"--node-rank must be in [0, {a.nnodes}), got {a.node_rank}")
+    if a.enable_segment_kernels and a.disable_segment_kernels:
+        raise ValueError("--enable-segment-kernels and --disable-segment-kernels contradict each other")
     if a.nnodes > 1 and not a.dist_init_addr:
         raise ValueError("--nnodes > 1 needs --dist-init-addr (host:port of node 0)")
     if a.dp_size % a.nnodes:
@@ -284,9 +287,12 @@ def _query_gpu_free_memory() -> int:
 # ---- CLI ----------------------------------------------------------------------------------
 
 _HELP = {
-    "enable_segment_kernels": "route the in-segment DSV4 pieces (q RMS+RoPE, KV norm+RoPE+cache write, inverse "
-                              "RoPE, compressors, indexer) through sgl-kernel's dsv4_kernels ops: Triton on "
-                              "CUDA, their torch references elsewhere (opt-in until verified on a GPU)",
+    "enable_segment_kernels": "route the in-segment DSV4 pieces (mHC, q RMS+RoPE, KV norm+RoPE+cache write, "
+                              "inverse RoPE, compressors, indexer, MoE) through sgl-kernel's dsv4_kernels ops "
+                              "even where the attention backend is torch (on CPU: their torch references). "
+                              "Default: on exactly when the attention backend resolves to triton",
+    "disable_segment_kernels": "keep the model's own torch code inside graph segments on CUDA (the Triton "
+                               "attention core still runs if --attention-backend is triton)",
     "model_path": "preset name (dsv4-tiny, dsv4-mini, dsv4-flash-slice) or a directory with config.json "
                   "and *.safetensors [+ tokenizer.json]",
     "tokenizer_path": "tokenizer.json or a directory holding one (default: the model directory's, else bytes)",

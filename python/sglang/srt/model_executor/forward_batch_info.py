@@ -12,6 +12,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from sglang.srt.model_executor.host_to_device import to_device_async
+
 
 class ForwardMode(enum.IntEnum):
     EXTEND = 1  # prefill chunks only
@@ -98,7 +100,7 @@ class ForwardBatch:
     def last_token_indices(self) -> torch.Tensor:
         """Row of each request's last token (where next-token logits are read)."""
         ends = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0) - 1
-        return ends.to(self.device)
+        return to_device_async(ends, self.device)
 
 
 def build_forward_batch(

@@ -53,7 +53,10 @@ class ModelRunnerConfig:
     cuda_graph_max_bs: int = 16
     debug_cuda_graph: bool = False
     attention_backend: str = "auto"  # "torch" | "triton" | "auto" (Triton kernels on CUDA)
-    enable_segment_kernels: bool = False  # dsv4_kernels ops for the in-segment pieces too
+    # dsv4_kernels ops for the in-segment pieces too: on by default exactly when the attention
+    # core runs on Triton; enable forces them (CPU: their torch references), disable keeps torch.
+    enable_segment_kernels: bool = False
+    disable_segment_kernels: bool = False
     # Decode graphs are on by default on CUDA; tests turn the CPU emulator on explicitly.
     cuda_graph_on_cpu: bool = False
     # DP attention (the process groups are set up before the runner: distributed/parallel_state.py)
@@ -99,10 +102,13 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(cfg.max_num_reqs, self.max_context_len, num_pages,
                                                 cfg.page_size, self.device)
         self.kv_pool = DSV4KVPool(self.config, num_pages * cfg.page_size, cfg.max_num_reqs, self.dtype, self.device)
+        kernels = resolve_attention_kernels(cfg.attention_backend, self.device)
+        if cfg.enable_segment_kernels and cfg.disable_segment_kernels:
+            raise ValueError("enable_segment_kernels and disable_segment_kernels contradict each other")
+        segment_kernels = cfg.enable_segment_kernels or (kernels == "triton" and not cfg.disable_segment_kernels)
         self.attn_backend = DeepseekV4AttnBackend(self.config, self.kv_pool, self.req_to_token_pool,
-                                                  max_seq_len=self.max_context_len,
-                                                  kernels=resolve_attention_kernels(cfg.attention_backend, self.device),
-                                                  segment_kernels=cfg.enable_segment_kernels)
+                                                  max_seq_len=self.max_context_len, kernels=kernels,
+                                                  segment_kernels=segment_kernels)
         self.stats = {"forward_eager": 0}
         self.bcg_runner = None  # extend / mixed batches (breakable graphs)
         self.decode_graph_runner = None  # decode batches (full graphs)

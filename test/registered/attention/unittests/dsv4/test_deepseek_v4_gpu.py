@@ -41,7 +41,7 @@ def test_triton_attention_matches_torch_reference_on_dsv4_mini():
 
     tok = torch.randint(3, 30000, (700,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {}
-    for kernels in ("torch", "triton"):
+    for kernels in ("torch", "triton"):  # triton: attention core and segment kernels
         r = ModelRunner(ModelRunnerConfig(**dict(MINI, attention_backend=kernels, disable_cuda_graph=True)))
         out[kernels] = torch.stack(prefill_in_chunks(r, tok, [300, 1]))[-8:]
         r.shutdown()
@@ -53,13 +53,36 @@ def test_triton_attention_matches_torch_reference_on_dsv4_mini():
     assert cos.min().item() > 0.99
 
 
-def test_segment_kernels_on_dsv4_mini():
-    """The Triton path for everything inside segments: replay == padded eager exactly, and the
-    model's outputs stay close to the torch path (bf16)."""
-    runners = make_runners(BUCKETS, **dict(MINI, enable_segment_kernels=True))
+def test_model_torch_code_in_segments_on_dsv4_mini():
+    """--disable-segment-kernels (the model's own torch code inside segments, Triton attention
+    core): replay == padded eager exactly there too."""
+    runners = make_runners(BUCKETS, **dict(MINI, disable_segment_kernels=True))
+    assert not any(r.attn_backend.segment_kernels for r in runners)
     report = run_equivalence(runners, BUCKETS, batches_per_bucket=12, seed=6, max_len=1800,
                              atol_unpadded=float("inf"))
-    print(f"\nsegment kernels: batches={report.batches} max|replay - unpadded eager|={report.max_unpadded_diff:.4f}")
+    print(f"\ntorch segments: batches={report.batches} max|replay - unpadded eager|={report.max_unpadded_diff:.4f}")
     assert [m for m in report.mismatches if m.what.startswith("replay vs eager on the padded")] == []
     for r in runners:
         r.shutdown()
+
+
+def test_breakable_replay_never_waits_for_the_gpu():
+    """Building metadata, padding, replaying and the logits head queue work without a single
+    host sync, so the host prepares step i+1 while the GPU runs step i."""
+    from sglang.bench_one_batch import make_batch
+    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+
+    r = ModelRunner(ModelRunnerConfig(**dict(MINI, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[64],
+                                             disable_cuda_graph=True)))
+    assert r.attn_backend.segment_kernels  # the default on CUDA
+    fb, _ = make_batch(r, "mixed", 60, 300, 1024, 20)
+    with torch.inference_mode():
+        r.bcg_runner.replay(fb)  # first use: lazy allocations outside the checked replay
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = r.bcg_runner.replay(fb).next_token_logits
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert got.shape == (fb.batch_size, r.config.vocab_size) and torch.isfinite(got).all()
+    assert r.bcg_runner.num_replays == 2
+    r.shutdown()

@@ -1,10 +1,11 @@
 """Builds DSV4Metadata from a ForwardBatch with a few vectorised launches (no per-request
-Python loops on the device side). Runs outside captured segments: host syncs are fine here."""
+Python loops on the device side). Runs outside captured segments, before every replay: it
+never waits for the GPU, so the host can prepare the next step while kernels run."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -14,12 +15,14 @@ from sglang.srt.layers.attention.dsv4.metadata import (
     DSV4IndexerMetadata,
     DSV4Metadata,
 )
+from sglang.srt.model_executor.host_to_device import to_device_async
 
 
 @dataclass
 class TokenLayout:
     """Per-token view of a batch: request slot, position, the request's prefix length,
-    the batch row of the request's first new token, its new total length, realness."""
+    the batch row of the request's first new token, its new total length, realness;
+    plus, per compression ratio, the rows that emit a compressed entry this step."""
 
     req_slot: torch.Tensor
     pos: torch.Tensor
@@ -27,23 +30,45 @@ class TokenLayout:
     chunk_start: torch.Tensor
     seq_len: torch.Tensor
     valid: torch.Tensor
+    emit_rows: Dict[int, torch.Tensor]  # ratio -> [E] int64 rows; the first emit_count are real
+    emit_count: Dict[int, int]
 
     @staticmethod
-    def from_forward_batch(fb, padding_slot: int) -> "TokenLayout":
+    def from_forward_batch(fb, padding_slot: int, emissions: Dict[int, Optional[int]]) -> "TokenLayout":
+        """Everything that depends on the request lengths is computed from the host lists and
+        uploaded in one non-blocking copy: building metadata never waits for the GPU."""
         T = fb.num_tokens
         ext = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64)
         n_real = int(ext.sum())
         starts = torch.cumsum(ext, 0) - ext
-        host = torch.zeros(4, T, dtype=torch.int64)
-        host[0, :n_real] = torch.repeat_interleave(torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64), ext)
-        host[1, :n_real] = torch.repeat_interleave(starts, ext)
-        host[2, :n_real] = torch.repeat_interleave(torch.tensor(fb.seq_lens_cpu, dtype=torch.int64), ext)
-        host[3, :n_real] = 1
-        dev = host.to(fb.device, non_blocking=True)
-        valid = dev[3].bool()
-        req = torch.where(valid, fb.token_req_slot.long(), torch.full_like(fb.token_req_slot.long(), padding_slot))
-        pos = torch.where(valid, fb.positions.long(), torch.zeros_like(fb.positions.long()))
-        return TokenLayout(req, pos, dev[0], dev[1], dev[2], valid)
+        prefix = torch.repeat_interleave(torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64), ext)
+        start = torch.repeat_interleave(starts, ext)
+        pos = prefix + torch.arange(n_real, dtype=torch.int64) - start
+        rows, counts, widths = [], {}, {}
+        for ratio in sorted(emissions):
+            emit = torch.nonzero((pos + 1) % ratio == 0).squeeze(1)
+            counts[ratio] = k = emit.numel()
+            widths[ratio] = E = k if emissions[ratio] is None else emissions[ratio]
+            if k > E:
+                raise ValueError(f"{k} ratio-{ratio} emissions exceed the static bound {E}")
+            rows.append(torch.cat([emit, emit.new_zeros(E - k)]))
+        host = torch.zeros(4 * T + sum(widths.values()), dtype=torch.int64)
+        host[0:n_real] = prefix
+        host[T:T + n_real] = start
+        host[2 * T:2 * T + n_real] = torch.repeat_interleave(torch.tensor(fb.seq_lens_cpu, dtype=torch.int64), ext)
+        host[3 * T:3 * T + n_real] = 1
+        if rows:
+            host[4 * T:] = torch.cat(rows)
+        dev = to_device_async(host, fb.device)
+        emit_rows, off = {}, 4 * T
+        for ratio in sorted(emissions):
+            emit_rows[ratio] = dev[off:off + widths[ratio]]
+            off += widths[ratio]
+        valid = dev[3 * T:4 * T].bool()
+        slot = fb.token_req_slot.long()
+        req = torch.where(valid, slot, torch.full_like(slot, padding_slot))
+        positions = torch.where(valid, fb.positions.long(), 0)
+        return TokenLayout(req, positions, dev[0:T], dev[T:2 * T], dev[2 * T:3 * T], valid, emit_rows, counts)
 
 
 def _compressed_lists(rtt: torch.Tensor, L: TokenLayout, ratio: int, width: int):
@@ -54,28 +79,19 @@ def _compressed_lists(rtt: torch.Tensor, L: TokenLayout, ratio: int, width: int)
     return torch.where(i[None, :] < n[:, None], slots, -1).int(), n.int()
 
 
-def _compressor_metadata(L: TokenLayout, raw_out_loc: torch.Tensor, ratio: int,
-                         num_emissions: Optional[int]) -> DSV4CompressorMetadata:
+def _compressor_metadata(L: TokenLayout, raw_out_loc: torch.Tensor, ratio: int) -> DSV4CompressorMetadata:
     R = 2 * ratio if ratio == 4 else ratio
-    emit = L.valid & ((L.pos + 1) % ratio == 0)
-    tok = emit.nonzero().squeeze(1)  # host sync: fine, metadata is built eagerly
-    E = tok.numel() if num_emissions is None else num_emissions
-    if tok.numel() > E:
-        raise ValueError(f"{tok.numel()} ratio-{ratio} emissions exceed the static bound {E}")
+    tok = L.emit_rows[ratio]
+    real = torch.arange(tok.shape[0], device=tok.device) < L.emit_count[ratio]
     pos, prefix = L.pos[tok], L.prefix[tok]
     entry = (pos + 1) // ratio - 1
     q = ((entry + 1) * ratio - R)[:, None] + torch.arange(R, device=pos.device)[None, :]
     ring = L.req_slot[tok][:, None] * R + q.remainder(R)
     fresh = -(L.chunk_start[tok][:, None] + q - prefix[:, None]) - 2
     idx = torch.where(q < 0, -1, torch.where(q < prefix[:, None], ring, fresh))
-    dev = pos.device
-    gather_idx = torch.full((E, R), -1, dtype=torch.int32, device=dev)
-    out_loc = torch.full((E,), -1, dtype=torch.int32, device=dev)
-    positions = torch.zeros(E, dtype=torch.int32, device=dev)
-    k = tok.numel()
-    gather_idx[:k] = idx.int()
-    out_loc[:k] = (raw_out_loc[tok] // ratio).int()
-    positions[:k] = (entry * ratio).int()
+    gather_idx = torch.where(real[:, None], idx, -1).int()
+    out_loc = torch.where(real, raw_out_loc[tok] // ratio, -1).int()
+    positions = torch.where(real, entry * ratio, 0).int()
     keep = L.valid & (L.pos >= L.seq_len - R)
     ring_write_loc = torch.where(keep, L.req_slot * R + L.pos % R, -1).int()
     return DSV4CompressorMetadata(ratio, gather_idx, out_loc, positions, ring_write_loc)
@@ -91,7 +107,6 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
                         fixed_max_seq_len: Optional[int] = None,
                         max_num_reqs: Optional[int] = None) -> DSV4Metadata:
     """fixed_max_seq_len given (capture / replay): every width is static; else sized to the batch."""
-    L = TokenLayout.from_forward_batch(fb, padding_slot)
     rtt = req_to_token
     T = fb.num_tokens
     dev = rtt.device
@@ -101,6 +116,7 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
     else:
         max_seq = fixed_max_seq_len
         emissions = {r: max_emissions(T, r, max_num_reqs + 1) for r in ratios}
+    L = TokenLayout.from_forward_batch(fb, padding_slot, emissions)
 
     raw_out_loc = torch.where(L.valid, rtt[L.req_slot, L.pos.clamp(max=rtt.shape[1] - 1)].long(), -1)
 
@@ -133,6 +149,6 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
         positions=L.pos,
         attn=attn,
         indexer=indexer,
-        c4_compressor=_compressor_metadata(L, raw_out_loc, 4, emissions.get(4)) if 4 in ratios else None,
-        c128_compressor=_compressor_metadata(L, raw_out_loc, 128, emissions.get(128)) if 128 in ratios else None,
+        c4_compressor=_compressor_metadata(L, raw_out_loc, 4) if 4 in ratios else None,
+        c128_compressor=_compressor_metadata(L, raw_out_loc, 128) if 128 in ratios else None,
     )

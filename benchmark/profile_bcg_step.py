@@ -1,0 +1,109 @@
+"""Where one extend/mixed step spends its time: host phases of a breakable-graph replay and
+the GPU kernels of the same padded step.
+
+    python benchmark/profile_bcg_step.py --model-path dsv4-mini --num-tokens 64 256 --out DIR
+
+For each size it prints (1) host-side time of each replay phase without syncs (what the CPU
+spends enqueueing), (2) the same phases with a sync after each (GPU catches up), (3) the top
+GPU kernels of one padded eager step (forward_padded_eager: the replay's exact kernels) and
+(4) the top host ops of one replay, from torch.profiler. Writes the tables under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from sglang.bench_one_batch import make_batch
+from sglang.srt.layers.logits_processor import compute_logits
+from sglang.srt.model_executor.forward_context import forward_context
+from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+
+
+def phases(bcg, fb, sync: bool):
+    """Host seconds per replay phase (sync=True: each phase waits for the GPU)."""
+    t = {}
+    n = fb.num_tokens
+    bucket = bcg.bucket_for(n)
+
+    def mark(name, start):
+        if sync:
+            torch.cuda.synchronize()
+        t[name] = t.get(name, 0.0) + time.perf_counter() - start
+        return time.perf_counter()
+
+    s = time.perf_counter()
+    static_fb = bcg._fill(fb, bucket)
+    s = mark("fill", s)
+    bcg._prepare_forward_metadata_for_replay(bucket, fb, static_fb)
+    s = mark("metadata", s)
+    with forward_context(static_fb, bcg.attn_backend, n, bcg.model_runner.dp_moe(bucket)):
+        bcg.graphs[bucket].replay()
+    s = mark("replay", s)
+    compute_logits(bcg.model, bcg.outputs[bucket], fb)
+    mark("logits", s)
+    torch.cuda.synchronize()
+    return t
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-path", default="dsv4-mini")
+    p.add_argument("--num-tokens", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--context-length", type=int, default=8192)
+    p.add_argument("--disable-segment-kernels", action="store_true")
+    p.add_argument("--out", default=".")
+    a = p.parse_args()
+    n_reqs = 2 * (max(a.num_tokens) // 1024 + 34)
+    cfg = ModelRunnerConfig(
+        model_path=a.model_path, device="cuda", dtype="bfloat16", context_length=a.context_length,
+        max_num_reqs=n_reqs, max_total_tokens=n_reqs * (1024 + 1024 + 128),
+        enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=sorted(set(a.num_tokens)),
+        disable_cuda_graph=True, disable_segment_kernels=a.disable_segment_kernels,
+    )
+    runner = ModelRunner(cfg)
+    bcg = runner.bcg_runner
+    report = []
+    for n in a.num_tokens:
+        fb, slots = make_batch(runner, "mixed", n, 1024, 1024, min(32, n // 2))
+        with torch.inference_mode():
+            for _ in range(3):
+                phases(bcg, fb, sync=False)
+            iters = 20
+            acc_async, acc_sync = {}, {}
+            for _ in range(iters):
+                for k, v in phases(bcg, fb, sync=False).items():
+                    acc_async[k] = acc_async.get(k, 0.0) + v / iters
+                for k, v in phases(bcg, fb, sync=True).items():
+                    acc_sync[k] = acc_sync.get(k, 0.0) + v / iters
+            report.append(f"== mixed {n} tokens: host ms per phase (no sync) / (sync after each)")
+            for k in acc_async:
+                report.append(f"  {k:10s} {acc_async[k] * 1e3:8.3f} {acc_sync[k] * 1e3:8.3f}")
+            report.append(f"  {'total':10s} {sum(acc_async.values()) * 1e3:8.3f} {sum(acc_sync.values()) * 1e3:8.3f}")
+
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                bcg.forward_padded_eager(fb)
+                torch.cuda.synchronize()
+            report.append(f"== mixed {n}: GPU kernels of one padded eager step")
+            report.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                bcg.replay(fb)
+                torch.cuda.synchronize()
+            report.append(f"== mixed {n}: host ops of one replay")
+            report.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+        for s in slots:
+            runner.req_to_token_pool.free_req(s)
+        print("\n".join(report[-5:]), flush=True)
+    text = "\n".join(report)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "profile_bcg_step.txt"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
