@@ -8,6 +8,12 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+if not torch.cuda.is_available():
+    # Tests that call the Triton kernels directly run them under the interpreter on CPU; it
+    # must be set before any dsv4_kernels kernel module imports triton (as in
+    # sgl-kernel/tests/conftest.py). The model's own CPU paths never reach Triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

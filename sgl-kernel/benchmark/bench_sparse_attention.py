@@ -11,6 +11,9 @@ POOL_ROWS = 1 << 16  # 64 MiB of bf16 rows per pool: random gathers miss L2
 SWEEP = [  # (block_h, block_n, num_warps, num_stages, keys_as_m); sm90_resources.py shows spills
     (32, 32, 8, 2, False), (32, 16, 8, 2, False), (32, 32, 8, 3, False), (16, 32, 4, 2, False),
     (16, 32, 4, 3, False), (16, 16, 4, 2, False), (64, 32, 8, 2, False), (64, 32, 8, 2, True),
+    # keys as the 64-row M side of the first dot (Hopper's natural wgmma tile), deeper pipelines
+    (64, 64, 8, 2, True), (64, 64, 8, 3, True), (64, 32, 8, 3, True), (64, 32, 8, 4, True),
+    (64, 16, 4, 3, True), (64, 64, 4, 2, True),
 ]
 
 

@@ -1,6 +1,12 @@
 """Triton grouped-GEMM MoE: tokens sorted by expert into a statically sized, block-padded list
 (capturable: no host sync, shapes depend only on T, topk, E), then two expert-grouped GEMMs
-(gate/up with the clamped SwiGLU fused, then down scaled by the routing weight).
+(gate/up with the clamped SwiGLU and the routing weight fused, then down), then a top-k sum.
+
+Semantics (shared with reference.fused_moe): out[t] = sum over k with 0 <= ids[t,k] < E of
+W2_e(act(W1_e x, W3_e x) * weights[t,k]), the weighted activation rounded to x's dtype before
+the down projection (DeepSeek's order; it differs from weighting after W2 in bf16). Ids outside
+[0, E) are skipped: callers use that for assignments this rank does not own (another DP rank's
+experts) or must not count (an expert listed twice for a token).
 """
 
 import torch
@@ -10,11 +16,13 @@ import triton.language as tl
 from ._dot import dot_precision
 
 BLOCK_M = 64
+SUM_BLOCK_D = 1024
 
 
 def moe_align(ids, num_experts: int, block_m: int = BLOCK_M):
     """Assignment indices (t * topk + k) grouped by expert, each expert's group padded to a
-    multiple of block_m; padding holds the sentinel M = T * topk.
+    multiple of block_m; padding holds the sentinel M = T * topk. Assignments whose id is
+    outside [0, num_experts) are left out entirely (no block computes them).
 
     Returns (sorted_ids [max_blocks * block_m] int32, block_expert [max_blocks] int32 with
     num_experts for unused blocks). max_blocks = cdiv(M, block_m) + min(E, M) bounds the
@@ -22,17 +30,24 @@ def moe_align(ids, num_experts: int, block_m: int = BLOCK_M):
     M = ids.numel()
     device = ids.device
     max_blocks = triton.cdiv(M, block_m) + min(num_experts, M)
+    capacity = max_blocks * block_m
     flat = ids.reshape(-1).long()
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync on its max
-    padded = (counts + block_m - 1) // block_m * block_m
+    # Skipped assignments form one extra group (index E) that sorts after every real expert.
+    group = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, group, torch.ones_like(group))  # bincount would sync on its max
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
-    order = torch.argsort(flat, stable=True)
-    sorted_e = flat[order]
-    rank = torch.arange(M, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_e]
-    dest = (padded_end - padded)[sorted_e] + rank
-    sorted_ids = torch.full((max_blocks * block_m,), M, dtype=torch.int32, device=device)
+    # Where each expert's padded group starts; the skipped group "starts" at a trash slot one
+    # past the list and all of its assignments land on it (their rank is not added).
+    group_start = torch.cat([padded_end - padded, padded_end.new_full((1,), capacity)])
+    order = torch.argsort(group, stable=True)
+    sorted_group = group[order]
+    rank = torch.arange(M, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_group]
+    dest = group_start[sorted_group] + torch.where(sorted_group < num_experts, rank, 0)
+    sorted_ids = torch.full((capacity + 1,), M, dtype=torch.int32, device=device)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    sorted_ids = sorted_ids[:capacity]  # drop the trash slot
     block_start = torch.arange(max_blocks, device=device) * block_m
     block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
     return sorted_ids, block_expert
@@ -40,7 +55,7 @@ def moe_align(ids, num_experts: int, block_m: int = BLOCK_M):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w1_ptr, w3_ptr, sorted_ids_ptr, block_expert_ptr, h_ptr,
+    x_ptr, w1_ptr, w3_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, h_ptr,
     M, d, I, topk, stride_x, stride_we, stride_wn, stride_h, limit,
     NUM_EXPERTS: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -71,14 +86,17 @@ def _gate_up_kernel(
     if HAS_LIMIT:
         acc1 = tl.minimum(acc1, limit)
         acc3 = tl.minimum(tl.maximum(acc3, -limit), limit)
-    h = acc1 / (1.0 + tl.exp(-acc1)) * acc3
+    # The routing weight scales the activation in fp32, before it is rounded to the activation
+    # dtype for the down GEMM: the model's (and DeepSeek's) order, not a scale after W2.
+    w = tl.load(weights_ptr + assign, mask=row_mask, other=0.0).to(tl.float32)
+    h = acc1 / (1.0 + tl.exp(-acc1)) * acc3 * w[:, None]
     tl.store(h_ptr + rows[:, None] * stride_h + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=row_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w2_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, partial_ptr,
+    h_ptr, w2_ptr, sorted_ids_ptr, block_expert_ptr, partial_ptr,
     M, d, I, stride_h, stride_we, stride_wn, stride_p,
     NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -101,14 +119,36 @@ def _down_kernel(
         wt = tl.load(w2_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None],
                      mask=n_mask[None, :] & k_mask[:, None], other=0.0)
         acc = tl.dot(ht, wt, acc, input_precision=DOT_PREC)
-    w = tl.load(weights_ptr + assign, mask=row_mask, other=0.0).to(tl.float32)
-    acc = acc * w[:, None]
     tl.store(partial_ptr + assign.to(tl.int64)[:, None] * stride_p + offs_n[None, :],
              acc.to(partial_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _sum_topk_kernel(
+    partial_ptr, ids_ptr, out_ptr, d, topk, stride_p, stride_o,
+    NUM_EXPERTS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Skipped assignments have no partial row (no block wrote it: the buffer is uninitialised
+    # there), so their loads are masked off rather than multiplied by zero (garbage may be NaN).
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs < d
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for k in range(topk):  # fixed order: deterministic, no atomics
+        a = t * topk + k
+        e = tl.load(ids_ptr + a)
+        # Row length d for a computed assignment, 0 for a skipped one (an int, not a scalar bool
+        # and-ed into the block mask: the interpreter rejects that mask's dtype).
+        n = d * ((e >= 0) & (e < NUM_EXPERTS)).to(tl.int32)
+        row = tl.load(partial_ptr + a * stride_p + offs, mask=offs < n, other=0.0)
+        acc += row.to(tl.float32)
+    tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
 def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out, block_n: int = 64,
               block_k: int = 64, num_warps: int = 8, num_stages: int = 3):
+    """out [T, d] (any float dtype) <- the routed experts' sum (see the module docstring).
+    ids [T, topk] (int32/int64; outside [0, E) = skip), weights [T, topk]. Returns out."""
     # Default tiles: the largest that compile for sm_90 without spills (two fp32 accumulators
     # in the gate/up kernel); see benchmark/sm90_resources.py.
     T, d = x.shape
@@ -116,28 +156,35 @@ def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out, block_n: int = 64,
     topk = ids.shape[1]
     assert x.stride(-1) == 1 and w1.is_contiguous() and w3.is_contiguous() and w2.is_contiguous()
     assert w1.shape == w3.shape == (E, I, d) and w2.shape == (E, d, I)
+    assert out.shape == (T, d) and out.stride(-1) == 1
     if T == 0:
         return out
     M = T * topk
     sorted_ids, block_expert = moe_align(ids, E)
     max_blocks = block_expert.shape[0]
     # h in the activation dtype (the down GEMM's input); the per-assignment partial outputs
-    # too, summed over top-k in fp32 below (deterministic, no atomics).
+    # too, summed over top-k in fp32 by the last kernel. Both are written only where a block
+    # computed them and read only there.
     h = torch.empty(sorted_ids.shape[0], I, dtype=x.dtype, device=x.device)
     partial = torch.empty(M, d, dtype=x.dtype, device=x.device)
     weights_flat = weights.reshape(-1).contiguous()
+    ids_flat = ids.reshape(-1).contiguous()
     _gate_up_kernel[(max_blocks, triton.cdiv(I, block_n))](
-        x, w1, w3, sorted_ids, block_expert, h, M, d, I, topk, x.stride(0), w1.stride(0),
-        w1.stride(1), h.stride(0), float(swiglu_limit),
+        x, w1, w3, sorted_ids, block_expert, weights_flat, h, M, d, I, topk, x.stride(0),
+        w1.stride(0), w1.stride(1), h.stride(0), float(swiglu_limit),
         NUM_EXPERTS=E, HAS_LIMIT=swiglu_limit > 0, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_K=block_k, DOT_PREC=dot_precision(x.dtype), num_warps=num_warps,
         num_stages=num_stages,
     )
     _down_kernel[(max_blocks, triton.cdiv(d, block_n))](
-        h, w2, sorted_ids, block_expert, weights_flat, partial, M, d, I, h.stride(0),
+        h, w2, sorted_ids, block_expert, partial, M, d, I, h.stride(0),
         w2.stride(0), w2.stride(1), partial.stride(0),
         NUM_EXPERTS=E, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PREC=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
     )
-    out.copy_(partial.view(T, topk, d).float().sum(dim=1))
+    block_d = min(SUM_BLOCK_D, triton.next_power_of_2(d))
+    _sum_topk_kernel[(T, triton.cdiv(d, block_d))](
+        partial, ids_flat, out, d, topk, partial.stride(0), out.stride(0),
+        NUM_EXPERTS=E, BLOCK_D=block_d, num_warps=4,
+    )
     return out

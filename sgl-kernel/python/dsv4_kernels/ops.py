@@ -103,3 +103,17 @@ compressor_plan = reference.compressor_plan
 window_metadata = reference.window_metadata
 compressed_metadata = reference.compressed_metadata
 out_locs = reference.out_locs
+
+
+def hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out=None):
+    """mHC input mixing of x [T, hc, d] in one launch: (y [T, d] in x.dtype, written into
+    y_out if given; post [T, hc] fp32; comb [T, hc, hc] fp32, Sinkhorn-projected)."""
+    impl = _kernels("mhc") if _use_triton(x) else reference
+    return impl.hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out)
+
+
+def hc_post(f, residual, post, comb, out=None):
+    """mHC write-back in one launch: out [T, hc, d] = post_j * f + sum_i comb[i, j] * X_i
+    (residual.dtype; out may be residual itself). Returns out."""
+    impl = _kernels("mhc") if _use_triton(residual) else reference
+    return impl.hc_post(f, residual, post, comb, out)

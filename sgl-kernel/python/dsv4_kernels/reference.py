@@ -301,14 +301,62 @@ def swiglu_clamped(gate, up, swiglu_limit: float):
 
 
 def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out):
-    """out[t] = sum_k weights[t,k] * expert_{ids[t,k]}(x[t]). Every expert runs on every token
-    with a (mostly zero) dense gate weight: E times the work, but static shapes and no sync,
-    which the CPU graph emulator needs; meant for small CPU models and for tests."""
+    """out[t] = sum_k W2_e(swiglu(W1_e x[t], W3_e x[t]) * weights[t,k]) over e = ids[t,k]; ids
+    outside [0, E) are skipped. The weight scales the activation before it is rounded to x's
+    dtype and projected by W2 (DeepSeek's order, the model's too; it matters in bf16).
+    Every expert runs on every token with a (mostly zero) dense gate weight: E times the work,
+    but static shapes and no sync, which the CPU graph emulator needs; meant for small CPU
+    models and for tests."""
     xf = x.float()
     acc = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in range(w1.shape[0]):
         gate = (weights.float() * (ids == e)).sum(dim=1, keepdim=True)
-        h = swiglu_clamped(xf @ w1[e].float().t(), xf @ w3[e].float().t(), swiglu_limit)
-        acc += gate * (h @ w2[e].float().t())
+        h = swiglu_clamped(xf @ w1[e].float().t(), xf @ w3[e].float().t(), swiglu_limit) * gate
+        acc += h.to(x.dtype).float() @ w2[e].float().t()
     out.copy_(acc.to(out.dtype))
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# mHC (manifold-constrained hyper-connections)
+# ----------------------------------------------------------------------------------------
+# The same ops, in the same order, as sglang's layers/mhc.py HyperConnection, so the CPU
+# model gives bit-identical results with and without the segment kernels.
+
+
+def hc_sinkhorn_split(mixes, scale, base, hc: int, iters: int, eps: float):
+    """mixes [T, (2+hc)*hc] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (rows i -> cols j)."""
+    pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    comb = comb.softmax(dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    # Ends on a column normalisation, as DeepSeek's reference does.
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def hc_pre(x, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float, y_out=None):
+    """x [T, hc, d] -> (y [T, d] x.dtype, post [T, hc] fp32, comb [T, hc, hc] fp32);
+    y = sum_i pre_i * x_i with the gates and comb from the RMS-scaled mixes fn @ flat(x)."""
+    flat = x.flatten(1).float()
+    rsqrt = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = torch.nn.functional.linear(flat, fn) * rsqrt
+    pre, post, comb = hc_sinkhorn_split(mixes, scale, base, hc, iters, hc_eps)
+    y = (pre.unsqueeze(-1) * flat.view(x.shape)).sum(dim=1).to(x.dtype)
+    if y_out is not None:
+        y_out.copy_(y)
+        y = y_out
+    return y, post, comb
+
+
+def hc_post(f, residual, post, comb, out=None):
+    """out [T, hc, d] (residual.dtype): X'_j = post_j * f + sum_i comb[i, j] * X_i."""
+    mixed = torch.einsum("tij,tid->tjd", comb, residual.float())
+    res = (post.unsqueeze(-1) * f.float().unsqueeze(1) + mixed).to(residual.dtype)
+    if out is None:
+        return res
+    out.copy_(res)
     return out

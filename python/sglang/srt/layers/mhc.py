@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.model_executor.forward_context import segment_kernel_ops
+
 
 def sinkhorn_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
                    iters: int, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,6 +49,10 @@ class HyperConnection(nn.Module):
 
     def pre(self, x: torch.Tensor):
         """x [T, hc, d] -> (y [T, d], post, comb)."""
+        kernels = segment_kernel_ops()
+        if kernels is not None:
+            return kernels.hc_pre(x, self.fn, self.scale, self.base, self.hc, self.iters, self.hc_eps,
+                                  self.norm_eps)
         mixes, flat = _mix_input(x, self.fn, self.norm_eps)
         pre, post, comb = sinkhorn_split(mixes, self.scale, self.base, self.hc, self.iters, self.hc_eps)
         y = (pre.unsqueeze(-1) * flat.view(x.shape)).sum(dim=1)
@@ -55,6 +61,9 @@ class HyperConnection(nn.Module):
     @staticmethod
     def post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """X'_j = post_j * f + sum_i comb[i, j] * X_i."""
+        kernels = segment_kernel_ops()
+        if kernels is not None:
+            return kernels.hc_post(f, residual, post, comb)
         mixed = torch.einsum("tij,tid->tjd", comb, residual.float())
         return (post.unsqueeze(-1) * f.float().unsqueeze(1) + mixed).to(residual.dtype)
 

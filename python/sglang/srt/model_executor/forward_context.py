@@ -36,3 +36,14 @@ def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("no forward pass in flight: attention ran outside forward_context()")
     return _current
+
+
+def segment_kernel_ops():
+    """sgl-kernel's dsv4_kernels.ops when the forward pass in flight runs segment kernels (its
+    attention backend's `segment_kernels`), else None: also outside any forward pass, where
+    layers used on their own keep their torch code."""
+    if _current is None or not getattr(_current.attn_backend, "segment_kernels", False):
+        return None
+    from dsv4_kernels import ops  # imported on first use: CPU-only installs never need triton
+
+    return ops

@@ -20,7 +20,7 @@ from sglang.srt.layers.mhc import HyperConnection, HyperHead
 from sglang.srt.layers.moe.experts import DeepseekV4MoE
 from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_
 from sglang.srt.model_executor.breakable_cuda_graph import register_split_op
-from sglang.srt.model_executor.forward_context import get_forward_context
+from sglang.srt.model_executor.forward_context import get_forward_context, segment_kernel_ops
 
 
 def _attention_with_output(q: torch.Tensor, sink: torch.Tensor, output: torch.Tensor, layer_id: int) -> None:
@@ -33,13 +33,6 @@ def _attention_with_output(q: torch.Tensor, sink: torch.Tensor, output: torch.Te
 deepseek_v4_attention_with_output = register_split_op(
     "deepseek_v4_attention_with_output", _attention_with_output, mutates_args=("output",)
 )
-
-
-def dsv4_kernel_ops():
-    """sgl-kernel's DSV4 ops (Triton on CUDA tensors, their torch references elsewhere)."""
-    from dsv4_kernels import ops
-
-    return ops
 
 
 def rope_tables_for(config, max_positions: int) -> dict:
@@ -80,7 +73,7 @@ class DeepseekV4Attention(nn.Module):
         backend = ctx.attn_backend
         meta, pool = backend.forward_metadata, backend.kv_pool
         T = x.shape[0]
-        kernels = dsv4_kernel_ops() if backend.segment_kernels else None
+        kernels = segment_kernel_ops()
         cos, sin = self.rope.lookup(meta.positions)
         rd = self.rope.rope_dim
 
