@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dsv4_kernels import ops
+from kernel_test_utils import require_triton
 
 
 @pytest.fixture
@@ -54,3 +55,102 @@ def test_no_tokens_give_empty_metadata(device, page_table):
     slots, lens = ops.window_metadata(page_table, empty, empty, window=128)
     assert slots.shape == (0, 128) and lens.shape == (0,)
     assert all(x.shape == (0,) for x in ops.out_locs(page_table, empty, empty))
+
+
+# ---- one-launch step builders (token_metadata / emission_metadata) -----------------------
+
+
+def _random_step(T, n_reqs, max_ctx, padding_slot, device, seed):
+    """A page table of shuffled raw slots and a batch of n_reqs requests (random prefixes and
+    new-token counts, laid out request by request) padded with invalid rows up to T."""
+    g = torch.Generator().manual_seed(seed)
+    rtt = torch.randperm((n_reqs + 1) * max_ctx + 300, generator=g)[: (n_reqs + 1) * max_ctx].view(n_reqs + 1, max_ctx)
+    rtt = rtt.to(torch.int32)
+    ext = torch.randint(1, max(2, T // n_reqs), (n_reqs,), generator=g)
+    prefix = torch.randint(0, max_ctx - int(ext.max()), (n_reqs,), generator=g)
+    prefix[0] = 0  # a request starting from scratch
+    n = int(ext.sum())
+    assert n <= T
+    start = torch.cumsum(ext, 0) - ext
+    rows = torch.arange(n)
+    req_of_row = torch.repeat_interleave(torch.arange(n_reqs), ext)
+    pos = prefix[req_of_row] + rows - start[req_of_row]
+    slots = torch.randperm(n_reqs, generator=g)[req_of_row]  # request slots are not in batch order
+    pad = T - n
+    cat = lambda a, v: torch.cat([a, torch.full((pad,), v, dtype=torch.int64)])  # noqa: E731
+    layout = dict(
+        req_slot=cat(slots, padding_slot), positions=cat(pos, 0),
+        prefix=cat(prefix[req_of_row], 0), chunk_start=cat(start[req_of_row], 0),
+        seq_len=cat((prefix + ext)[req_of_row], 0), valid=cat(torch.ones(n, dtype=torch.int64), 0),
+    )
+    return rtt.to(device), {k: v.to(device) for k, v in layout.items()}, n
+
+
+def _token_outputs(T, W, C128, C4, device, with_c4=True):
+    e = lambda *s, dt=torch.int32: torch.full(s, -77, dtype=dt, device=device)  # noqa: E731
+    out = dict(positions=e(T, dt=torch.int64), raw_out_loc=e(T), window_slots=e(T, W), window_len=e(T),
+               c128_slots=e(T, C128), c128_len=e(T), ring128=e(T))
+    if with_c4:
+        out.update(cand_slots=e(T, C4), cand_len=e(T), topk_len=e(T), ring4=e(T))
+    return out
+
+
+@pytest.mark.parametrize("T,n_reqs,max_ctx,W,with_c4", [(37, 5, 300, 8, True), (64, 3, 700, 128, True),
+                                                       (9, 2, 260, 8, False)])
+def test_triton_token_metadata_equals_reference(device, T, n_reqs, max_ctx, W, with_c4):
+    require_triton()
+    from dsv4_kernels import metadata, reference
+
+    pad_slot = n_reqs
+    rtt, L, _ = _random_step(T, n_reqs, max_ctx, pad_slot, device, seed=T)
+    args = (rtt, L["req_slot"], L["positions"], L["seq_len"], L["valid"], pad_slot, 16)
+    widths = (W, max_ctx // 128 + 1, max_ctx // 4)  # c128 wider than any list: -1 tails
+    expected = reference.token_metadata(*args, _token_outputs(T, *widths, "cpu" if device == "cpu" else device,
+                                                              with_c4))
+    got = metadata.token_metadata(*args, _token_outputs(T, *widths, device, with_c4))
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k
+    # real rows see their request's slots; padding rows nothing
+    n_valid = int(L["valid"].sum())
+    assert (got["raw_out_loc"][n_valid:] == -1).all() and (got["window_len"][n_valid:] == 0).all()
+    assert (got["window_len"][:n_valid] > 0).all()
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_triton_emission_metadata_equals_reference(device, ratio):
+    require_triton()
+    from dsv4_kernels import metadata, reference
+
+    T, n_reqs, max_ctx = 300, 4, 900
+    rtt, L, n = _random_step(T, n_reqs, max_ctx, n_reqs, device, seed=ratio)
+    emit = torch.nonzero((L["positions"][:n] + 1) % ratio == 0).squeeze(1)
+    E, R = emit.numel() + 3, 2 * ratio if ratio == 4 else ratio
+    rows = torch.cat([emit, emit.new_zeros(3)])  # three padding emissions
+    results = []
+    for impl in (reference, metadata):
+        outs = (torch.full((E, R), -77, dtype=torch.int32, device=device),
+                torch.full((E,), -77, dtype=torch.int32, device=device),
+                torch.full((E,), -77, dtype=torch.int32, device=device))
+        impl.emission_metadata(rtt, L["req_slot"], L["positions"], L["valid"], L["prefix"], L["chunk_start"],
+                               rows, emit.numel(), n_reqs, ratio, *outs)
+        results.append(outs)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    gather, out_loc, pos = results[1]
+    assert emit.numel() > 0
+    assert (gather[-3:] == -1).all() and (out_loc[-3:] == -1).all() and (pos[-3:] == 0).all()
+    assert (out_loc[:-3] >= 0).all() and (pos[:-3] % ratio == 0).all()
+    assert ((gather[:-3] >= 0) | (gather[:-3] <= -2)).any(dim=1).all()  # every entry has sources
+
+
+@pytest.mark.gpu
+def test_gpu_step_builders_at_real_widths():
+    from dsv4_kernels import metadata, reference
+
+    T, n_reqs, max_ctx = 2048, 40, 8192
+    rtt, L, _ = _random_step(T, n_reqs, max_ctx, n_reqs, "cuda", seed=1)
+    args = (rtt, L["req_slot"], L["positions"], L["seq_len"], L["valid"], n_reqs, 512)
+    expected = reference.token_metadata(*args, _token_outputs(T, 128, max_ctx // 128, max_ctx // 4, "cuda"))
+    got = metadata.token_metadata(*args, _token_outputs(T, 128, max_ctx // 128, max_ctx // 4, "cuda"))
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k

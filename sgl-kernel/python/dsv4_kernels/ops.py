@@ -97,6 +97,20 @@ def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out):
     return impl.fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out)
 
 
+def token_metadata(rtt, req_slot, positions, seq_len, valid, padding_slot, topk, out):
+    """Every per-token metadata field of a step in one launch on CUDA (see reference)."""
+    impl = _kernels("metadata") if _use_triton(positions) else reference
+    return impl.token_metadata(rtt, req_slot, positions, seq_len, valid, padding_slot, topk, out)
+
+
+def emission_metadata(rtt, req_slot, positions, valid, prefix, chunk_start, rows, num_real,
+                      padding_slot, ratio, gather_idx, out_loc, emit_pos):
+    """A ratio's compressor emissions in one launch on CUDA (see reference)."""
+    impl = _kernels("metadata") if _use_triton(positions) else reference
+    impl.emission_metadata(rtt, req_slot, positions, valid, prefix, chunk_start, rows, num_real,
+                           padding_slot, ratio, gather_idx, out_loc, emit_pos)
+
+
 # Metadata builders are vectorised torch (a few launches each, no per-request loop, no host
 # sync), identical on CPU and CUDA.
 compressor_plan = reference.compressor_plan

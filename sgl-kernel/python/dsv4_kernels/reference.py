@@ -275,6 +275,70 @@ def out_locs(req_to_token, token_req_slot, positions):
     return raw.to(torch.int32), c4.to(torch.int32), c128.to(torch.int32)
 
 
+def token_metadata(rtt, req_slot, positions, seq_len, valid, padding_slot: int, topk: int, out):
+    """Every per-token field of one step's attention metadata, written into `out` (a dict):
+    positions [T] int64; raw_out_loc [T]; window_slots [T, W] (raw slots of the last
+    min(p+1, W) positions, left-aligned, -1 pad) and window_len [T]; when present,
+    c128_slots [T, C128] / c128_len and cand_slots [T, C4] / cand_len / topk_len (compressed
+    entries i < (p+1)//r: slot of the entry's last token // r, -1 pad), ring128 / ring4 [T]
+    (compressor ring row req * R + p % R of the last R tokens of each request, R = 128 / 8,
+    -1 elsewhere). int32 unless stated. Rows with valid == 0 are padding: padding request,
+    position 0, nothing to read or write."""
+    valid = valid.bool()
+    req = torch.where(valid, req_slot.long(), padding_slot)
+    pos = torch.where(valid, positions.long(), 0)
+    max_col = rtt.shape[1] - 1
+    out["positions"].copy_(pos)
+    out["raw_out_loc"].copy_(torch.where(valid, rtt[req, pos.clamp(max=max_col)].long(), -1))
+    W = out["window_slots"].shape[1]
+    offs = torch.arange(W, device=pos.device)
+    wlen = torch.where(valid, torch.clamp(pos + 1, max=W), 0)
+    wpos = (pos - wlen + 1).clamp(min=0)[:, None] + offs[None, :]
+    wslots = rtt[req[:, None], wpos.clamp(max=max_col)].long()
+    out["window_slots"].copy_(torch.where(offs[None, :] < wlen[:, None], wslots, -1))
+    out["window_len"].copy_(wlen)
+    for ratio, ring, slots, lens in ((128, 128, "c128_slots", "c128_len"), (4, 8, "cand_slots", "cand_len")):
+        if slots not in out:
+            continue
+        i = torch.arange(out[slots].shape[1], device=pos.device)
+        n = torch.where(valid, (pos + 1) // ratio, 0)
+        cols = (ratio * i + ratio - 1).clamp(max=max_col)
+        entry_slots = rtt[req[:, None], cols[None, :]].long() // ratio
+        out[slots].copy_(torch.where(i[None, :] < n[:, None], entry_slots, -1))
+        out[lens].copy_(n)
+        keep = valid & (pos >= seq_len - ring)
+        out[f"ring{ratio}"].copy_(torch.where(keep, req * ring + pos % ring, -1))
+        if ratio == 4:
+            out["topk_len"].copy_(torch.clamp(n, max=topk))
+    return out
+
+
+def emission_metadata(rtt, req_slot, positions, valid, prefix, chunk_start, rows, num_real: int,
+                      padding_slot: int, ratio: int, gather_idx, out_loc, emit_pos):
+    """The compressor's emissions of one step at one ratio (E = rows.numel(), the first
+    num_real real): gather_idx [E, R] source rows of each emitted entry (>= 0 ring-state row
+    req * R + q % R for cached positions q < prefix, <= -2 fresh token -(batch row)-2, -1
+    before position 0), out_loc [E] its compressed-pool slot, emit_pos [E] its RoPE position.
+    Per token: prefix = its request's cached length, chunk_start = batch row of the request's
+    first new token. Padding emissions get -1 / -1 / 0."""
+    E, R = gather_idx.shape
+    tok = rows.long()
+    v = valid[tok].bool()
+    slot = torch.where(v, req_slot[tok].long(), padding_slot)
+    pos = torch.where(v, positions[tok].long(), 0)
+    pre, start = prefix[tok].long(), chunk_start[tok].long()
+    real = torch.arange(E, device=tok.device) < num_real
+    entry = (pos + 1) // ratio - 1
+    q = ((entry + 1) * ratio - R)[:, None] + torch.arange(R, device=tok.device)[None, :]
+    ring = slot[:, None] * R + q.remainder(R)
+    fresh = -(start[:, None] + q - pre[:, None]) - 2
+    idx = torch.where(q < 0, -1, torch.where(q < pre[:, None], ring, fresh))
+    gather_idx.copy_(torch.where(real[:, None], idx, -1))
+    raw = rtt[slot, pos.clamp(max=rtt.shape[1] - 1)].long()
+    out_loc.copy_(torch.where(real, raw // ratio, -1))
+    emit_pos.copy_(torch.where(real, entry * ratio, 0))
+
+
 # ----------------------------------------------------------------------------------------
 # MoE
 # ----------------------------------------------------------------------------------------

@@ -178,7 +178,7 @@ def test_gpu_bf16_grouped_path_matches_dense_and_replays_from_a_cuda_graph(T):
     g = torch.Generator().manual_seed(4)
     E, d, inter, k = 64, 1024, 512, 6
     experts = _experts(E, d, inter, 10.0, torch.bfloat16, g, device="cuda")
-    experts.keep_shard_(16, 48)
+    experts.keep_shard_(8, 40)  # some of every seed's picks fall inside, some outside
 
     def inputs(seed):
         gg = torch.Generator().manual_seed(seed)

@@ -44,7 +44,8 @@ class DeepseekV4AttnBackend(AttentionBackend):
         """Flat ring-state row of the padding request, per ring size (a trash row)."""
         return self.req_to_token_pool.padding_slot
 
-    def _build(self, forward_batch, static: bool) -> DSV4Metadata:
+    def _build(self, forward_batch, static: bool, into: Optional[DSV4Metadata] = None,
+               into_all: bool = False) -> DSV4Metadata:
         rtp = self.req_to_token_pool
         return build_dsv4_metadata(
             forward_batch,
@@ -56,6 +57,11 @@ class DeepseekV4AttnBackend(AttentionBackend):
             ratios=self.ratios,
             fixed_max_seq_len=self.max_seq_len if static else None,
             max_num_reqs=rtp.max_num_reqs,
+            # Triton builders wherever the attention core runs on Triton (a few launches
+            # instead of ~100 on every step's host path)
+            use_kernels=self.kernels == "triton",
+            into=into,
+            into_all=into_all,
         )
 
     def init_forward_metadata(self, forward_batch) -> None:
@@ -73,7 +79,7 @@ class DeepseekV4AttnBackend(AttentionBackend):
         # shape, then refresh the captured object in place: segments keep reading the
         # tensors they captured; the break reads the replaced assign fields.
         source = forward_batch if static_forward_batch is None else static_forward_batch
-        fresh = self._build(source, static=True)
+        fresh = self._build(source, static=True, into=capture_metadata)
         capture_metadata.refresh_for_breakable_cuda_graph_replay_(fresh)
         self.forward_metadata = capture_metadata
 
@@ -110,7 +116,8 @@ class DeepseekV4AttnBackend(AttentionBackend):
         return self.forward_metadata
 
     def init_forward_metadata_replay_cuda_graph(self, capture_metadata: DSV4Metadata, static_forward_batch) -> None:
-        _copy_tensors_(capture_metadata, self._build(static_forward_batch, static=True))
+        fresh = self._build(static_forward_batch, static=True, into=capture_metadata, into_all=True)
+        _copy_tensors_(capture_metadata, fresh)
         self.forward_metadata = capture_metadata
 
 
@@ -118,7 +125,8 @@ def _copy_tensors_(dst, src) -> None:
     for f in dataclasses.fields(dst):
         a, b = getattr(dst, f.name), getattr(src, f.name)
         if isinstance(a, torch.Tensor):
-            a.copy_(b)
+            if a is not b:
+                a.copy_(b)
         elif dataclasses.is_dataclass(a):
             _copy_tensors_(a, b)
         elif a != b:

@@ -153,14 +153,20 @@ def test_replay_equals_eager_on_randomised_extend_and_mixed_batches(runners):
 
 
 def test_harness_catches_a_refresh_that_assigns_a_copy_field(monkeypatch):
-    real_refresh = DSV4Metadata.refresh_for_breakable_cuda_graph_replay_
+    """The replay hook builds copy fields straight into the captured storage; a hook that
+    builds them into new storage and then replaces the captured tensor (instead of copy_)
+    leaves the graph reading last step's values, which the harness must catch."""
+    from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
 
-    def assigns_copy_fields(captured, fresh):
-        real_refresh(captured, fresh)
+    def assigns_copy_fields(self, captured, forward_batch, static_forward_batch=None):
+        fresh = self._build(static_forward_batch, static=True)  # new storage, not `into`
+        DSV4Metadata.refresh_for_breakable_cuda_graph_replay_(captured, fresh)
         captured.raw_out_loc = fresh.raw_out_loc  # the bug: replace instead of copy_
+        self.forward_metadata = captured
 
     runners = make_runners(BUCKETS)
-    monkeypatch.setattr(DSV4Metadata, "refresh_for_breakable_cuda_graph_replay_", assigns_copy_fields)
+    monkeypatch.setattr(DeepseekV4AttnBackend, "prepare_forward_metadata_for_breakable_cuda_graph_replay",
+                        assigns_copy_fields)
     report = run_equivalence(runners, BUCKETS, batches_per_bucket=4, seed=2)
     assert any(m.what == "replay vs eager on the padded batch" for m in report.mismatches)
 

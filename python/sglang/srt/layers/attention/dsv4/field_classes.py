@@ -94,7 +94,8 @@ def _copy_into(old: Any, new: Any, name: str) -> None:
             raise MetadataContractError(
                 f"{name}: copy field shape {tuple(new.shape)} at replay, {tuple(old.shape)} at capture"
             )
-        old.copy_(new)
+        if old is not new:  # a builder may already have written into the captured storage
+            old.copy_(new)
     elif dataclasses.is_dataclass(old):
         refresh_(old, new, path=f"{name} -> ")
     else:

@@ -1,6 +1,13 @@
-"""Builds DSV4Metadata from a ForwardBatch with a few vectorised launches (no per-request
-Python loops on the device side). Runs outside captured segments, before every replay: it
-never waits for the GPU, so the host can prepare the next step while kernels run."""
+"""Builds DSV4Metadata from a ForwardBatch. Runs outside captured segments, before every
+replay, so it is on the host's critical path of every step:
+- everything that depends on the request lengths is computed from the batch's host lists and
+  uploaded in one non-blocking copy (building metadata never waits for the GPU);
+- the device side is dsv4_kernels' builder: one launch for every per-token field and one per
+  compression ratio with Triton, or the same math as vectorised torch (the reference, and
+  the CPU path);
+- at replay the copy fields are written straight into the captured storage (`into`), so the
+  field-class refresh has nothing left to copy for them.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,8 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
+from dsv4_kernels import ops as kernel_ops
+from dsv4_kernels import reference as kernel_reference
 
 from sglang.srt.layers.attention.dsv4.metadata import (
     DSV4AttnMetadata,
@@ -19,24 +28,20 @@ from sglang.srt.model_executor.host_to_device import to_device_async
 
 
 @dataclass
-class TokenLayout:
-    """Per-token view of a batch: request slot, position, the request's prefix length,
-    the batch row of the request's first new token, its new total length, realness;
-    plus, per compression ratio, the rows that emit a compressed entry this step."""
+class HostLayout:
+    """Per-token rows computed on the host (uploaded together): the request's prefix length,
+    the batch row of the request's first new token, its new total length, realness; and per
+    compression ratio the rows that emit a compressed entry (the first emit_count real)."""
 
-    req_slot: torch.Tensor
-    pos: torch.Tensor
     prefix: torch.Tensor
     chunk_start: torch.Tensor
     seq_len: torch.Tensor
     valid: torch.Tensor
-    emit_rows: Dict[int, torch.Tensor]  # ratio -> [E] int64 rows; the first emit_count are real
+    emit_rows: Dict[int, torch.Tensor]
     emit_count: Dict[int, int]
 
     @staticmethod
-    def from_forward_batch(fb, padding_slot: int, emissions: Dict[int, Optional[int]]) -> "TokenLayout":
-        """Everything that depends on the request lengths is computed from the host lists and
-        uploaded in one non-blocking copy: building metadata never waits for the GPU."""
+    def from_forward_batch(fb, emissions: Dict[int, Optional[int]]) -> "HostLayout":
         T = fb.num_tokens
         ext = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64)
         n_real = int(ext.sum())
@@ -64,37 +69,7 @@ class TokenLayout:
         for ratio in sorted(emissions):
             emit_rows[ratio] = dev[off:off + widths[ratio]]
             off += widths[ratio]
-        valid = dev[3 * T:4 * T].bool()
-        slot = fb.token_req_slot.long()
-        req = torch.where(valid, slot, torch.full_like(slot, padding_slot))
-        positions = torch.where(valid, fb.positions.long(), 0)
-        return TokenLayout(req, positions, dev[0:T], dev[T:2 * T], dev[2 * T:3 * T], valid, emit_rows, counts)
-
-
-def _compressed_lists(rtt: torch.Tensor, L: TokenLayout, ratio: int, width: int):
-    i = torch.arange(width, device=rtt.device)
-    n = torch.where(L.valid, (L.pos + 1) // ratio, 0)
-    cols = (ratio * i + ratio - 1).clamp(max=rtt.shape[1] - 1)
-    slots = rtt[L.req_slot[:, None], cols[None, :]].long() // ratio
-    return torch.where(i[None, :] < n[:, None], slots, -1).int(), n.int()
-
-
-def _compressor_metadata(L: TokenLayout, raw_out_loc: torch.Tensor, ratio: int) -> DSV4CompressorMetadata:
-    R = 2 * ratio if ratio == 4 else ratio
-    tok = L.emit_rows[ratio]
-    real = torch.arange(tok.shape[0], device=tok.device) < L.emit_count[ratio]
-    pos, prefix = L.pos[tok], L.prefix[tok]
-    entry = (pos + 1) // ratio - 1
-    q = ((entry + 1) * ratio - R)[:, None] + torch.arange(R, device=pos.device)[None, :]
-    ring = L.req_slot[tok][:, None] * R + q.remainder(R)
-    fresh = -(L.chunk_start[tok][:, None] + q - prefix[:, None]) - 2
-    idx = torch.where(q < 0, -1, torch.where(q < prefix[:, None], ring, fresh))
-    gather_idx = torch.where(real[:, None], idx, -1).int()
-    out_loc = torch.where(real, raw_out_loc[tok] // ratio, -1).int()
-    positions = torch.where(real, entry * ratio, 0).int()
-    keep = L.valid & (L.pos >= L.seq_len - R)
-    ring_write_loc = torch.where(keep, L.req_slot * R + L.pos % R, -1).int()
-    return DSV4CompressorMetadata(ratio, gather_idx, out_loc, positions, ring_write_loc)
+        return HostLayout(dev[0:T], dev[T:2 * T], dev[2 * T:3 * T], dev[3 * T:4 * T], emit_rows, counts)
 
 
 def max_emissions(num_tokens: int, ratio: int, max_num_reqs: int) -> int:
@@ -105,8 +80,12 @@ def max_emissions(num_tokens: int, ratio: int, max_num_reqs: int) -> int:
 def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, page_size: int,
                         window: int, index_topk: int, ratios: set,
                         fixed_max_seq_len: Optional[int] = None,
-                        max_num_reqs: Optional[int] = None) -> DSV4Metadata:
-    """fixed_max_seq_len given (capture / replay): every width is static; else sized to the batch."""
+                        max_num_reqs: Optional[int] = None, use_kernels: bool = False,
+                        into: Optional[DSV4Metadata] = None, into_all: bool = False) -> DSV4Metadata:
+    """fixed_max_seq_len given (capture / replay): every width is static; else sized to the batch.
+    use_kernels: dsv4_kernels.ops (Triton on CUDA tensors) instead of the torch reference.
+    into: a captured metadata of the same shapes whose copy-field tensors (every tensor with
+    into_all) are filled in place and returned inside the new object."""
     rtt = req_to_token
     T = fb.num_tokens
     dev = rtt.device
@@ -116,39 +95,63 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
     else:
         max_seq = fixed_max_seq_len
         emissions = {r: max_emissions(T, r, max_num_reqs + 1) for r in ratios}
-    L = TokenLayout.from_forward_batch(fb, padding_slot, emissions)
+    H = HostLayout.from_forward_batch(fb, emissions)
+    impl = kernel_ops if use_kernels else kernel_reference
 
-    raw_out_loc = torch.where(L.valid, rtt[L.req_slot, L.pos.clamp(max=rtt.shape[1] - 1)].long(), -1)
+    def take(captured, shape, dtype, assign=False):
+        # copy fields reuse the captured storage; assign fields only when asked (decode graphs)
+        if into is not None and captured is not None and (into_all or not assign):
+            return captured
+        return torch.empty(shape, dtype=dtype, device=dev)
 
-    offs = torch.arange(window, device=dev)
-    wlen = torch.where(L.valid, torch.clamp(L.pos + 1, max=window), 0)
-    wpos = (L.pos - wlen + 1).clamp(min=0)[:, None] + offs[None, :]
-    wslots = rtt[L.req_slot[:, None], wpos.clamp(max=rtt.shape[1] - 1)].long()
-    window_slots = torch.where(offs[None, :] < wlen[:, None], wslots, -1).int()
+    cap = into
+    cap_attn = cap.attn if cap is not None else None
+    cap_idx = cap.indexer if cap is not None else None
+    i32 = torch.int32
+    c128_width, c4_width = max(1, max_seq // 128), max(1, max_seq // 4)
+    out = {
+        "positions": take(cap and cap.positions, (T,), torch.int64),
+        "raw_out_loc": take(cap and cap.raw_out_loc, (T,), i32),
+        "window_slots": take(cap_attn and cap_attn.window_slots, (T, window), i32, assign=True),
+        "window_len": take(cap_attn and cap_attn.window_len, (T,), i32, assign=True),
+        "c128_slots": take(cap_attn and cap_attn.c128_slots, (T, c128_width), i32, assign=True),
+        "c128_len": take(cap_attn and cap_attn.c128_len, (T,), i32, assign=True),
+        "ring128": take(cap and cap.c128_compressor and cap.c128_compressor.ring_write_loc, (T,), i32),
+    }
+    if 4 in ratios:
+        out.update(
+            cand_slots=take(cap_idx and cap_idx.cand_slots, (T, c4_width), i32),
+            cand_len=take(cap_idx and cap_idx.cand_len, (T,), i32),
+            topk_len=take(cap_idx and cap_idx.topk_len, (T,), i32),
+            ring4=take(cap and cap.c4_compressor and cap.c4_compressor.ring_write_loc, (T,), i32),
+        )
+    impl.token_metadata(rtt, fb.token_req_slot, fb.positions, H.seq_len, H.valid, padding_slot, index_topk, out)
 
-    c128_slots, c128_len = _compressed_lists(rtt, L, 128, max(1, max_seq // 128))
-    attn = DSV4AttnMetadata(window_slots, wlen.int(), c128_slots, c128_len)
+    compressors = {}
+    for r in sorted(ratios):
+        c = cap and cap.compressor(r)
+        E, R = H.emit_rows[r].shape[0], 2 * r if r == 4 else r
+        gather_idx = take(c and c.gather_idx, (E, R), i32)
+        out_loc = take(c and c.out_loc, (E,), i32)
+        emit_pos = take(c and c.positions, (E,), i32)
+        impl.emission_metadata(rtt, fb.token_req_slot, fb.positions, H.valid, H.prefix, H.chunk_start,
+                               H.emit_rows[r], H.emit_count[r], padding_slot, r, gather_idx, out_loc, emit_pos)
+        compressors[r] = DSV4CompressorMetadata(r, gather_idx, out_loc, emit_pos, out[f"ring{r}"])
 
     indexer = None
     if 4 in ratios:
-        cand, cand_len = _compressed_lists(rtt, L, 4, max(1, max_seq // 4))
-        indexer = DSV4IndexerMetadata(
-            topk=index_topk,
-            cand_slots=cand,
-            cand_len=cand_len,
-            topk_len=torch.clamp(cand_len, max=index_topk),
-            topk_slots=torch.full((T, index_topk), -1, dtype=torch.int32, device=dev),
-        )
+        topk_slots = cap_idx.topk_slots if cap_idx is not None else torch.full((T, index_topk), -1, dtype=i32, device=dev)
+        indexer = DSV4IndexerMetadata(index_topk, out["cand_slots"], out["cand_len"], out["topk_len"], topk_slots)
     return DSV4Metadata(
         page_size=page_size,
         window=window,
         c4_sparse_topk=index_topk,
         max_seq_len=max_seq,
         num_tokens=T,
-        raw_out_loc=raw_out_loc.int(),
-        positions=L.pos,
-        attn=attn,
+        raw_out_loc=out["raw_out_loc"],
+        positions=out["positions"],
+        attn=DSV4AttnMetadata(out["window_slots"], out["window_len"], out["c128_slots"], out["c128_len"]),
         indexer=indexer,
-        c4_compressor=_compressor_metadata(L, raw_out_loc, 4) if 4 in ratios else None,
-        c128_compressor=_compressor_metadata(L, raw_out_loc, 128) if 128 in ratios else None,
+        c4_compressor=compressors.get(4),
+        c128_compressor=compressors.get(128),
     )
