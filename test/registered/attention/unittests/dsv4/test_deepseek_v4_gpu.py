@@ -75,7 +75,7 @@ def test_breakable_replay_never_waits_for_the_gpu():
     r = ModelRunner(ModelRunnerConfig(**dict(MINI, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[64],
                                              disable_cuda_graph=True)))
     assert r.attn_backend.segment_kernels  # the default on CUDA
-    fb, _ = make_batch(r, "mixed", 60, 300, 1024, 20)
+    fb, _ = make_batch(r, "mixed", 60, 300, 1024, 8)  # 9 requests: max_num_reqs is 12
     with torch.inference_mode():
         r.bcg_runner.replay(fb)  # first use: lazy allocations outside the checked replay
         torch.cuda.set_sync_debug_mode("error")
