@@ -11,13 +11,15 @@ export PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 if [[ $part == tests || $part == default || $part == all ]]; then
   timeout 300 python -m pytest -q -m gpu -rA -s \
-    test/registered/model_executor test/registered/attention test/registered/models \
+    test/registered/model_executor test/registered/attention test/registered/models test/registered/layers \
     2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|max\||triton vs|batches=|PASS|FAIL" | tail -40
 fi
 if [[ $part == bench || $part == default || $part == all ]]; then
   timeout 240 python -m sglang.bench_one_batch --model-path dsv4-mini \
     --num-tokens 16 64 256 512 1024 2048 4096 --result-file "$OUT/bench_one_batch.json" \
     2>&1 | tee "$OUT/bench_one_batch.log" | grep -v "it/s\]"
+  timeout 120 python benchmark/profile_bcg_step.py --num-tokens 64 256 --out "$OUT" > "$OUT/profile.log" 2>&1
+  grep -A6 "host ms" "$OUT/profile.log"
 fi
 if [[ $part == serve || $part == all ]]; then
   for bcg in "" "--enable-breakable-cuda-graph"; do
