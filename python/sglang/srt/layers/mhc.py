@@ -12,22 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4_kernels import reference as kernel_reference
+
 from sglang.srt.model_executor.forward_context import segment_kernel_ops
 
 
-def sinkhorn_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
-                   iters: int, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mixes [T, (2+hc)*hc] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (rows i -> cols j)."""
-    pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * torch.sigmoid(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
-    comb = comb.softmax(dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    # The loop ends on a column normalisation, as the reference does (rows drift by ~eps).
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return pre, post, comb
+# The torch math lives once, in sgl-kernel's reference (what the fused kernels are tested
+# against); on CPU and with --disable-segment-kernels the model runs it directly.
+sinkhorn_split = kernel_reference.hc_sinkhorn_split
 
 
 def _mix_input(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -49,23 +41,14 @@ class HyperConnection(nn.Module):
 
     def pre(self, x: torch.Tensor):
         """x [T, hc, d] -> (y [T, d], post, comb)."""
-        kernels = segment_kernel_ops()
-        if kernels is not None:
-            return kernels.hc_pre(x, self.fn, self.scale, self.base, self.hc, self.iters, self.hc_eps,
-                                  self.norm_eps)
-        mixes, flat = _mix_input(x, self.fn, self.norm_eps)
-        pre, post, comb = sinkhorn_split(mixes, self.scale, self.base, self.hc, self.iters, self.hc_eps)
-        y = (pre.unsqueeze(-1) * flat.view(x.shape)).sum(dim=1)
-        return y.to(x.dtype), post, comb
+        ops = segment_kernel_ops() or kernel_reference  # one fused launch with the kernels
+        return ops.hc_pre(x, self.fn, self.scale, self.base, self.hc, self.iters, self.hc_eps, self.norm_eps)
 
     @staticmethod
     def post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """X'_j = post_j * f + sum_i comb[i, j] * X_i."""
-        kernels = segment_kernel_ops()
-        if kernels is not None:
-            return kernels.hc_post(f, residual, post, comb)
-        mixed = torch.einsum("tij,tid->tjd", comb, residual.float())
-        return (post.unsqueeze(-1) * f.float().unsqueeze(1) + mixed).to(residual.dtype)
+        ops = segment_kernel_ops() or kernel_reference
+        return ops.hc_post(f, residual, post, comb)
 
 
 class HyperHead(nn.Module):
