@@ -8,15 +8,12 @@ from common import report, require_cuda, time_ms
 H, D, WA, WB = 64, 512, 128, 512
 POOL_ROWS = 1 << 16  # 64 MiB of bf16 rows per pool: random gathers miss L2
 
-SWEEP = [  # (block_h, block_n, num_warps, num_stages, keys_as_m[, split_d]); sm90_resources.py shows spills
+SWEEP = [  # (block_h, block_n, num_warps, num_stages, keys_as_m); sm90_resources.py shows spills
     (32, 32, 8, 2, False), (32, 16, 8, 2, False), (32, 32, 8, 3, False), (16, 32, 4, 2, False),
     (16, 32, 4, 3, False), (16, 16, 4, 2, False), (64, 32, 8, 2, False), (64, 32, 8, 2, True),
     # keys as the 64-row M side of the first dot (Hopper's natural wgmma tile), deeper pipelines
     (64, 64, 8, 2, True), (64, 64, 8, 3, True), (64, 32, 8, 3, True), (64, 32, 8, 4, True),
     (64, 16, 4, 3, True), (64, 64, 4, 2, True),
-    # two programs per token and head block, each owning 256 of the 512 output dims
-    (64, 32, 8, 2, False, True), (64, 32, 4, 2, False, True), (64, 64, 8, 2, False, True),
-    (64, 32, 8, 3, False, True), (32, 32, 4, 2, False, True),
 ]
 
 
@@ -47,10 +44,10 @@ def main():
             err = (out.float() - expected).abs().max().item()
             assert err < 3e-2, f"mismatch {err}"
         report(f"T={T:<5} default", time_ms(lambda: ops.sparse_attn_with_sink(*args)), nbytes, flops)
-        best, best_split_d = None, None
-        for bh, bn, nw, ns, keys_as_m, *split_d in SWEEP:
+        best = None
+        for bh, bn, nw, ns, keys_as_m in SWEEP:
             for splits in (1, 2, 4, 8, 16) if T <= 64 else (1, 2) if T <= 256 else (1,):
-                cfg = SparseAttnConfig(bh, bn, nw, ns, splits, keys_as_m, bool(split_d and split_d[0]))
+                cfg = SparseAttnConfig(bh, bn, nw, ns, splits, keys_as_m)
                 try:
                     ms = time_ms(lambda: sparse_attn_with_sink(*args, config=cfg), iters=10)
                 except Exception as e:  # a config that does not fit (registers, smem) is skipped
@@ -58,11 +55,9 @@ def main():
                     continue
                 if best is None or ms < best[0]:
                     best = (ms, cfg)
-                if cfg.split_d and (best_split_d is None or ms < best_split_d[0]):
-                    best_split_d = (ms, cfg)
-        for label, (ms, cfg) in (("best", best), ("best split_d", best_split_d)):
-            report(f"T={T:<5} {label} h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
-                   f"splits{cfg.num_splits}{' keys_as_m' if cfg.keys_as_m else ''}", ms, nbytes, flops)
+        cfg = best[1]
+        report(f"T={T:<5} best h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
+               f"splits{cfg.num_splits}{' keys_as_m' if cfg.keys_as_m else ''}", best[0], nbytes, flops)
 
 
 if __name__ == "__main__":

@@ -52,8 +52,8 @@ LEN_B = [70, 64, 0, 33, 1, 0, 69, 0]
 @pytest.mark.parametrize("num_splits", [1, 2, 4])
 @pytest.mark.parametrize("has_b", [True, False])
 @pytest.mark.parametrize("num_heads", [4, 20])
-@pytest.mark.parametrize("keys_as_m,split_d", [(False, False), (True, False), (False, True)])
-def test_triton_matches_reference(device, num_splits, has_b, num_heads, keys_as_m, split_d):
+@pytest.mark.parametrize("keys_as_m", [False, True])
+def test_triton_matches_reference(device, num_splits, has_b, num_heads, keys_as_m):
     require_triton()
     from dsv4_kernels.sparse_attention import SparseAttnConfig, sparse_attn_with_sink
 
@@ -67,7 +67,7 @@ def test_triton_matches_reference(device, num_splits, has_b, num_heads, keys_as_
                                                scale, torch.empty_like(q))
     out = torch.full_like(q, float("nan"))
     sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
-                          SparseAttnConfig(num_splits=num_splits, keys_as_m=keys_as_m, split_d=split_d))
+                          SparseAttnConfig(num_splits=num_splits, keys_as_m=keys_as_m))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert out[7].abs().max() == 0  # no valid entry: zeros
     if not has_b:
@@ -102,20 +102,13 @@ def _real_case(T, Sa=4096, Sb=2048):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 64, 257])
-@pytest.mark.parametrize("split_d", [None, True], ids=["measured", "split_d"])
-def test_gpu_real_shapes_match_reference(T, split_d):
+def test_gpu_real_shapes_match_reference(T):
     q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink = _real_case(T)
     scale = D ** -0.5
     expected = reference.sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink,
                                                scale, torch.empty(T, H, D, device="cuda"))
-    if split_d:  # the output-halves variant at every size (its own sweep entries)
-        from dsv4_kernels.sparse_attention import SparseAttnConfig, sparse_attn_with_sink
-
-        out = sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale,
-                                    torch.empty_like(q), SparseAttnConfig(block_h=64, split_d=True))
-    else:
-        out = ops.sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale,
-                                        torch.empty_like(q))
+    out = ops.sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale,
+                                    torch.empty_like(q))
     # bf16 output and bf16 probabilities in the PV dot.
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
     out_a = ops.sparse_attn_with_sink(q, kv_a, idx_a, len_a, None, None, None, sink, scale,

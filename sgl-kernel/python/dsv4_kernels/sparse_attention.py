@@ -27,9 +27,6 @@ class SparseAttnConfig:
     num_stages: int = 2
     num_splits: int = 0  # 0: chosen from the grid size (see pick_num_splits)
     keys_as_m: bool = False  # QK^T computed as (K Q^T)^T, see _attend_list
-    # Two programs per (token, head block), each owning half of the output dims: half the fp32
-    # accumulator per program (the full one fills the register file), q.k done by both.
-    split_d: bool = False
 
 
 MAX_SPLITS = 16
@@ -81,36 +78,6 @@ def _attend_list(q, m_i, l_i, acc, kv_ptr, stride_kv, idx_row_ptr, length, split
 
 
 @triton.jit
-def _attend_list_split_d(q_own, q_oth, m_i, l_i, acc, kv_ptr, stride_kv, idx_row_ptr, length, split,
-                         qk_scale, own_off, oth_off,
-                         NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
-                         DOT_PREC: tl.constexpr):
-    """_attend_list for a program that owns output dims [own_off, own_off + HALF): q.k is the
-    sum of the two half dots; only the owned half of each key row enters P.V."""
-    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, length)
-    offs_d = tl.arange(0, HALF)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        slot = tl.load(idx_row_ptr + offs_n, mask=offs_n < end, other=-1)
-        valid = slot >= 0
-        rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
-        k_own = tl.load(rows + own_off + offs_d[None, :], mask=valid[:, None], other=0.0)
-        k_oth = tl.load(rows + oth_off + offs_d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q_own, tl.trans(k_own), input_precision=DOT_PREC)
-        s = tl.dot(q_oth, tl.trans(k_oth), s, input_precision=DOT_PREC) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k_own.dtype), k_own, input_precision=DOT_PREC)
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _sparse_attn_kernel(
     q_ptr, kv_a_ptr, idx_a_ptr, len_a_ptr, kv_b_ptr, idx_b_ptr, len_b_ptr, sink_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
@@ -118,14 +85,11 @@ def _sparse_attn_kernel(
     stride_qt, stride_qh, stride_kva, stride_ia, stride_kvb, stride_ib, stride_ot, stride_oh,
     HAS_B: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-    KEYS_AS_M: tl.constexpr, D_SPLIT: tl.constexpr,
+    KEYS_AS_M: tl.constexpr,
 ):
-    # Axis 0 is (token, head block, output half) with the half and then the head block fastest,
-    # so the programs of one token run together and share the gathered rows through L2 (and T
-    # is not capped at 65535).
+    # Axis 0 is (token, head block) with the head block fastest, so the programs of one token
+    # run together and share the gathered rows through L2 (and T is not capped at 65535).
     pid = tl.program_id(0)
-    half = pid % D_SPLIT
-    pid = pid // D_SPLIT
     num_hb = tl.cdiv(H, BLOCK_H)
     pid_h = pid % num_hb
     t = (pid // num_hb).to(tl.int64)
@@ -133,19 +97,10 @@ def _sparse_attn_kernel(
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
-    if D_SPLIT == 1:
-        offs_d = tl.arange(0, BLOCK_D)
-        d_mask = offs_d < D
-        q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    else:  # D == 2 * BLOCK_D: this program owns dims [own_off, own_off + BLOCK_D)
-        own_off = half * BLOCK_D
-        oth_off = (1 - half) * BLOCK_D
-        offs_d = own_off + tl.arange(0, BLOCK_D)
-        d_mask = offs_d < D
-        q_rows = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
-        q_own = tl.load(q_rows + offs_d[None, :], mask=h_mask[:, None], other=0.0)
-        q_oth = tl.load(q_rows + oth_off + tl.arange(0, BLOCK_D)[None, :], mask=h_mask[:, None], other=0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
 
     if NUM_SPLITS == 1:
         # The sink enters as the starting state: max = sink, denominator = exp(sink - sink).
@@ -159,24 +114,14 @@ def _sparse_attn_kernel(
 
     # A length past the list width (a caller bug) is clamped rather than read out of bounds.
     len_a = tl.minimum(tl.load(len_a_ptr + t), WA)
-    if D_SPLIT == 1:
-        m_i, l_i, acc = _attend_list(q, m_i, l_i, acc, kv_a_ptr, stride_kva, idx_a_ptr + t * stride_ia,
-                                     len_a, split, qk_scale, offs_d, d_mask,
-                                     NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M)
-    else:
-        m_i, l_i, acc = _attend_list_split_d(q_own, q_oth, m_i, l_i, acc, kv_a_ptr, stride_kva,
-                                             idx_a_ptr + t * stride_ia, len_a, split, qk_scale,
-                                             own_off, oth_off, NUM_SPLITS, BLOCK_N, BLOCK_D, DOT_PREC)
+    m_i, l_i, acc = _attend_list(q, m_i, l_i, acc, kv_a_ptr, stride_kva, idx_a_ptr + t * stride_ia,
+                                 len_a, split, qk_scale, offs_d, d_mask,
+                                 NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M)
     if HAS_B:
         len_b = tl.minimum(tl.load(len_b_ptr + t), WB)
-        if D_SPLIT == 1:
-            m_i, l_i, acc = _attend_list(q, m_i, l_i, acc, kv_b_ptr, stride_kvb, idx_b_ptr + t * stride_ib,
-                                         len_b, split, qk_scale, offs_d, d_mask,
-                                         NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M)
-        else:
-            m_i, l_i, acc = _attend_list_split_d(q_own, q_oth, m_i, l_i, acc, kv_b_ptr, stride_kvb,
-                                                 idx_b_ptr + t * stride_ib, len_b, split, qk_scale,
-                                                 own_off, oth_off, NUM_SPLITS, BLOCK_N, BLOCK_D, DOT_PREC)
+        m_i, l_i, acc = _attend_list(q, m_i, l_i, acc, kv_b_ptr, stride_kvb, idx_b_ptr + t * stride_ib,
+                                     len_b, split, qk_scale, offs_d, d_mask,
+                                     NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M)
 
     hd_mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -250,14 +195,10 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
 
     block_h = max(16, min(config.block_h, triton.next_power_of_2(H)))
     block_d = triton.next_power_of_2(D)
-    # Output halves need D to be two power-of-two halves (512 = 2 x 256); else one program.
-    d_split = 2 if config.split_d and D == block_d and D >= 32 else 1
-    if config.split_d and config.keys_as_m:
-        raise ValueError("split_d and keys_as_m are separate kernel variants; pick one")
     num_hb = triton.cdiv(H, block_h)
     num_sms = _num_sms(torch.cuda.current_device() if q.device.index is None else q.device.index) \
         if q.is_cuda else 132
-    splits = config.num_splits or pick_num_splits(T * num_hb * d_split, num_sms)
+    splits = config.num_splits or pick_num_splits(T * num_hb, num_sms)
     if splits > 1:
         part_acc = torch.empty(T, splits, H, D, dtype=torch.float32, device=q.device)
         part_m = torch.empty(T, splits, H, dtype=torch.float32, device=q.device)
@@ -265,14 +206,13 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
     else:
         part_acc = part_m = part_l = out  # never read
 
-    _sparse_attn_kernel[(T * num_hb * d_split, splits)](
+    _sparse_attn_kernel[(T * num_hb, splits)](
         q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, out, part_acc, part_m, part_l,
         float(scale) * LOG2E, H, D, idx_a.shape[1], idx_b.shape[1],
         q.stride(0), q.stride(1), kv_a.stride(0), idx_a.stride(0), kv_b.stride(0), idx_b.stride(0),
         out.stride(0), out.stride(1),
         HAS_B=has_b, NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=config.block_n,
-        BLOCK_D=block_d // d_split, DOT_PREC=dot_precision(q.dtype), KEYS_AS_M=config.keys_as_m,
-        D_SPLIT=d_split,
+        BLOCK_D=block_d, DOT_PREC=dot_precision(q.dtype), KEYS_AS_M=config.keys_as_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
