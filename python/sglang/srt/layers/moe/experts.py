@@ -2,12 +2,12 @@
 
 Expert weights are stacked ([E, I, d]) so the whole MoE has static shapes and can live
 inside a captured graph segment. Two paths with the same semantics:
-- the torch path (CPU, or --disable-segment-kernels) computes every expert for every row and weights by the (mostly zero)
-  dense routing matrix: exact, graph-safe, fine for the small presets, E/top_k times the
-  needed FLOPs;
-- with the segment kernels (the default on CUDA: the attention backend's `segment_kernels`), sgl-kernel's
-  grouped GEMM (dsv4_kernels.ops.fused_moe: Triton on CUDA, its torch reference elsewhere)
-  runs only the (token, expert) pairs the router chose.
+- the torch path (CPU, or --disable-segment-kernels) computes every expert for every row
+  and weights by the (mostly zero) dense routing matrix: exact, graph-safe, fine for the
+  small presets, E/top_k times the needed FLOPs;
+- with the segment kernels (the default on CUDA: the attention backend's `segment_kernels`),
+  sgl-kernel's grouped GEMM (dsv4_kernels.ops.fused_moe: Triton on CUDA, its torch reference
+  elsewhere) runs only the (token, expert) pairs the router chose.
 """
 
 from __future__ import annotations
