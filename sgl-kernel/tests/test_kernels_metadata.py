@@ -1,9 +1,9 @@
-"""Metadata builders: window / compressed slot lists and cache write locations per token."""
+"""Step-metadata builders (torch reference and Triton): window / compressed slot lists, cache
+write locations, compressor emissions; hand-computed cases, then random batches."""
 
 import pytest
 import torch
 
-from dsv4_kernels import ops
 from kernel_test_utils import require_triton
 
 
@@ -16,10 +16,33 @@ def page_table(device):
     return req_to_token.to(device)
 
 
-def test_window_slots_are_the_last_w_positions_left_aligned(device, page_table):
-    req = torch.tensor([0, 0, 2, 2], device=device)
-    pos = torch.tensor([0, 2, 5, 299], device=device)
-    slots, lens = ops.window_metadata(page_table, req, pos, window=4)
+IMPLS = ["reference", "triton"]
+
+
+def _impl(name):
+    if name == "triton":
+        require_triton()
+        from dsv4_kernels import metadata
+
+        return metadata
+    from dsv4_kernels import reference
+
+    return reference
+
+
+def _token_meta(impl, page_table, req, pos, window=4, topk=16):
+    """token_metadata for real (valid) tokens of requests whose last new token is `pos`."""
+    device = page_table.device
+    req = torch.tensor(req, device=device)
+    pos = torch.tensor(pos, device=device)
+    out = _token_outputs(len(req), window, 300 // 128, 300 // 4, device)
+    return _impl(impl).token_metadata(page_table, req, pos, pos + 1, torch.ones_like(pos), 1, topk, out)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_window_slots_are_the_last_w_positions_left_aligned(device, page_table, impl):
+    out = _token_meta(impl, page_table, [0, 0, 2, 2], [0, 2, 5, 299])
+    slots, lens = out["window_slots"], out["window_len"]
     assert slots.dtype == torch.int32 and lens.tolist() == [1, 3, 4, 4]
     assert slots[0].tolist() == [512, -1, -1, -1]
     assert slots[1].tolist() == [512, 513, 514, -1]
@@ -27,34 +50,51 @@ def test_window_slots_are_the_last_w_positions_left_aligned(device, page_table):
     assert slots[3].tolist() == page_table[2, 296:300].tolist()
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("ratio", [4, 128])
-def test_compressed_slots_follow_the_last_token_of_each_entry(device, page_table, ratio):
-    req = torch.tensor([0, 2, 2, 2, 0], device=device)
-    pos = torch.tensor([2, 3, 127, 299, 254], device=device, dtype=torch.int32)
+def test_compressed_slots_follow_the_last_token_of_each_entry(device, page_table, ratio, impl):
+    req, pos = [0, 2, 2, 2, 0], [2, 3, 127, 299, 254]
+    out = _token_meta(impl, page_table, req, pos)
+    slots, lens = (out["cand_slots"], out["cand_len"]) if ratio == 4 else (out["c128_slots"], out["c128_len"])
     max_entries = 300 // ratio
-    slots, lens = ops.compressed_metadata(page_table, req, pos, ratio, max_entries)
     assert slots.shape == (5, max_entries)
     for t in range(5):
-        n = (int(pos[t]) + 1) // ratio
+        n = (pos[t] + 1) // ratio
         assert lens[t] == n
         expected = [int(page_table[req[t], ratio * i + ratio - 1]) // ratio for i in range(n)]
         assert slots[t].tolist() == expected + [-1] * (max_entries - n)
+    if ratio == 4:  # the c4 top-k can keep at most topk=16 of them
+        assert out["topk_len"].tolist() == [min(16, (p + 1) // 4) for p in pos]
 
 
-def test_out_locs_mark_emitting_tokens(device, page_table):
-    req = torch.tensor([0, 0, 2, 2], device=device)
-    pos = torch.tensor([3, 4, 127, 255], device=device)
-    raw, c4, c128 = ops.out_locs(page_table, req, pos)
-    assert raw.tolist() == [515, 516, int(page_table[2, 127]), int(page_table[2, 255])]
-    assert c4.tolist() == [515 // 4, -1, int(page_table[2, 127]) // 4, int(page_table[2, 255]) // 4]
-    assert c128.tolist() == [-1, -1, int(page_table[2, 127]) // 128, int(page_table[2, 255]) // 128]
+@pytest.mark.parametrize("impl", IMPLS)
+def test_write_slots_and_emitting_tokens(device, page_table, impl):
+    req, pos = [0, 0, 2, 2], [3, 4, 127, 255]
+    out = _token_meta(impl, page_table, req, pos)
+    raw = [515, 516, int(page_table[2, 127]), int(page_table[2, 255])]
+    assert out["raw_out_loc"].tolist() == raw
+    t = torch.tensor
+    for ratio, rows in ((4, [0, 2, 3]), (128, [2, 3])):  # tokens with (pos + 1) % ratio == 0
+        E, R = len(rows), 8 if ratio == 4 else 128
+        gather = torch.empty(E, R, dtype=torch.int32, device=device)
+        out_loc = torch.empty(E, dtype=torch.int32, device=device)
+        emit_pos = torch.empty(E, dtype=torch.int32, device=device)
+        # every token is its request's only new token, with pos cached positions before it
+        _impl(impl).emission_metadata(
+            page_table, t(req, device=device), t(pos, device=device), t([1] * 4, device=device),
+            t(pos, device=device), t([0, 1, 2, 3], device=device), t(rows, device=device), E, 1, ratio,
+            gather, out_loc, emit_pos)
+        assert out_loc.tolist() == [raw[r] // ratio for r in rows]
+        assert emit_pos.tolist() == [pos[r] + 1 - ratio for r in rows]
+        # the newest source row is the emitting token itself (fresh: -(batch row) - 2)
+        assert gather[:, -1].tolist() == [-r - 2 for r in rows]
 
 
-def test_no_tokens_give_empty_metadata(device, page_table):
-    empty = torch.zeros(0, dtype=torch.int64, device=device)
-    slots, lens = ops.window_metadata(page_table, empty, empty, window=128)
-    assert slots.shape == (0, 128) and lens.shape == (0,)
-    assert all(x.shape == (0,) for x in ops.out_locs(page_table, empty, empty))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_tokens_give_empty_metadata(device, page_table, impl):
+    out = _token_meta(impl, page_table, [], [], window=128)
+    assert out["window_slots"].shape == (0, 128) and out["window_len"].shape == (0,)
+    assert out["raw_out_loc"].shape == (0,) and out["cand_slots"].shape == (0, 300 // 4)
 
 
 # ---- one-launch step builders (token_metadata / emission_metadata) -----------------------

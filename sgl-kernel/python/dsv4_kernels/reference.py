@@ -239,42 +239,6 @@ def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots
 # ----------------------------------------------------------------------------------------
 
 
-def window_metadata(req_to_token, token_req_slot, positions, window: int):
-    """window_slots [T, w]: raw slots of positions max(0,p-w+1)..p left-aligned, -1 pad."""
-    p = positions.long()
-    req = token_req_slot.long()
-    start = (p - window + 1).clamp(min=0)
-    cols = torch.arange(window, device=p.device)
-    pos = start[:, None] + cols[None, :]
-    valid = pos <= p[:, None]
-    slots = req_to_token[req[:, None], torch.minimum(pos, p[:, None])]
-    window_slots = torch.where(valid, slots, -1).to(torch.int32)
-    return window_slots, (p - start + 1).to(torch.int32)
-
-
-def compressed_metadata(req_to_token, token_req_slot, positions, ratio: int, max_entries: int):
-    """Slots [T, max_entries] of the compressed entries i < floor((p+1)/ratio) of each token's
-    request (slot = raw slot of the entry's last token // ratio), -1 pad; and the counts."""
-    p = positions.long()
-    req = token_req_slot.long()
-    count = torch.div(p + 1, ratio, rounding_mode="floor")
-    cols = torch.arange(max_entries, device=p.device)
-    last_pos = (cols * ratio + ratio - 1).clamp(max=req_to_token.shape[1] - 1)
-    slots = req_to_token[req[:, None], last_pos[None, :]]
-    slots = torch.div(slots, ratio, rounding_mode="floor")
-    valid = cols[None, :] < count[:, None]
-    return torch.where(valid, slots, -1).to(torch.int32), count.clamp(max=max_entries).to(torch.int32)
-
-
-def out_locs(req_to_token, token_req_slot, positions):
-    """(raw_out_loc, c4_out_loc, c128_out_loc) [T] int32: the cache rows each token writes."""
-    p = positions.long()
-    raw = req_to_token[token_req_slot.long(), p].long()
-    c4 = torch.where((p + 1) % 4 == 0, torch.div(raw, 4, rounding_mode="floor"), -1)
-    c128 = torch.where((p + 1) % 128 == 0, torch.div(raw, 128, rounding_mode="floor"), -1)
-    return raw.to(torch.int32), c4.to(torch.int32), c128.to(torch.int32)
-
-
 def token_metadata(rtt, req_slot, positions, seq_len, valid, padding_slot: int, topk: int, out):
     """Every per-token field of one step's attention metadata, written into `out` (a dict):
     positions [T] int64; raw_out_loc [T]; window_slots [T, W] (raw slots of the last
