@@ -76,8 +76,9 @@ class DeepseekV4AttnBackend(AttentionBackend):
         self, capture_metadata: DSV4Metadata, forward_batch, static_forward_batch=None
     ) -> None:
         # Build from the padded static batch so every per-token tensor has the bucket's
-        # shape, then refresh the captured object in place: segments keep reading the
-        # tensors they captured; the break reads the replaced assign fields.
+        # shape. The builder writes the copy fields straight into the captured storage
+        # (`into`), so the refresh has nothing to copy there; it swaps in the new assign
+        # fields (read by the break) and checks the static ones.
         source = forward_batch if static_forward_batch is None else static_forward_batch
         fresh = self._build(source, static=True, into=capture_metadata)
         capture_metadata.refresh_for_breakable_cuda_graph_replay_(fresh)
