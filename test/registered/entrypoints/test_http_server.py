@@ -110,6 +110,8 @@ def test_health_models_and_server_info(server, client):
     assert (info["context_length"], info["vocab_size"]) == (CONTEXT_LENGTH, 512)
     stats = info["scheduler_stats"]
     assert {"num_running_reqs", "num_waiting_reqs", "num_forwards", "num_free_pages"} <= set(stats)
+    # the kernel path in use (CPU: plain torch everywhere)
+    assert (stats["attention_kernels"], stats["segment_kernels"]) == ("torch", False)
 
 
 def test_completion(client):

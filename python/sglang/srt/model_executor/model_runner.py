@@ -210,7 +210,9 @@ class ModelRunner:
                            idle_policy=self.runner_config.dp_idle_policy)
 
     def get_stats(self) -> dict:
-        out = dict(self.stats)
+        # Which kernels run: the first thing to check when a GPU step is slower than expected.
+        out = dict(self.stats, attention_kernels=self.attn_backend.kernels,
+                   segment_kernels=self.attn_backend.segment_kernels)
         for runner in self.graph_runners:
             out.update(runner.get_stats())
         return out
