@@ -140,7 +140,8 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
 
     indexer = None
     if 4 in ratios:
-        topk_slots = cap_idx.topk_slots if cap_idx is not None else torch.full((T, index_topk), -1, dtype=i32, device=dev)
+        topk_slots = (cap_idx.topk_slots if cap_idx is not None
+                      else torch.full((T, index_topk), -1, dtype=i32, device=dev))
         indexer = DSV4IndexerMetadata(index_topk, out["cand_slots"], out["cand_len"], out["topk_len"], topk_slots)
     return DSV4Metadata(
         page_size=page_size,
