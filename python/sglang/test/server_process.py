@@ -52,3 +52,44 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+# ---- process hygiene (Linux: reads /proc) --------------------------------------------------
+
+
+def _parent_of(stat: str) -> int:
+    return int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state, past "(comm)"
+
+
+def descendant_pids(pid: int) -> list:
+    """Every live descendant of `pid` (children, their children, ...)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = _parent_of((entry / "stat").read_text())
+            except OSError:
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [c for c, p in parents.items() if p == parent]
+        found += kids
+        frontier += kids
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has exited, it only waits to be reaped
+
+
+def still_alive_after(pids: Sequence[int], timeout_s: float = 10) -> list:
+    """The pids still running once they have all exited or `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if pid_alive(p)]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang.test.server_process import ServerProcess, free_port
+from sglang.test.server_process import ServerProcess, descendant_pids, free_port, pid_alive, still_alive_after
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MAX_NEW = 8
@@ -29,8 +29,6 @@ PROMPTS = [[(7 * i + 13 * j) % 500 + 3 for j in range(3 + i)] for i in range(16)
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"), pytest.mark.timeout(180)]
 
 
-
-
 def _free_port_pair() -> int:
     """A port p with p + 1 free as well (rendezvous and node 0's controller)."""
     for _ in range(50):
@@ -42,27 +40,6 @@ def _free_port_pair() -> int:
         except OSError:
             continue
     raise RuntimeError("no two adjacent free ports")
-
-
-def _children(pid: int) -> list:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
 
 
 def _env() -> dict:
@@ -139,7 +116,7 @@ def test_server_info_shows_both_ranks_replaying_and_round_robin_splits_requests_
     assert info["dp_size"] == 2 and len(ranks) == 2
     assert [r["num_finished_reqs"] - b["num_finished_reqs"] for r, b in zip(ranks, before)] == [3, 3]
     pids = info["scheduler_pids"]
-    assert len(set(pids)) == 2 and set(pids) <= set(_children(dp2.proc.pid))
+    assert len(set(pids)) == 2 and set(pids) <= set(descendant_pids(dp2.proc.pid))
     total = info["scheduler_stats"]
     for key in ("bcg_replays", "dp_bcg_steps", "dp_eager_steps", "num_finished_reqs", "num_generated_tokens"):
         assert total[key] == ranks[0][key] + ranks[1][key], key
@@ -183,19 +160,16 @@ def test_offline_engine_with_dp_size_2_generates_the_dp1_greedy_ids(dp1_greedy):
         pids = [p for p in engine.scheduler.controller.pids]
     finally:
         engine.shutdown()
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if pid_alive(p)]
 
 
 def test_sigterm_stops_every_rank_and_leaves_no_child(servers):
     dp2, _ = servers
-    children = _children(dp2.proc.pid)
+    children = descendant_pids(dp2.proc.pid)
     assert set(dp2.info()["scheduler_pids"]) <= set(children)
     dp2.proc.send_signal(signal.SIGTERM)
     assert dp2.proc.wait(30) == 0
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in children if _alive(p)]
+    assert still_alive_after(children) == []
     log = dp2.log()
     assert log.count("scheduler process exiting") == 2  # both left cleanly, graphs released
     assert "ended with exit code" not in log
@@ -214,7 +188,7 @@ def test_two_nodes_serve_least_loaded_and_a_killed_rank_takes_both_down(tmp_path
         assert node0.generate(PROMPTS[5])["output_ids"] == dp1_greedy[5]
         info = node0.info()
         rank1_pid = info["scheduler_pids"][1]
-        assert rank1_pid in _children(node1.proc.pid) and rank1_pid not in _children(node0.proc.pid)
+        assert rank1_pid in descendant_pids(node1.proc.pid) and rank1_pid not in descendant_pids(node0.proc.pid)
 
         # least-loaded: while one rank runs a long request, short ones all go to the other
         long_body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
@@ -239,7 +213,7 @@ def test_two_nodes_serve_least_loaded_and_a_killed_rank_takes_both_down(tmp_path
         assert node0.proc.wait(30) == 1
         assert node1.proc.wait(30) == 1
         for pid in info["scheduler_pids"]:
-            assert not _alive(pid)
+            assert not pid_alive(pid)
     finally:
         node0.stop()
         node1.stop()
@@ -253,14 +227,11 @@ def test_sigterm_on_node_0_stops_both_nodes_cleanly(tmp_path):
     try:
         node0.wait_ready()
         assert node0.generate(PROMPTS[0])["meta_info"]["completion_tokens"] == MAX_NEW
-        children = _children(node0.proc.pid) + _children(node1.proc.pid)
+        children = descendant_pids(node0.proc.pid) + descendant_pids(node1.proc.pid)
         node0.proc.send_signal(signal.SIGTERM)
         assert node0.proc.wait(30) == 0
         assert node1.proc.wait(30) == 0  # its rank agreed to stop and left cleanly
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in children if _alive(p)]
+        assert still_alive_after(children) == []
         assert "scheduler process exiting" in node1.log()
     finally:
         node0.stop()

@@ -17,42 +17,13 @@ import pytest
 import requests
 
 from sglang.srt.tokenizer import ByteTokenizer
-from sglang.test.server_process import ServerProcess, free_port
+from sglang.test.server_process import ServerProcess, descendant_pids, free_port, still_alive_after
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MODEL = "dsv4-tiny"
 CONTEXT_LENGTH = 4096  # the CPU default: min(max_position_embeddings, 4096)
 TOK = ByteTokenizer(512)
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid`, from /proc (Linux)."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        kids = [c for c, pp in parents.items() if pp == p]
-        found += kids
-        frontier += kids
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")  # a zombie has exited, it only waits to be reaped
 
 
 def _server_command(port: int, *extra_args: str):
@@ -287,15 +258,12 @@ def test_client_disconnect_aborts_the_request(server):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigterm_stops_the_server_and_leaves_no_child(server):
-    children = _descendants(server.proc.pid)
+    children = descendant_pids(server.proc.pid)
     scheduler_pid = requests.get(server.url + "/get_server_info", timeout=30).json()["scheduler_pid"]
     assert scheduler_pid in children
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(30) == 0
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in children if _alive(p)]
+    assert still_alive_after(children) == []
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
