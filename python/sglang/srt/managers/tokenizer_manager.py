@@ -250,7 +250,10 @@ class TokenizerManager:
         if self.dead:
             raise SchedulerDiedError(self.death_message)
         rid = req.rid
-        if rid in self.rid_to_state:
+        # The controller owns a rid until the scheduler's final output for it arrives, which can
+        # be after its client has gone (an abort still in flight): reusing it before then would
+        # hand the new request the old one's abort and leave the new one running unobserved.
+        if rid in self.rid_to_state or self.controller.owner_of(rid) is not None:
             raise RequestError(f"request id {rid!r} is already in use")
         state = _ReqState(IncrementalDetokenizer(self.tokenizer, skip_special_tokens, req.sampling_params.stop))
         self.rid_to_state[rid] = state
