@@ -26,8 +26,9 @@ def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available()
 
 
+@functools.lru_cache(maxsize=None)
 def _kernels(name: str):
-    return importlib.import_module(f"{__package__}.{name}")
+    return importlib.import_module(f"{__package__}.{name}")  # cached: called on every step
 
 
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out):

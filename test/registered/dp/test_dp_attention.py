@@ -100,7 +100,8 @@ def test_consensus_is_the_same_on_every_rank_for_any_vector():
         for cfg in (CFG, GraphConfig(CFG.bcg_buckets, CFG.decode_bs_buckets, "eager")):
             decisions = set()
             for rank in range(len(infos)):
-                # each rank sees the same gathered vector (ranks only differ in who they are)
+                # each rank sees the same gathered vector (ranks only differ in who they are);
+                # one answer from N calls means no hidden state and no mutation of the vector
                 decisions.add(decide_step_path(list(infos), cfg))
             assert len(decisions) == 1
             path = decisions.pop()

@@ -38,6 +38,8 @@ def _build(runner, fb, static, **kw):
 @pytest.mark.parametrize("static", [False, True])
 def test_triton_builders_equal_the_torch_reference(runner, monkeypatch, mode, n, prefix, static):
     pytest.importorskip("triton")
+    if torch.cuda.is_available():  # the CPU runner's tensors reach Triton only via the interpreter
+        pytest.skip("runs the Triton builders interpreted on CPU; GPUs check them in sgl-kernel/tests")
     fb, slots = make_batch(runner, mode, n, prefix, 32, min(5, n // 2))
     try:
         backend = runner.attn_backend
