@@ -14,11 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from dsv4_harness import Session, run_step  # noqa: E402
 
 from sglang.srt.configs import get_preset  # noqa: E402
-from sglang.srt.layers.attention.dsv4.ops import (  # noqa: E402
-    compressor_pool,
-    indexer_topk,
-    sparse_attention_with_sink,
-)
+from sglang.srt.layers.attention.dsv4.ops import compressor_pool, indexer_topk  # noqa: E402
 from sglang.srt.layers.mhc import sinkhorn_split  # noqa: E402
 from sglang.srt.layers.moe.experts import RoutedExperts  # noqa: E402
 from sglang.srt.layers.moe.router import Gate, route  # noqa: E402
@@ -373,6 +369,13 @@ def _attention_reference(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale)
             denom = sum(e) + math.exp(float(sink[h]) - m)
             out[t, h] = sum(ei / denom * k for ei, k in zip(e, keys))
     return out.float()
+
+
+def sparse_attention_with_sink(q, *args):
+    """The attention core the torch backend runs (sgl-kernel's reference), as a function."""
+    from dsv4_kernels import reference
+
+    return reference.sparse_attn_with_sink(q, *args, out=torch.empty_like(q))
 
 
 def test_sparse_attention_with_sink_equals_naive_softmax():

@@ -30,6 +30,12 @@ class AttentionBackend:
             f"{type(self).__name__} does not opt in to captured metadata for breakable CUDA graphs"
         )
 
-    # Full decode CUDA graphs (one graph per batch-size bucket).
-    def init_cuda_graph_state(self, max_bs: int) -> None:
+    # Full decode CUDA graphs (one graph per batch-size bucket; the attention core is captured
+    # too, so every metadata tensor is refreshed in place at replay).
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch) -> Any:
+        """Static-shape metadata a decode-graph capture will record; becomes active."""
+        raise NotImplementedError(f"{type(self).__name__} has no decode CUDA graph support")
+
+    def init_forward_metadata_replay_cuda_graph(self, capture_metadata: Any, static_forward_batch) -> None:
+        """Write the live batch's metadata into `capture_metadata` in place; make it active."""
         raise NotImplementedError(f"{type(self).__name__} has no decode CUDA graph support")

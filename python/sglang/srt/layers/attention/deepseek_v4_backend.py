@@ -4,16 +4,16 @@ and decode-CUDA-graph metadata hooks."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Optional
 
 import torch
+from dsv4_kernels import ops as kernel_ops
+from dsv4_kernels import reference as kernel_reference
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.attention.dsv4.metadata import DSV4Metadata, match_num_queries
 from sglang.srt.layers.attention.dsv4.metadata_builder import build_dsv4_metadata
-from sglang.srt.layers.attention.dsv4.ops import sparse_attention_with_sink
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +102,9 @@ class DeepseekV4AttnBackend(AttentionBackend):
             len_b = match_num_queries(a.c128_len, n, 0)
         args = (q[:n], self.kv_pool.raw[layer_id], match_num_queries(a.window_slots, n),
                 match_num_queries(a.window_len, n, 0), kv_b, idx_b, len_b, sink, self.scale)
-        if self.kernels == "triton":
-            from dsv4_kernels.ops import sparse_attn_with_sink
-
-            sparse_attn_with_sink(*args, out=output[:n])
-        else:
-            output[:n].copy_(sparse_attention_with_sink(*args))
+        # Triton: one launch per layer; torch: the kernels' plain-torch reference
+        impl = kernel_ops if self.kernels == "triton" else kernel_reference
+        impl.sparse_attn_with_sink(*args, out=output[:n])
 
     # ---- full decode CUDA graph hooks ------------------------------------------------------
     def init_forward_metadata_capture_cuda_graph(self, forward_batch) -> DSV4Metadata:
@@ -117,18 +114,9 @@ class DeepseekV4AttnBackend(AttentionBackend):
         return self.forward_metadata
 
     def init_forward_metadata_replay_cuda_graph(self, capture_metadata: DSV4Metadata, static_forward_batch) -> None:
+        # Every tensor, assign fields too, is built into the captured storage (the graph reads
+        # them all); the refresh then only checks the static fields.
         fresh = self._build(static_forward_batch, static=True, into=capture_metadata, into_all=True)
-        _copy_tensors_(capture_metadata, fresh)
+        capture_metadata.refresh_for_breakable_cuda_graph_replay_(fresh)
         self.forward_metadata = capture_metadata
 
-
-def _copy_tensors_(dst, src) -> None:
-    for f in dataclasses.fields(dst):
-        a, b = getattr(dst, f.name), getattr(src, f.name)
-        if isinstance(a, torch.Tensor):
-            if a is not b:
-                a.copy_(b)
-        elif dataclasses.is_dataclass(a):
-            _copy_tensors_(a, b)
-        elif a != b:
-            raise ValueError(f"decode graph metadata field {f.name} changed: captured {a!r}, replay {b!r}")

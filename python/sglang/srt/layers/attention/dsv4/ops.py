@@ -1,39 +1,15 @@
-"""Plain-torch DSV4 attention ops: portable (CPU and CUDA), static-shaped where they run
-inside captured segments, and the reference the sgl-kernel Triton kernels are checked against."""
+"""Plain-torch DSV4 ops of the model's own segment code (CPU, and CUDA with
+--disable-segment-kernels): static-shaped, as they run inside captured segments. The attention
+core's torch version is sgl-kernel's reference (dsv4_kernels.reference.sparse_attn_with_sink),
+which the backend calls directly."""
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
 # A finite stand-in for -inf so fully padded rows stay finite (softmax of equal values);
 # exp(NEG - max) underflows to exactly 0 wherever a real score is present.
 NEG = -1e30
-
-
-def sparse_attention_with_sink(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Tensor, len_a: torch.Tensor,
-                               kv_b: Optional[torch.Tensor], idx_b: Optional[torch.Tensor],
-                               len_b: Optional[torch.Tensor], sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """One softmax per (token, head) over the union of two index lists, sink in the denominator.
-
-    q [T, H, D]; kv_* [S, D]; idx_* [T, W] slots (-1 pad, only the first len_*[t] count).
-    Returns [T, H, D] in q's dtype; a token with no entries gets zeros.
-    """
-    rows, masks = [], []
-    for kv, idx, ln in ((kv_a, idx_a, len_a), (kv_b, idx_b, len_b)):
-        if kv is None or idx is None or idx.shape[1] == 0:
-            continue
-        valid = (idx >= 0) & (torch.arange(idx.shape[1], device=idx.device)[None, :] < ln[:, None])
-        rows.append(kv[idx.clamp(min=0).long()])  # [T, W, D]
-        masks.append(valid)
-    keys = torch.cat(rows, dim=1).float()
-    valid = torch.cat(masks, dim=1)
-    scores = torch.einsum("thd,twd->thw", q.float(), keys) * scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    sink_col = sink.float()[None, :, None].expand(q.shape[0], -1, 1)
-    probs = torch.cat([scores, sink_col], dim=-1).softmax(dim=-1)[..., :-1]
-    return torch.einsum("thw,twd->thd", probs, keys).to(q.dtype)
 
 
 def compressor_pool(state_kv: torch.Tensor, state_score: torch.Tensor, kv_new: torch.Tensor,
