@@ -28,3 +28,41 @@ def test_a_rid_is_not_reusable_while_its_abort_is_in_flight():
     with pytest.raises(RequestError, match="'dup' is already in use"):
         asyncio.run(first_chunk())
     assert sent == [] and "dup" not in tm.rid_to_state
+
+
+def test_every_entry_point_checks_a_prompt_the_same_way():
+    """Scheduler, HTTP side and the DP Engine share check_prompt_ids; the DP Engine used to
+    let a prompt larger than the KV cache through (it then came back as an error result)."""
+    import types
+
+    from sglang.srt.entrypoints.engine import _DPSchedulerClient
+    from sglang.srt.managers.io_struct import check_prompt_ids, kv_capacity_tokens
+
+    assert check_prompt_ids((3, 4), 10, 8, 6) == [3, 4]
+    for ids, message in (([], "non-empty"), ([3, True], "outside the vocabulary"), ([3, 10], "outside"),
+                         ([1] * 8, "context length is 8"), ([1] * 7, "KV cache holds only 6")):
+        with pytest.raises(ValueError, match=message):
+            check_prompt_ids(ids, 10, 8, 6)
+    assert kv_capacity_tokens({"num_total_pages": 3, "page_size": 128}) == 384
+    assert kv_capacity_tokens({}) is None
+
+    routed = []
+    controller = types.SimpleNamespace(route=lambda req: routed.append(req.rid) or [])
+    ready = types.SimpleNamespace(vocab_size=512, context_length=4096, server_args=types.SimpleNamespace(
+        watchdog_timeout=30.0), stats={"num_total_pages": 2, "page_size": 128})
+    client = _DPSchedulerClient(controller, ready)
+    with pytest.raises(ValueError, match="KV cache holds only 256"):
+        client.add_request(GenerateReqInput(rid="big", input_ids=[5] * 300))
+    client.add_request(GenerateReqInput(rid="ok", input_ids=[5] * 200))
+    assert routed == ["ok"]
+    client._sends.put(None)  # stop its sender thread
+
+
+def test_http_side_rejects_what_the_scheduler_would_with_a_request_error():
+    args = ServerArgs().resolve(cuda_available=False)
+    tm = TokenizerManager(args)
+    tm.context_length, tm.vocab_size, tm.kv_capacity = 4096, 512, 256
+    with pytest.raises(RequestError, match="KV cache holds only 256"):
+        tm._check_input_ids([5] * 300)
+    with pytest.raises(RequestError, match="token id 999 is outside the vocabulary"):
+        tm._check_input_ids([1, 2, 999])

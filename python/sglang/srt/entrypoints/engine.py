@@ -19,7 +19,16 @@ from typing import Any, Dict, List, Sequence, Union
 
 import torch
 
-from sglang.srt.managers.io_struct import AbortReq, GenerateReqInput, ServerInfo, ServerInfoReq, TokenOut, output_text
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    GenerateReqInput,
+    ServerInfo,
+    ServerInfoReq,
+    TokenOut,
+    check_prompt_ids,
+    kv_capacity_tokens,
+    output_text,
+)
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
@@ -190,6 +199,7 @@ class _DPSchedulerClient:
         self.controller = controller
         self.vocab_size = ready.vocab_size
         self.context_length = ready.context_length
+        self.kv_capacity = kv_capacity_tokens(ready.stats)
         self.timeout_s = ready.server_args.watchdog_timeout
         self._held: List[TokenOut] = []  # outputs read while waiting for stats
         self._sends: queue.Queue = queue.Queue()
@@ -204,15 +214,9 @@ class _DPSchedulerClient:
                 pass  # the rank is gone: step() reports it
 
     def add_request(self, req: GenerateReqInput) -> None:
-        """The scheduler's own checks that need no KV state, so bad input still raises here."""
-        params = req.sampling_params
-        params.verify(self.vocab_size)
-        ids = req.input_ids
-        if not ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"input_ids must be a non-empty list of integers in [0, {self.vocab_size})")
-        if len(ids) >= self.context_length:
-            raise ValueError(f"the prompt has {len(ids)} tokens but the context length is {self.context_length} "
-                             "(at least one position must remain for output)")
+        """The scheduler's own request checks, so bad input raises here as it does without DP."""
+        req.sampling_params.verify(self.vocab_size)
+        check_prompt_ids(req.input_ids, self.vocab_size, self.context_length, self.kv_capacity)
         for item in self.controller.route(req):
             self._sends.put(item)
 

@@ -79,3 +79,31 @@ def trim_stop_string(text: str, finish_reason: Optional[dict]) -> str:
 def output_text(decode: Callable[[list[int]], str], output_ids: Sequence[int], finish_reason: Optional[dict]) -> str:
     """The user-visible text of a finished request."""
     return trim_stop_string(decode(visible_output_ids(output_ids, finish_reason)), finish_reason)
+
+
+def kv_capacity_tokens(stats: dict) -> Optional[int]:
+    """KV tokens a rank holds, from its scheduler stats (None when not reported)."""
+    if "num_total_pages" not in stats or "page_size" not in stats:
+        return None
+    return stats["num_total_pages"] * stats["page_size"]
+
+
+def check_prompt_ids(ids, vocab_size: int, context_length: int,
+                     kv_capacity: Optional[int] = None) -> list:
+    """The prompt checks every entry point shares (scheduler, HTTP side, DP Engine): a
+    non-empty list of in-vocabulary ints that leaves room for output in the context and fits
+    the KV cache. Raises ValueError naming the problem; returns the ids as a list."""
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError("input_ids must be a non-empty list of token ids")
+    bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"input_ids must be integers in [0, {vocab_size}): token id {bad!r} is outside "
+                         "the vocabulary")
+    if len(ids) >= context_length:
+        raise ValueError(f"the prompt has {len(ids)} tokens but the context length is {context_length} "
+                         "(at least one position must remain for output)")
+    if kv_capacity is not None and len(ids) > kv_capacity:
+        raise ValueError(f"the prompt has {len(ids)} tokens but the KV cache holds only {kv_capacity} "
+                         "(--max-total-tokens)")
+    return list(ids)
+

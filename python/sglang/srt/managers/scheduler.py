@@ -29,7 +29,7 @@ import logging
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from sglang.srt.layers.sampler import Sampler, make_generator
-from sglang.srt.managers.io_struct import GenerateReqInput, TokenOut
+from sglang.srt.managers.io_struct import GenerateReqInput, TokenOut, check_prompt_ids
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, check_finished, eos_ids_of
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -84,21 +84,8 @@ class Scheduler:
             raise ValueError(f"rid must be a non-empty string, got {req_in.rid!r}")
         if req_in.rid in self._live:
             raise ValueError(f"a request with rid {req_in.rid!r} is already running")
-        ids = req_in.input_ids
-        if not isinstance(ids, list) or not ids:
-            raise ValueError("input_ids must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"input_ids must be integers in [0, {self.vocab_size})")
-        if len(ids) >= self.context_length:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens but the context length is {self.context_length} "
-                "(at least one position must remain for output)"
-            )
-        if -(-len(ids) // self.page_size) > self.pool.pages.capacity:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens but the KV cache holds only "
-                f"{self.pool.pages.capacity * self.page_size} (--max-total-tokens)"
-            )
+        ids = check_prompt_ids(req_in.input_ids, self.vocab_size, self.context_length,
+                               self.pool.pages.capacity * self.page_size)
         req = Req(rid=req_in.rid, origin_input_ids=list(ids), sampling_params=params, stream=req_in.stream,
                   arrival_seq=self._next_arrival,
                   generator=make_generator(params.seed) if params.seed is not None else None)

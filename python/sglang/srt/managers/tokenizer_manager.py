@@ -22,6 +22,8 @@ from sglang.srt.managers.io_struct import (
     GenerateReqInput,
     ServerInfo,
     ServerInfoReq,
+    check_prompt_ids,
+    kv_capacity_tokens,
     visible_output_ids,
 )
 from sglang.srt.managers.scheduler_process import ReadyMsg
@@ -69,6 +71,7 @@ class TokenizerManager:
         self.served_model_name = getattr(server_args, "served_model_name", None) or server_args.model_path
         self.context_length: int | None = None  # from the scheduler's ready message
         self.vocab_size: int | None = None
+        self.kv_capacity: int | None = None  # KV tokens per rank, from the ready message
         self.rid_to_state: dict[str, _ReqState] = {}
         self.dead = False
         self.death_message = ""
@@ -89,6 +92,7 @@ class TokenizerManager:
         msg = self.controller.launch(timeout_s)
         self.server_args = msg.server_args
         self.context_length, self.vocab_size = msg.context_length, msg.vocab_size
+        self.kv_capacity = kv_capacity_tokens(msg.stats)
         return msg
 
     def start_io(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
@@ -228,21 +232,10 @@ class TokenizerManager:
         return GenerateReqInput(rid=rid, input_ids=ids, sampling_params=params, stream=stream), skip_special_tokens
 
     def _check_input_ids(self, input_ids) -> list[int]:
-        if not isinstance(input_ids, (list, tuple)) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in input_ids
-        ):
-            raise RequestError("input_ids must be a list of integers")
-        if not input_ids:
-            raise RequestError("the prompt is empty")
-        bad = next((i for i in input_ids if not 0 <= i < self.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if len(input_ids) >= self.context_length:
-            raise RequestError(
-                f"the prompt is {len(input_ids)} tokens long, but the context length is "
-                f"{self.context_length} tokens (at least one must be left for the output)"
-            )
-        return list(input_ids)
+        try:
+            return check_prompt_ids(input_ids, self.vocab_size, self.context_length, self.kv_capacity)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
     async def generate(self, req: GenerateReqInput, skip_special_tokens: bool = True) -> AsyncIterator[GenerateOutput]:
         """Send `req` and yield its output chunks until it finishes. Closing the generator
