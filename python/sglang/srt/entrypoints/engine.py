@@ -32,36 +32,11 @@ from sglang.srt.managers.io_struct import (
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, List[int]]
-
-
-class _FallbackByteTokenizer:
-    """UTF-8 bytes offset past the special ids; only used when sglang.srt.tokenizer is absent."""
-
-    OFFSET = 3  # 0 bos, 1 eos, 2 pad
-
-    def __init__(self, vocab_size: int, eos_token_id: int = 1):
-        self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
-
-    def encode(self, text: str) -> List[int]:
-        return [b + self.OFFSET for b in text.encode("utf-8")]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        raw = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.OFFSET + 256)
-        return raw.decode("utf-8", errors="replace")
-
-
-def _load_tokenizer(server_args: ServerArgs, model_config):
-    try:
-        from sglang.srt.tokenizer import get_tokenizer
-    except ImportError:
-        eos = model_config.eos_token_id
-        return _FallbackByteTokenizer(model_config.vocab_size, eos[0] if isinstance(eos, list) else eos)
-    return get_tokenizer(server_args.model_path, server_args.tokenizer_path)
 
 
 class Engine:
@@ -76,11 +51,10 @@ class Engine:
 
         self.server_args = args.resolve(cuda_available=torch.cuda.is_available())
         self.model_runner = ModelRunner(self.server_args)
-        self.tokenizer = _load_tokenizer(self.server_args, self.model_runner.config)
+        self.tokenizer = get_tokenizer(self.server_args.model_path, self.server_args.tokenizer_path)
         self.scheduler = Scheduler(self.server_args, self.model_runner, decode_fn=self.tokenizer.decode)
 
     def _init_dp(self, args: ServerArgs) -> None:
-        from sglang.srt.configs.deepseek_v4 import load_model_config
         from sglang.srt.managers.dp_controller import DataParallelController
 
         if args.nnodes > 1:
@@ -89,7 +63,7 @@ class Engine:
         ready = controller.launch()
         self.server_args = ready.server_args
         self.model_runner = None  # in the rank processes
-        self.tokenizer = _load_tokenizer(self.server_args, load_model_config(self.server_args.model_path))
+        self.tokenizer = get_tokenizer(self.server_args.model_path, self.server_args.tokenizer_path)
         self.scheduler = _DPSchedulerClient(controller, ready)
 
     # ---- generation ------------------------------------------------------------------
