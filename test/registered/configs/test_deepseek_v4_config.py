@@ -160,6 +160,8 @@ INVALID = [
     ("vocab_size", {"bos_token_id": 600}),
     ("eos_token_id", {"eos_token_id": "</s>"}),
     ("norm_topk_prob", {"norm_topk_prob": "yes"}),
+    ("norm_topk_prob", {"norm_topk_prob": False}),  # parsed but not implemented: refused
+    ("topk_method", {"topk_method": "greedy"}),
     ("quantization_config", {"quantization_config": ["fp8"]}),
 ]
 

@@ -248,6 +248,12 @@ def _validate(c: DeepseekV4Config) -> None:
         raise ConfigError(f"num_hash_layers: {c.num_hash_layers} exceeds num_hidden_layers ({c.num_hidden_layers})")
     if c.scoring_func not in SCORING_FUNCS:
         raise ConfigError(f"scoring_func: must be one of {', '.join(SCORING_FUNCS)}, got {c.scoring_func!r}")
+    # The router implements exactly these (the release's values); anything else would be
+    # parsed and then silently ignored.
+    if c.topk_method != "noaux_tc":
+        raise ConfigError(f"topk_method: only 'noaux_tc' (bias-selected top-k) is supported, got {c.topk_method!r}")
+    if not c.norm_topk_prob:
+        raise ConfigError("norm_topk_prob: only true is supported (routing weights are normalised over the top-k)")
 
     ratios = c.compress_ratios
     if not isinstance(ratios, list) or not all(_is_int(r) and r in COMPRESS_RATIOS for r in ratios):
