@@ -131,19 +131,26 @@ def build_forward_batch(
         forward_mode = ForwardMode.IDLE
     slots = torch.tensor(list(req_pool_indices), dtype=torch.int64)
     tok_slot = torch.repeat_interleave(slots, torch.tensor(ext, dtype=torch.int64))
-    # Raw KV write slots keep the page table's index dtype (what the KV pools are indexed with).
-    out_loc = req_to_token[tok_slot.to(req_to_token.device), pos.to(req_to_token.device)]
+    per_req = torch.tensor(seq + ext + list(prefix_lens), dtype=torch.int64)  # [3 * B]
+    # One non-blocking upload of everything (the step's host work never waits for the GPU),
+    # then views; the write slots are gathered on the device.
     dev = torch.device(device)
+    T, B = ids.shape[0], len(ext)
+    up = to_device_async(torch.cat([ids, pos, tok_slot, slots, per_req]), dev)
+    ids_d, pos_d, tok_d = up[:T], up[T:2 * T], up[2 * T:3 * T]
+    lens_d = up[3 * T + B:].view(3, B).int()
+    # Raw KV write slots keep the page table's index dtype (what the KV pools are indexed with).
+    out_loc = req_to_token[tok_d.to(req_to_token.device), pos_d.to(req_to_token.device)].to(dev)
     return ForwardBatch(
         forward_mode=forward_mode,
-        input_ids=ids.to(dev),
-        positions=pos.to(dev),
-        out_cache_loc=out_loc.to(dev),
-        token_req_slot=tok_slot.to(dev),
-        req_pool_indices=slots.to(dev),
-        seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev),
-        extend_seq_lens=torch.tensor(ext, dtype=torch.int32, device=dev),
-        extend_prefix_lens=torch.tensor(list(prefix_lens), dtype=torch.int32, device=dev),
+        input_ids=ids_d,
+        positions=pos_d,
+        out_cache_loc=out_loc,
+        token_req_slot=tok_d,
+        req_pool_indices=up[3 * T:3 * T + B],
+        seq_lens=lens_d[0],
+        extend_seq_lens=lens_d[1],
+        extend_prefix_lens=lens_d[2],
         seq_lens_cpu=seq,
         extend_seq_lens_cpu=ext,
         extend_prefix_lens_cpu=list(prefix_lens),

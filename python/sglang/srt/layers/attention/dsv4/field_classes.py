@@ -53,7 +53,8 @@ def field_classes(obj_or_cls) -> dict[str, str | None]:
 
 
 def unclassified_fields(cls) -> list[str]:
-    """Names of fields (recursively, through nested metadata types) with no class."""
+    """Names of `cls`'s own fields with no class (nested metadata types are checked by
+    calling this on each of them)."""
     out = []
     for f in dataclasses.fields(cls):
         if field_class(f) not in FIELD_CLASSES:
