@@ -38,7 +38,7 @@ def phases(bcg, fb, sync: bool):
     s = time.perf_counter()
     static_fb = bcg._fill(fb, bucket)
     s = mark("fill", s)
-    bcg._prepare_forward_metadata_for_replay(bucket, fb, static_fb)
+    bcg.spec.replay_metadata(bcg.attn_backend, bcg.captured_metadata[bucket], fb, static_fb)
     s = mark("metadata", s)
     with forward_context(static_fb, bcg.attn_backend, n, bcg.model_runner.dp_moe(bucket)):
         bcg.graphs[bucket].replay()
@@ -91,7 +91,7 @@ def main():
             report.append(f"== mixed {n}: GPU kernels of one padded eager step")
             report.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                bcg.replay(fb)
+                runner.forward(fb)
                 torch.cuda.synchronize()
             report.append(f"== mixed {n}: host ops of one replay")
             report.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))

@@ -19,6 +19,7 @@ import torch
 from sglang.srt.model_executor.breakable_cuda_graph import break_ops_inline, create_breakable_graph
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
 from sglang.srt.model_executor.forward_context import forward_context
+from sglang.srt.model_executor.graph_dispatch import PathKind, decide_step_path, describe, eager_path
 from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
 
 
@@ -109,16 +110,17 @@ def main(argv=None):
     rows = []
     header = f"{'mode':6} {'tokens':>6} {'eager ms':>9} {'bcg ms':>8} {'ideal ms':>9} {'eager/bcg':>9} {'bcg/ideal':>9} {'breaks':>6}"
     print(f"model {a.model_path} on {dev} ({dtype}); BCG capture {bcg.capture_seconds:.1f}s for "
-          f"{len(bcg.capture_num_tokens)} buckets, graph memory {bcg.graph_memory_bytes / 2**20:.0f} MiB")
+          f"{len(bcg.buckets)} buckets, graph memory {bcg.graph_memory_bytes / 2**20:.0f} MiB")
     print(header)
     for mode in a.modes:
         for n in a.num_tokens:
             n_dec = min(a.decode_rows, n // 2) if mode == "mixed" else 0
             fb, slots = make_batch(runner, mode, n, a.prefix, a.max_chunk, n_dec)
             with torch.inference_mode():
-                eager = timed(lambda: runner.forward_eager(fb), dev, a.iters)
-                assert bcg.can_run(fb), bcg.fallback_reason(fb)
-                replay = timed(lambda: bcg.replay(fb), dev, a.iters)
+                eager = timed(lambda: runner.forward(fb, eager_path(fb)), dev, a.iters)
+                path = decide_step_path((describe(fb),), runner.graph_tables)
+                assert path.kind == PathKind.BCG, path.reason
+                replay = timed(lambda: runner.forward(fb, path), dev, a.iters)
                 graph, replay_ideal = ideal_graph(runner, fb)
                 ideal = timed(replay_ideal, dev, a.iters)
                 graph.release()

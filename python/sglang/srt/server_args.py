@@ -69,7 +69,6 @@ class ServerArgs:
     dp_size: int = 1
     load_balance_method: str = "round_robin"
     dp_idle_policy: str = "replay"
-    enable_two_batch_overlap: bool = False
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: Optional[str] = None
@@ -232,9 +231,6 @@ def _validate(a: ServerArgs) -> None:
                          "each node runs the same number of DP ranks")
     if a.dist_init_addr is not None:
         _check_dist_init_addr(a.dist_init_addr)
-    from sglang.srt.two_batch_overlap import check_two_batch_overlap
-
-    check_two_batch_overlap(a.enable_two_batch_overlap)
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
     if a.stream_interval < 1:
@@ -314,7 +310,6 @@ _HELP = {
     "load_balance_method": "how the DP controller picks a rank: round_robin, or least_loaded "
                            "(fewest outstanding requests, then tokens)",
     "dp_idle_policy": "what ranks do on steps where some DP rank is idle",
-    "enable_two_batch_overlap": "not implemented yet: start-up fails with NotImplementedError",
     "nnodes": "nodes the DP ranks span (--dp-size must be a multiple)",
     "node_rank": "this node's index; node 0 runs the HTTP server, the others only their DP ranks",
     "dist_init_addr": "host:port of node 0 for the torch.distributed rendezvous; node 0's DP "

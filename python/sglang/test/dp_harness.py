@@ -1,5 +1,5 @@
 """Multi-process DP-attention harness: each rank process drives random batches (idle steps,
-ineligible batches, mixed/extend/decode) through the real consensus and forward_dp, and
+ineligible batches, mixed/extend/decode) through the real consensus and dp_step, and
 records every live row's logits so the parent can compare with one process run eagerly."""
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ def dp_rank_main(rank: int, world: int, port: int, steps: int, seed: int, idle_p
     torch.set_num_threads(1)
     try:
         from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
-        from sglang.srt.managers.dp_sync import DPStepSync, PathKind, decide_step_path
-        from sglang.srt.model_executor.forward_batch_info import DPInfo
+        from sglang.srt.managers.dp_sync import DPStepSync, dp_step
+        from sglang.srt.model_executor.graph_dispatch import PathKind, decide_step_path
         from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
 
         if device == "cuda":
@@ -143,26 +143,20 @@ def dp_rank_main(rank: int, world: int, port: int, steps: int, seed: int, idle_p
             **device_config(device, rank), dp_size=world, dp_idle_policy=idle_policy,
             enable_breakable_cuda_graph=graphs, breakable_cuda_graph_tokens=list(BUCKETS),
             cuda_graph_on_cpu=graphs, disable_cuda_graph=not graphs, cuda_graph_max_bs=8))
-        sync = DPStepSync(groups.cpu_group, rank, world, runner.dp_graph_config(), verify=verify)
+        sync = DPStepSync(groups.cpu_group, rank, world, runner.graph_tables, verify=verify)
         table = RequestTable(runner)
         records, paths = [], {}
         for step, rows in enumerate(rank_schedule(seed, rank, steps, TINY_DP["max_num_reqs"])):
             fb, spec = table.batch(rows)
-            from sglang.srt.managers.dp_sync import LocalStepInfo
-
-            bcg_ok, dec_ok = runner.dp_local_eligibility(fb)
-            infos = sync.exchange(LocalStepInfo(fb.num_tokens, int(fb.forward_mode), bcg_ok, dec_ok, fb.batch_size))
             decide = decide_step_path
             if disagree_at is not None and step == disagree_at and rank == 1:
                 decide = _contrary_decision  # a deliberate bug on one rank
-            path = sync.decide(infos, decide)
+            path, out = dp_step(runner, fb, sync, decide)
             paths[path.kind.name] = paths.get(path.kind.name, 0) + 1
             if path.kind == PathKind.IDLE:
                 continue
-            fb.dp = DPInfo(list(path.global_num_tokens), rank)
-            logits = runner.forward_dp(fb, path).next_token_logits
             if spec:
-                records.append(StepRecord(step, spec, logits.float().cpu(), path.kind.name))
+                records.append(StepRecord(step, spec, out.next_token_logits.float().cpu(), path.kind.name))
         stats = runner.get_stats()
         torch.save(dict(records=records, paths=paths, stats=stats), os.path.join(out_dir, f"rank{rank}.pt"))
         runner.shutdown()  # graphs first, then the process group
@@ -176,14 +170,14 @@ def dp_rank_main(rank: int, world: int, port: int, steps: int, seed: int, idle_p
             f.write(traceback.format_exc())
 
 
-def _contrary_decision(infos, cfg):
+def _contrary_decision(infos, tables):
     """Not what decide_step_path says: eager where it says graph, a graph where it says eager."""
-    from sglang.srt.managers.dp_sync import PathKind, StepPath, decide_step_path
+    from sglang.srt.model_executor.graph_dispatch import PathKind, StepPath, decide_step_path
 
-    true = decide_step_path(infos, cfg)
+    true = decide_step_path(infos, tables)
     tokens = tuple(i.num_tokens for i in infos)
     if true.kind == PathKind.EAGER:
-        return StepPath(PathKind.BCG, cfg.bcg_buckets[-1], tokens)
+        return StepPath(PathKind.BCG, tables.bcg_buckets[-1], tokens)
     return StepPath(PathKind.EAGER, max(tokens), tokens)
 
 
@@ -191,6 +185,7 @@ def eager_reference(seed: int, rank: int, steps: int, records: List[StepRecord],
                     device: str = "cpu") -> float:
     """Replays one rank's batches in a single eager process; returns the max |logit diff|
     (and, if `by_path` is given, fills it with the max per path kind)."""
+    from sglang.srt.model_executor.graph_dispatch import eager_path
     from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
 
     runner = ModelRunner(ModelRunnerConfig(**device_config(device)))
@@ -201,7 +196,7 @@ def eager_reference(seed: int, rank: int, steps: int, records: List[StepRecord],
         fb, spec = table.batch(rows)
         if not rows:
             continue
-        logits = runner.forward_eager(fb).next_token_logits.float().cpu()
+        logits = runner.forward(fb, eager_path(fb)).next_token_logits.float().cpu()
         rec = by_step[step]
         assert rec.rows == spec, f"step {step}: the rank ran a different batch"
         diff = (logits - rec.logits).abs().max().item()

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from sglang.srt.managers.dp_sync import GraphConfig, LocalStepInfo, PathKind, decide_step_path
+from sglang.srt.model_executor.graph_dispatch import GraphTables, PathKind, StepInfo, decide_step_path
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.test.dp_harness import dp_rank_main, eager_reference
 from sglang.test.server_process import free_port
@@ -81,23 +81,23 @@ def test_a_rank_that_disagrees_fails_with_a_clear_error(tmp_path):
 
 # ---- the consensus function --------------------------------------------------------------
 
-CFG = GraphConfig(bcg_buckets=(8, 16, 32, 48), decode_bs_buckets=(1, 2, 4, 8), idle_policy="replay")
+CFG = GraphTables(bcg_buckets=(8, 16, 32, 48), decode_bs_buckets=(1, 2, 4, 8), idle_policy="replay")
 MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE]
 
 
 def _random_info(rng):
     mode = rng.choice(MODES)
     if mode == ForwardMode.IDLE:
-        return LocalStepInfo(0, int(mode), rng.random() < 0.5, rng.random() < 0.5, 0)
+        return StepInfo(0, int(mode), 0)
     n = rng.randint(1, 80)
-    return LocalStepInfo(n, int(mode), rng.random() < 0.8, rng.random() < 0.8, rng.randint(1, min(n, 12)))
+    return StepInfo(n, int(mode), rng.randint(1, min(n, 12)), has_input_embeds=rng.random() < 0.2)
 
 
 def test_consensus_is_the_same_on_every_rank_for_any_vector():
     rng = random.Random(0)
     for _ in range(3000):
         infos = [_random_info(rng) for _ in range(rng.randint(1, 8))]
-        for cfg in (CFG, GraphConfig(CFG.bcg_buckets, CFG.decode_bs_buckets, "eager")):
+        for cfg in (CFG, GraphTables(CFG.bcg_buckets, CFG.decode_bs_buckets, "eager")):
             decisions = set()
             for rank in range(len(infos)):
                 # each rank sees the same gathered vector (ranks only differ in who they are);
@@ -109,22 +109,25 @@ def test_consensus_is_the_same_on_every_rank_for_any_vector():
             if not live:
                 assert path.kind == PathKind.IDLE
             elif path.kind == PathKind.BCG:
-                assert path.size >= max(i.num_tokens for i in infos) and all(i.bcg_eligible for i in live)
+                n = max(i.num_tokens for i in infos)
+                assert n <= path.size <= 3 * n  # the padding-waste rule holds under DP too
                 assert not (cfg.idle_policy == "eager" and len(live) < len(infos))
             elif path.kind == PathKind.DECODE_GRAPH:
-                assert all(i.mode == ForwardMode.DECODE for i in live)
+                assert all(i.mode == ForwardMode.DECODE and not i.has_input_embeds for i in live)
                 assert path.size >= max(i.batch_size for i in live)
+            else:
+                assert path.kind == PathKind.EAGER and path.reason
 
 
 def test_consensus_examples():
-    e = lambda n, ok=True: LocalStepInfo(n, int(ForwardMode.EXTEND), ok, ok, 1)  # noqa: E731
-    d = lambda bs: LocalStepInfo(bs, int(ForwardMode.DECODE), True, True, bs)  # noqa: E731
-    idle = LocalStepInfo(0, int(ForwardMode.IDLE), False, False, 0)
+    e = lambda n: StepInfo(n, int(ForwardMode.EXTEND), 1)  # noqa: E731
+    d = lambda bs, embeds=False: StepInfo(bs, int(ForwardMode.DECODE), bs, embeds)  # noqa: E731
+    idle = StepInfo(0, int(ForwardMode.IDLE), 0)
     assert decide_step_path([e(10), e(30)], CFG).size == 32  # bucket from the largest rank
-    assert decide_step_path([e(10), e(30, ok=False)], CFG).kind == PathKind.EAGER
+    assert decide_step_path([d(3), d(5, embeds=True)], CFG).reason == "input_embeds"
     assert decide_step_path([e(49), e(3)], CFG).kind == PathKind.EAGER  # beyond the largest bucket
     assert decide_step_path([e(20), idle], CFG).kind == PathKind.BCG  # idle rank replays
-    assert decide_step_path([e(20), idle], GraphConfig(CFG.bcg_buckets, (), "eager")).kind == PathKind.EAGER
+    assert decide_step_path([e(20), idle], GraphTables(CFG.bcg_buckets, (), "eager")).reason == "inactive_dp_rank"
     assert decide_step_path([d(3), d(5)], CFG) .kind == PathKind.DECODE_GRAPH
     assert decide_step_path([d(3), d(5)], CFG).size == 8
     assert decide_step_path([d(3), e(20)], CFG).kind == PathKind.BCG  # decode rows ride along

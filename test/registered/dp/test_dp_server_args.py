@@ -1,8 +1,7 @@
-"""DP serving without processes: argument rules, two-batch overlap refusing to pretend, the
+"""DP serving without processes: argument rules (no two-batch overlap flag), the
 controller's choice of rank (round-robin, least-loaded, wake-ups), stats aggregation."""
 
 import pytest
-import torch
 
 from sglang.srt.managers.dp_controller import (
     DataParallelController,
@@ -12,10 +11,8 @@ from sglang.srt.managers.dp_controller import (
 )
 from sglang.srt.managers.io_struct import GenerateReqInput, TokenOut
 from sglang.srt.managers.scheduler_process import WAKE, check_same_args
-from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs, prepare_server_args
-from sglang.srt.two_batch_overlap import compute_split_index
 
 DP2 = dict(enable_dp_attention=True, dp_size=2)
 
@@ -60,28 +57,12 @@ def test_ranks_are_split_evenly_over_nodes():
     assert list(node_ranks(2, 1, 0)) == [0, 1]
 
 
-def test_two_batch_overlap_fails_at_startup_instead_of_pretending():
-    with pytest.raises(NotImplementedError, match="two-batch overlap is not implemented yet"):
+def test_two_batch_overlap_is_not_a_flag():
+    """TBO is not implemented, so no flag or code path pretends it is (docs/dp_attention.md)."""
+    with pytest.raises(TypeError):
         ServerArgs(**DP2, enable_two_batch_overlap=True)
-    with pytest.raises(NotImplementedError, match="two-batch overlap is not implemented yet"):
+    with pytest.raises(SystemExit):
         prepare_server_args(["--enable-dp-attention", "--dp-size", "2", "--enable-two-batch-overlap"])
-
-
-class _Untouchable:
-    def __getattr__(self, name):
-        raise AssertionError(f"compute_split_index looked at the batch ({name}) although TBO is off")
-
-
-def test_split_index_is_none_without_looking_at_the_batch_when_overlap_is_off():
-    assert compute_split_index(_Untouchable(), enabled=False) is None
-    req_to_token = torch.zeros(4, 64, dtype=torch.int32)
-    mixed = build_forward_batch(ForwardMode.MIXED, [0, 1], [0, 5], [[3, 4, 5, 6], [7]], req_to_token, "cpu")
-    assert compute_split_index(mixed, enabled=False) is None
-    with pytest.raises(NotImplementedError):
-        compute_split_index(mixed, enabled=True)
-
-
-# ---- choice of rank ---------------------------------------------------------------------------
 
 
 def _req(rid: str, prompt_len: int = 4, max_new_tokens: int = 8) -> GenerateReqInput:

@@ -2,8 +2,8 @@
 admission caps, retraction and resume, abort, finish reasons, streaming, and KV accounting.
 
 The fake runner is a tiny "model" that really uses the KV cache: it writes each fed token at
-its out_cache_loc and derives the next token from the request's whole cached sequence, read
-back through req_to_token. A wrong prefix length, page mapping or resume would change the
+the page table's slot for its position and derives the next token from the request's whole
+cached sequence, read back through req_to_token. A wrong prefix length, page mapping or resume would change the
 greedy output, so "equals the reference" checks the KV bookkeeping end to end.
 """
 
@@ -60,11 +60,13 @@ class FakeModelRunner:
 
     def forward(self, fb):
         self.batches.append(fb)
-        self.kv_token[fb.out_cache_loc] = fb.input_ids
-        self.kv_slot[fb.out_cache_loc] = fb.token_req_slot
         rtt = self.req_to_token_pool.req_to_token
+        write_loc = rtt[fb.token_req_slot, fb.positions].long()  # what the metadata builder derives
+        self.kv_token[write_loc] = fb.input_ids
+        self.kv_slot[write_loc] = fb.token_req_slot
         logits = torch.zeros(fb.batch_size, VOCAB)
-        for i, (slot, seq_len) in enumerate(zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu)):
+        req_slots = fb.token_req_slot[fb.last_token_indices()].tolist()
+        for i, (slot, seq_len) in enumerate(zip(req_slots, fb.seq_lens_cpu)):
             locs = rtt[slot, :seq_len].long()
             assert (self.kv_slot[locs] == slot).all(), "request reads KV it never wrote"
             logits[i, next_token_of(self.kv_token[locs].tolist())] = 5.0

@@ -128,26 +128,22 @@ class Scheduler:
         return outs + self._process_result(batch, logits)
 
     def _step_dp(self, batch: Optional[ScheduleBatch], dp_sync) -> List[TokenOut]:
-        from sglang.srt.managers.dp_sync import LocalStepInfo, PathKind
-        from sglang.srt.model_executor.forward_batch_info import DPInfo, build_forward_batch
+        from sglang.srt.managers.dp_sync import dp_step
+        from sglang.srt.model_executor.forward_batch_info import build_forward_batch
 
         if batch is not None:
             fb = batch.to_forward_batch(self.pool.req_to_token, self.device)
         else:
             fb = build_forward_batch(ForwardMode.IDLE, [], [], [], self.pool.req_to_token, self.device)
-        bcg_ok, decode_ok = self.model_runner.dp_local_eligibility(fb)
-        infos = dp_sync.exchange(LocalStepInfo(fb.num_tokens, int(fb.forward_mode), bcg_ok, decode_ok, fb.batch_size))
-        path = dp_sync.decide(infos)
-        if path.kind == PathKind.IDLE:
+        _, out = dp_step(self.model_runner, fb, dp_sync)
+        if out is None:  # no rank had work
             return []
-        fb.dp = DPInfo(global_num_tokens_cpu=list(path.global_num_tokens), dp_rank=dp_sync.dp_rank)
-        logits = self.model_runner.forward_dp(fb, path).next_token_logits
         if batch is None:
             self.num_forwards[ForwardMode.IDLE] += 1
             return []
         self.num_forwards[batch.forward_mode] += 1
         self._last_was_prefill = batch.forward_mode == ForwardMode.EXTEND
-        return self._process_result(batch, logits)
+        return self._process_result(batch, out.next_token_logits)
 
     def _next_batch(self) -> Optional[ScheduleBatch]:
         batch = self._schedule()

@@ -238,11 +238,10 @@ def _run_dp_rank(scheduler, rank: RankSpec, req_conn: Connection, out_conn: Conn
     from sglang.srt.distributed.parallel_state import destroy_dp_groups, get_dp_groups
     from sglang.srt.managers.dp_sync import DPStepSync
 
-    graph_config = scheduler.model_runner.dp_graph_config()
     # --debug-cuda-graph also verifies every step's decision across ranks (one extra tiny
     # all-gather) so a disagreement fails with the step and ranks named, before any MoE
     # collective could hang on it.
-    dp_sync = DPStepSync(get_dp_groups().cpu_group, rank.dp_rank, rank.dp_size, graph_config,
+    dp_sync = DPStepSync(get_dp_groups().cpu_group, rank.dp_rank, rank.dp_size, scheduler.model_runner.graph_tables,
                          verify=scheduler.server_args.debug_cuda_graph)
     loop = DPSchedulerLoop(scheduler, req_conn, out_conn, parent_pid, dp_sync)
     threading.Thread(target=loop.watchdog, args=(scheduler.server_args.watchdog_timeout,), daemon=True).start()

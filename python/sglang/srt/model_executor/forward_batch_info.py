@@ -49,36 +49,38 @@ class DPInfo:
 class ForwardBatch:
     """Tokens are laid out request by request (prefill requests first, then decode rows).
 
-    Device tensors: input_ids, positions, out_cache_loc, token_req_slot [num_tokens];
-    req_pool_indices, seq_lens, extend_seq_lens, extend_prefix_lens [batch_size].
-    The `*_cpu` lists mirror the per-request lengths on the host (no device sync needed).
+    Device tensors: input_ids, positions, token_req_slot [num_tokens] (input_embeds
+    [num_tokens, hidden] when given). Per-request lengths are host lists (no device sync
+    needed; the metadata builder uploads what it needs in one copy). Only what the runtime
+    reads is here: the KV write slots come from the page table in the metadata builder.
+
+    `num_tokens` is the row count; on a graph's static batch (padded to its bucket) the first
+    `num_live_tokens` rows belong to requests and the rest are padding. Everywhere else the
+    two are equal.
     """
 
     forward_mode: ForwardMode
     input_ids: torch.Tensor
     positions: torch.Tensor
-    out_cache_loc: torch.Tensor
     token_req_slot: torch.Tensor
-    req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
-    extend_seq_lens: torch.Tensor
-    extend_prefix_lens: torch.Tensor
     seq_lens_cpu: List[int]
     extend_seq_lens_cpu: List[int]
     extend_prefix_lens_cpu: List[int]
     return_all_logits: bool = False
     input_embeds: Optional[torch.Tensor] = None
     dp: Optional[DPInfo] = None
-    # Set by the BCG runner on a padded static batch: how many leading tokens are real.
-    num_real_tokens: Optional[int] = None
+    num_live_tokens: int = -1  # -1: every row (set by graph_batch.py on a padded static batch)
 
     def __post_init__(self):
         n = self.input_ids.shape[0] if self.input_embeds is None else self.input_embeds.shape[0]
-        for name in ("positions", "out_cache_loc", "token_req_slot"):
+        for name in ("positions", "token_req_slot"):
             assert getattr(self, name).shape[0] == n, f"{name} has {getattr(self, name).shape[0]} rows, expected {n}"
         b = len(self.seq_lens_cpu)
         assert len(self.extend_seq_lens_cpu) == b and len(self.extend_prefix_lens_cpu) == b
         assert sum(self.extend_seq_lens_cpu) <= n, "more extend tokens than input tokens"
+        if self.num_live_tokens < 0:
+            self.num_live_tokens = n
+        assert self.num_live_tokens <= n, f"{self.num_live_tokens} live tokens in a batch of {n} rows"
 
     @property
     def batch_size(self) -> int:
@@ -87,11 +89,6 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return self.positions.shape[0]
-
-    @property
-    def num_live_tokens(self) -> int:
-        """Tokens that belong to requests (excludes BCG padding rows)."""
-        return self.num_tokens if self.num_real_tokens is None else self.num_real_tokens
 
     @property
     def device(self) -> torch.device:
@@ -131,26 +128,14 @@ def build_forward_batch(
         forward_mode = ForwardMode.IDLE
     slots = torch.tensor(list(req_pool_indices), dtype=torch.int64)
     tok_slot = torch.repeat_interleave(slots, torch.tensor(ext, dtype=torch.int64))
-    per_req = torch.tensor(seq + ext + list(prefix_lens), dtype=torch.int64)  # [3 * B]
-    # One non-blocking upload of everything (the step's host work never waits for the GPU),
-    # then views; the write slots are gathered on the device.
-    dev = torch.device(device)
-    T, B = ids.shape[0], len(ext)
-    up = to_device_async(torch.cat([ids, pos, tok_slot, slots, per_req]), dev)
-    ids_d, pos_d, tok_d = up[:T], up[T:2 * T], up[2 * T:3 * T]
-    lens_d = up[3 * T + B:].view(3, B).int()
-    # Raw KV write slots keep the page table's index dtype (what the KV pools are indexed with).
-    out_loc = req_to_token[tok_d.to(req_to_token.device), pos_d.to(req_to_token.device)].to(dev)
+    # One non-blocking upload of everything (the step's host work never waits for the GPU), then views.
+    T = ids.shape[0]
+    up = to_device_async(torch.cat([ids, pos, tok_slot]), torch.device(device))
     return ForwardBatch(
         forward_mode=forward_mode,
-        input_ids=ids_d,
-        positions=pos_d,
-        out_cache_loc=out_loc,
-        token_req_slot=tok_d,
-        req_pool_indices=up[3 * T:3 * T + B],
-        seq_lens=lens_d[0],
-        extend_seq_lens=lens_d[1],
-        extend_prefix_lens=lens_d[2],
+        input_ids=up[:T],
+        positions=up[T:2 * T],
+        token_req_slot=up[2 * T:],
         seq_lens_cpu=seq,
         extend_seq_lens_cpu=ext,
         extend_prefix_lens_cpu=list(prefix_lens),

@@ -1,5 +1,6 @@
-"""ModelRunner: owns the model, the KV pools and the attention backend; runs one forward
-(ForwardBatch in, logits out), through a graph runner when one can take the batch.
+"""ModelRunner: owns the model, the KV pools, the attention backend and the graph runners;
+runs one forward (ForwardBatch + path in, logits out). The path comes from graph_dispatch.py:
+the runner decides it for itself (a world of one) or receives the DP consensus's.
 
 Be paranoid about adding lines here: this is the hot path. Rare features live in helpers.
 """
@@ -18,15 +19,22 @@ from sglang.srt.configs.deepseek_v4 import load_model_config
 from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
 from sglang.srt.layers.dp_attention import DPMoEContext, expert_shard
 from sglang.srt.layers.logits_processor import LogitsOutput, compute_logits
-from sglang.srt.managers.dp_sync import GraphConfig, PathKind
 from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
 from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.forward_context import forward_context
+from sglang.srt.model_executor.graph_dispatch import (
+    GraphTables,
+    PathKind,
+    StepPath,
+    decide_step_path,
+    default_capture_bs,
+    default_capture_num_tokens,
+    describe,
+)
 from sglang.srt.model_loader.random_init import init_random_weights
 from sglang.srt.model_loader.safetensors_io import load_checkpoint
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
-from sglang.srt.two_batch_overlap import compute_split_index
 
 logger = logging.getLogger(__name__)
 
@@ -110,27 +118,32 @@ class ModelRunner:
                                                   max_seq_len=self.max_context_len, kernels=kernels,
                                                   segment_kernels=segment_kernels)
         self.stats = {"forward_eager": 0}
-        self.bcg_runner = None  # extend / mixed batches (breakable graphs)
-        self.decode_graph_runner = None  # decode batches (full graphs)
-        self.graph_runners = []  # both, in the order forward() tries them
+        self.graph_runners = {}  # PathKind -> GraphRunner
         self._init_graph_runners(cfg)
+        self.graph_tables = GraphTables(
+            bcg_buckets=self.bcg_runner.buckets if self.bcg_runner else (),
+            decode_bs_buckets=self.decode_graph_runner.buckets if self.decode_graph_runner else (),
+            idle_policy=cfg.dp_idle_policy)
 
     def _init_graph_runners(self, cfg: ModelRunnerConfig) -> None:
+        from sglang.srt.model_executor.graph_runner import BREAKABLE, DECODE, GraphRunner
+
         if cfg.enable_breakable_cuda_graph:
-            from sglang.srt.model_executor.breakable_cuda_graph_runner import BreakableCudaGraphRunner
-
-            bcg = BreakableCudaGraphRunner(self, cfg.breakable_cuda_graph_tokens,
-                                           cfg.breakable_cuda_graph_max_tokens, debug=cfg.debug_cuda_graph)
-            bcg.capture()
-            self.bcg_runner = bcg
-            self.graph_runners.append(bcg)
+            buckets = cfg.breakable_cuda_graph_tokens or default_capture_num_tokens(cfg.breakable_cuda_graph_max_tokens)
+            self.graph_runners[PathKind.BCG] = GraphRunner(self, BREAKABLE, buckets, debug=cfg.debug_cuda_graph)
         if not cfg.disable_cuda_graph and (self.device.type == "cuda" or cfg.cuda_graph_on_cpu):
-            from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+            buckets = default_capture_bs(min(cfg.cuda_graph_max_bs, self.max_num_reqs))
+            self.graph_runners[PathKind.DECODE_GRAPH] = GraphRunner(self, DECODE, buckets, debug=cfg.debug_cuda_graph)
+        for runner in self.graph_runners.values():
+            runner.capture()
 
-            decode = CudaGraphRunner(self, cfg.cuda_graph_max_bs, debug=cfg.debug_cuda_graph)
-            decode.capture()
-            self.decode_graph_runner = decode
-            self.graph_runners.append(decode)
+    @property
+    def bcg_runner(self):
+        return self.graph_runners.get(PathKind.BCG)
+
+    @property
+    def decode_graph_runner(self):
+        return self.graph_runners.get(PathKind.DECODE_GRAPH)
 
     def _shard_experts_for_dp(self, cfg: ModelRunnerConfig) -> None:
         from sglang.srt.distributed.parallel_state import get_dp_groups
@@ -159,66 +172,50 @@ class ModelRunner:
         return model.to_device(self.device).eval()
 
     @torch.inference_mode()
-    def forward(self, forward_batch: ForwardBatch) -> LogitsOutput:
-        for runner in self.graph_runners:
-            if runner.can_run(forward_batch):
-                return runner.replay(forward_batch)
-        return self.forward_eager(forward_batch)
-
-    @torch.inference_mode()
-    def forward_eager(self, forward_batch: ForwardBatch, dp_pad_tokens: int = 0) -> LogitsOutput:
-        self.stats["forward_eager"] += 1
-        self.attn_backend.init_forward_metadata(forward_batch)
-        with forward_context(forward_batch, self.attn_backend, dp_moe=self.dp_moe(dp_pad_tokens)):
-            hidden = self.model(forward_batch.input_ids, forward_batch.input_embeds)
-        return compute_logits(self.model, hidden, forward_batch)
-
-    @torch.inference_mode()
-    def forward_dp(self, forward_batch: ForwardBatch, path) -> LogitsOutput:
-        """One DP-attention step on the path every rank agreed on (managers/dp_sync.py).
-        Idle ranks come with an empty batch and still join every collective."""
+    def forward(self, forward_batch: ForwardBatch, path: Optional[StepPath] = None) -> LogitsOutput:
+        """Run the batch on `path` (graph kind + bucket, or eager). Without one, the runner
+        decides for itself as a world of one; under DP attention every rank passes the path
+        the ranks agreed on (managers/dp_sync.dp_step), idle ranks with an empty batch."""
         fb = forward_batch
-        # Two-batch overlap is off (start-up refuses it): this returns None at once.
-        compute_split_index(fb, enabled=False)
-        self._count_dp_step(path)
-        if path.kind == PathKind.BCG:
-            hidden = self.bcg_runner.replay_hidden(fb, bucket=path.size)
-        elif path.kind == PathKind.DECODE_GRAPH:
-            hidden = self.decode_graph_runner.replay_hidden(fb, bs=path.size)
-        else:
-            return self.forward_eager(fb, dp_pad_tokens=path.size)
+        if path is None:
+            path = decide_step_path((describe(fb),), self.graph_tables)
+        if path.kind == PathKind.IDLE:
+            raise ValueError("forward() got the IDLE path: no rank has work, so nobody runs a forward")
+        if self.dp_groups is not None:
+            self._count_dp_step(path)
+        runner = self.graph_runners.get(path.kind)
+        if runner is not None:
+            return compute_logits(self.model, runner.replay_hidden(fb, path.size), fb)
+        if path.kind != PathKind.EAGER:
+            raise ValueError(f"forward() got path {path.kind.name} but no such graphs were captured")
+        fallback_of = self.graph_runners.get(path.wanted)
+        if fallback_of is not None:  # counted, logged once per reason: a log line per step is too many
+            fallback_of.fallbacks[path.reason] += 1
+            level = logging.INFO if fallback_of.fallbacks[path.reason] == 1 else logging.DEBUG
+            logger.log(level, "%s fallback to eager (%s): %d tokens, %s", fallback_of.spec.name, path.reason,
+                       fb.num_tokens, fb.forward_mode.name)
+        self.stats["forward_eager"] += 1
+        self.attn_backend.init_forward_metadata(fb)
+        with forward_context(fb, self.attn_backend, dp_moe=self.dp_moe(path.size)):
+            hidden = self.model(fb.input_ids, fb.input_embeds)
         return compute_logits(self.model, hidden, fb)
 
-    def _count_dp_step(self, path) -> None:
+    def _count_dp_step(self, path: StepPath) -> None:
         key = {PathKind.BCG: "dp_bcg_steps", PathKind.DECODE_GRAPH: "dp_decode_graph_steps",
                PathKind.EAGER: "dp_eager_steps"}[path.kind]
         self.stats[key] = self.stats.get(key, 0) + 1
         if path.extend_or_mixed:  # the steps BCG is for; the replayed share is what we report
             self.stats["dp_extend_steps"] = self.stats.get("dp_extend_steps", 0) + 1
 
-    def dp_local_eligibility(self, fb: ForwardBatch):
-        """(could replay a breakable graph, could replay a decode graph) for the consensus."""
-        bcg, dec = self.bcg_runner, self.decode_graph_runner
-        ok_bcg = bcg is not None and fb.num_tokens <= bcg.max_num_tokens
-        ok_dec = dec is not None and fb.input_embeds is None and fb.batch_size <= dec.max_bs
-        return ok_bcg, ok_dec
-
-    def dp_graph_config(self) -> GraphConfig:
-        bcg, dec = self.bcg_runner, self.decode_graph_runner
-        return GraphConfig(bcg_buckets=tuple(bcg.capture_num_tokens) if bcg else (),
-                           decode_bs_buckets=tuple(dec.capture_bs) if dec else (),
-                           idle_policy=self.runner_config.dp_idle_policy)
-
     def get_stats(self) -> dict:
         # Which kernels run: the first thing to check when a GPU step is slower than expected.
         out = dict(self.stats, attention_kernels=self.attn_backend.kernels,
                    segment_kernels=self.attn_backend.segment_kernels)
-        for runner in self.graph_runners:
+        for runner in self.graph_runners.values():
             out.update(runner.get_stats())
         return out
 
     def shutdown(self) -> None:
-        for runner in self.graph_runners:
+        for runner in self.graph_runners.values():
             runner.release()
-        self.graph_runners = []
-        self.bcg_runner = self.decode_graph_runner = None
+        self.graph_runners = {}

@@ -10,6 +10,7 @@ from typing import List
 import torch
 
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
+from sglang.srt.model_executor.graph_dispatch import PathKind, decide_step_path, describe
 from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
 
 TINY = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=16384, max_num_reqs=12)
@@ -121,9 +122,9 @@ def run_equivalence(runners, buckets, batches_per_bucket: int, seed: int = 0, ma
                 fb = build_forward_batch(mode, [r.slots[k] for r, _ in batch], [r.length for r, _ in batch],
                                          toks, rtp.req_to_token, m.device)
                 if k == 0:
-                    assert graph_runner.can_run(fb), graph_runner.fallback_reason(fb)
-                    n_tok = fb.num_tokens
-                    outs.append(graph_runner.replay_hidden(fb)[:n_tok].clone())
+                    path = decide_step_path((describe(fb),), bcg.graph_tables)
+                    assert path.kind == PathKind.BCG, path.reason
+                    outs.append(graph_runner.replay_hidden(fb, path.size)[:fb.num_tokens].clone())
                 elif k == 1:
                     outs.append(padded_runner(fb)[:fb.num_tokens].clone())
                 else:
@@ -158,7 +159,7 @@ def _free(runners, live, r) -> None:
 
 def _padded_view(runner, graph_runner):
     """Eager forward on the padded static batch, using a runner-local copy of the buffers."""
-    from sglang.srt.model_executor.breakable_cuda_graph_runner import BreakableCudaGraphRunner
+    from sglang.srt.model_executor.graph_runner import BREAKABLE, GraphRunner
 
-    twin = BreakableCudaGraphRunner(runner, graph_runner.capture_num_tokens)
+    twin = GraphRunner(runner, BREAKABLE, graph_runner.buckets)
     return twin.forward_padded_eager

@@ -225,7 +225,7 @@ def test_decode_graphs_replay_the_same_logits_as_eager_decode():
     graph = ModelRunner(ModelRunnerConfig(**cfg, cuda_graph_on_cpu=True, cuda_graph_max_bs=8))
     eager = ModelRunner(ModelRunnerConfig(**cfg))
     decode_runner = graph.decode_graph_runner
-    assert decode_runner.capture_bs == [1, 2, 4, 8]
+    assert decode_runner.buckets == [1, 2, 4, 8]
     gen = torch.Generator().manual_seed(0)
     for bs in (1, 3, 4, 6, 8):  # at and between buckets
         slots = [[m.req_to_token_pool.alloc_req() for m in (graph, eager)] for _ in range(bs)]
@@ -255,31 +255,22 @@ def test_decode_graphs_replay_the_same_logits_as_eager_decode():
     assert graph.stats["forward_eager"] == 5  # only the prefills ran eagerly
 
 
-def test_has_inactive_dp_rank_guard_sends_the_batch_to_eager():
-    from sglang.srt.model_executor.breakable_cuda_graph_runner import _has_inactive_dp_rank
+def test_a_dp_batch_with_an_idle_peer_runs_the_path_it_is_given():
+    """Under DP the consensus decides (idle policy "eager": an idle peer sends every rank to
+    eager); the runner runs the path it is given and counts the fallback against BCG."""
     from sglang.srt.model_executor.forward_batch_info import DPInfo
+    from sglang.srt.model_executor.graph_dispatch import GraphTables, StepInfo, decide_step_path, describe
 
     runner = ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096,
                                            max_num_reqs=4, enable_breakable_cuda_graph=True,
-                                           breakable_cuda_graph_tokens=[8]))
+                                           breakable_cuda_graph_tokens=[8], dp_idle_policy="eager"))
     fb = _batch(runner, [[5, 6, 7, 8, 9]])
-    assert not _has_inactive_dp_rank(fb) and runner.bcg_runner.can_run(fb)  # no DP info: single rank
-    fb.dp = DPInfo(global_num_tokens_cpu=[5, 3], dp_rank=0)
-    assert not _has_inactive_dp_rank(fb) and runner.bcg_runner.can_run(fb)
+    idle = StepInfo(0, int(ForwardMode.IDLE), 0)
+    path = decide_step_path([describe(fb), idle], runner.graph_tables)
+    assert (path.kind.name, path.reason) == ("EAGER", "inactive_dp_rank")
+    replay_policy = GraphTables(runner.graph_tables.bcg_buckets, (), "replay")
+    assert decide_step_path([describe(fb), idle], replay_policy).kind.name == "BCG"
     fb.dp = DPInfo(global_num_tokens_cpu=[5, 0], dp_rank=0)
-    assert _has_inactive_dp_rank(fb)
-    assert runner.bcg_runner.fallback_reason(fb) == "inactive_dp_rank"
-    runner.forward(fb)
+    runner.forward(fb, path)
     assert runner.get_stats()["bcg_fallbacks"] == {"inactive_dp_rank": 1}
     assert runner.stats["forward_eager"] == 1
-
-
-def test_static_cache_location_buffers_follow_the_pool_index_dtype():
-    runner = ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096,
-                                           max_num_reqs=4, enable_breakable_cuda_graph=True,
-                                           breakable_cuda_graph_tokens=[8], cuda_graph_on_cpu=True,
-                                           cuda_graph_max_bs=2))
-    index_dtype = runner.req_to_token_pool.req_to_token.dtype
-    assert runner.bcg_runner.buffers.out_cache_loc.dtype == index_dtype
-    assert runner.decode_graph_runner.buffers.out_cache_loc.dtype == index_dtype
-    assert _batch(runner, [[5, 6, 7]]).out_cache_loc.dtype == index_dtype  # no conversion per step

@@ -67,7 +67,7 @@ def test_model_torch_code_in_segments_on_dsv4_mini():
 
 
 def test_breakable_replay_never_waits_for_the_gpu():
-    """Building metadata, padding, replaying and the logits head queue work without a single
+    """Dispatch, building metadata, padding, replaying and the logits head queue work without a single
     host sync, so the host prepares step i+1 while the GPU runs step i."""
     from sglang.bench_one_batch import make_batch
     from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
@@ -77,10 +77,10 @@ def test_breakable_replay_never_waits_for_the_gpu():
     assert r.attn_backend.segment_kernels  # the default on CUDA
     fb, _ = make_batch(r, "mixed", 60, 300, 1024, 8)  # 9 requests: max_num_reqs is 12
     with torch.inference_mode():
-        r.bcg_runner.replay(fb)  # first use: lazy allocations outside the checked replay
+        r.forward(fb)  # first use: lazy allocations outside the checked replay
         torch.cuda.set_sync_debug_mode("error")
         try:
-            got = r.bcg_runner.replay(fb).next_token_logits
+            got = r.forward(fb).next_token_logits  # dispatch included
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert got.shape == (fb.batch_size, r.config.vocab_size) and torch.isfinite(got).all()

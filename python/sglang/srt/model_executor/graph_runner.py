@@ -1,0 +1,212 @@
+"""GraphRunner: captured graphs of one kind, one per bucket, and their replay.
+
+Two kinds share everything but a few hooks (`GraphSpec`):
+- `BREAKABLE` (extend / mixed batches, one graph per token-count bucket): segments
+  (projections, norms, RoPE, cache writes, compressors, indexer, MoE) replay from the graph
+  while the attention core runs eagerly on the live tokens; the graph starts from the static
+  embeddings buffer.
+- `DECODE` (decode batches, one graph per batch-size bucket): the whole forward, attention
+  included, is one graph (static-shape decode metadata; padded rows read and write nothing).
+Graphs are captured largest bucket first into one shared memory pool, after a warm-up. The
+live batch is padded to its bucket (graph_batch.py); the logits head runs eagerly on the
+live rows. Which kind and bucket a step uses is decided elsewhere (graph_dispatch.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+
+from sglang.srt.model_executor.breakable_cuda_graph import (
+    break_ops_inline,
+    create_breakable_graph,
+    graph_memory_pool,
+)
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_context import forward_context
+from sglang.srt.model_executor.graph_batch import StaticBatchBuffers
+from sglang.srt.model_executor.graph_dispatch import PathKind, bucket_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """What differs between the graph kinds."""
+
+    kind: PathKind
+    name: str  # prefix of the stats keys and of log lines
+    buckets_are_tokens: bool  # token-count buckets (BCG) or batch-size buckets (decode)
+    # Capture: the attention metadata the graph is captured with (kept per bucket).
+    capture_metadata: Callable[[object, ForwardBatch], object]
+    # Replay: refresh the captured metadata from the live batch and make it active.
+    replay_metadata: Callable[[object, object, ForwardBatch, ForwardBatch], None]
+    # Whether the break ops run inline (inside the graph) instead of as breaks.
+    inline_breaks: bool
+    # The graph's input: the static embeddings buffer (BCG) or token ids only (decode).
+    from_embeddings: bool
+
+
+def _bcg_capture_metadata(backend, static_fb: ForwardBatch):
+    if backend.use_captured_forward_metadata_for_breakable_cuda_graph:
+        return backend.init_forward_metadata_for_breakable_cuda_graph_capture(static_fb)
+    backend.init_forward_metadata(static_fb)
+    return None
+
+
+def _bcg_replay_metadata(backend, captured, fb: ForwardBatch, static_fb: ForwardBatch) -> None:
+    if backend.use_captured_forward_metadata_for_breakable_cuda_graph:
+        backend.prepare_forward_metadata_for_breakable_cuda_graph_replay(captured, fb, static_forward_batch=static_fb)
+    else:  # a backend that did not opt in is initialised eagerly before each replay
+        backend.init_forward_metadata(static_fb)
+
+
+BREAKABLE = GraphSpec(PathKind.BCG, "bcg", True, _bcg_capture_metadata, _bcg_replay_metadata,
+                      inline_breaks=False, from_embeddings=True)
+DECODE = GraphSpec(
+    PathKind.DECODE_GRAPH, "decode_graph", False,
+    lambda backend, static_fb: backend.init_forward_metadata_capture_cuda_graph(static_fb),
+    lambda backend, captured, fb, static_fb: backend.init_forward_metadata_replay_cuda_graph(captured, static_fb),
+    inline_breaks=True, from_embeddings=False)
+
+
+class GraphRunner:
+    def __init__(self, model_runner, spec: GraphSpec, buckets: Sequence[int], debug: bool = False):
+        self.model_runner = model_runner
+        self.spec = spec
+        self.model = model_runner.model
+        self.attn_backend = model_runner.attn_backend
+        self.device = model_runner.device
+        self.debug = debug
+        buckets = sorted(set(buckets))
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"{spec.name} buckets must be positive sizes, got {buckets}")
+        self.buckets = buckets
+        self.buffers = StaticBatchBuffers(buckets[-1], model_runner.config.hidden_size,
+                                          model_runner.req_to_token_pool.padding_slot, model_runner.dtype, self.device)
+        self.graphs: Dict[int, object] = {}
+        self.outputs: Dict[int, torch.Tensor] = {}
+        self.captured_metadata: Dict[int, object] = {}
+        self.fallbacks: Counter = Counter()  # counted by ModelRunner from the dispatch's reasons
+        self.replays_by_bucket: Counter = Counter()
+        self.capture_seconds = 0.0
+        self.graph_memory_bytes = 0
+
+    @property
+    def num_replays(self) -> int:
+        return sum(self.replays_by_bucket.values())
+
+    def bucket_for(self, size: int) -> Optional[int]:
+        return bucket_for(self.buckets, size)
+
+    # ---- capture --------------------------------------------------------------------------
+    def capture(self) -> None:
+        pool = graph_memory_pool(self.device)
+        start = time.perf_counter()
+        free_before = _free_memory(self.device)
+        for bucket in _progress(list(reversed(self.buckets)), self.device, f"{self.spec.name} capture"):
+            self._capture_one(bucket, pool)
+        self.capture_seconds = time.perf_counter() - start
+        self.graph_memory_bytes = max(0, free_before - _free_memory(self.device))
+        logger.info("captured %d %s graphs (%s) in %.1fs, %.1f MiB", len(self.graphs), self.spec.name,
+                    self.buckets, self.capture_seconds, self.graph_memory_bytes / 2**20)
+
+    def _capture_one(self, bucket: int, pool) -> None:
+        spec = self.spec
+        self.buffers.fill(None, bucket)
+        if spec.buckets_are_tokens:
+            static_fb = self.buffers.forward_batch(None, bucket)
+            live = 0  # the break ops see an empty batch at capture
+        else:
+            static_fb = self.buffers.forward_batch(None, bucket, ForwardMode.DECODE)
+            live = bucket  # the graph attends every row; padded rows have empty lists
+        metadata = spec.capture_metadata(self.attn_backend, static_fb)
+        dp_moe = self.model_runner.dp_moe(bucket)  # DP: the MoE collectives are captured too
+        embeds = self.buffers.input_embeds[:bucket] if spec.from_embeddings else None
+        inline = break_ops_inline() if spec.inline_breaks else nullcontext()
+        with torch.inference_mode(), forward_context(static_fb, self.attn_backend, live, dp_moe), inline:
+            for _ in range(2 if self.device.type == "cuda" else 1):  # warm-up outside the capture
+                self.model(static_fb.input_ids, embeds)
+            graph = create_breakable_graph(self.device, pool=pool, debug=self.debug)
+            with graph.capture():
+                hidden = self.model(static_fb.input_ids, embeds)
+        self.graphs[bucket] = graph
+        self.outputs[bucket] = hidden
+        self.captured_metadata[bucket] = metadata
+
+    # ---- replay ---------------------------------------------------------------------------
+    def replay_hidden(self, fb: ForwardBatch, bucket: int) -> torch.Tensor:
+        """Pad into the bucket's static batch, refresh its metadata, replay; returns the
+        bucket's hidden states (rows [:fb.num_tokens] are the live ones)."""
+        static_fb = self._fill(fb, bucket)
+        self.spec.replay_metadata(self.attn_backend, self.captured_metadata[bucket], fb, static_fb)
+        live = fb.num_tokens if self.spec.buckets_are_tokens else bucket
+        with forward_context(static_fb, self.attn_backend, live, self.model_runner.dp_moe(bucket)):
+            self.graphs[bucket].replay()
+        self.replays_by_bucket[bucket] += 1
+        return self.outputs[bucket]
+
+    def forward_padded_eager(self, fb: ForwardBatch, bucket: Optional[int] = None) -> torch.Tensor:
+        """BCG only: the replay's exact computation without the graph (same padding, same
+        static metadata shapes, same kernels). Replay must match it bit for bit, which
+        separates capture bugs from rounding (the equivalence tests compare against it)."""
+        if not self.spec.buckets_are_tokens:
+            raise NotImplementedError("forward_padded_eager exists for breakable (token-bucket) graphs only")
+        bucket = self.bucket_for(fb.num_tokens) if bucket is None else bucket
+        static_fb = self._fill(fb, bucket)
+        self.attn_backend.init_forward_metadata_for_breakable_cuda_graph_capture(static_fb)
+        with torch.inference_mode(), forward_context(static_fb, self.attn_backend, fb.num_tokens):
+            return self.model(static_fb.input_ids, self.buffers.input_embeds[:bucket])
+
+    def _fill(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
+        self.buffers.fill(fb, bucket)
+        if self.spec.from_embeddings and fb.input_embeds is None:  # the lookup the graph does not contain
+            torch.index_select(self.model.embed.weight, 0, fb.input_ids, out=self.buffers.input_embeds[:fb.num_tokens])
+        return self.buffers.forward_batch(fb, bucket)
+
+    # ---- bookkeeping ----------------------------------------------------------------------
+    def get_stats(self) -> dict:
+        p = self.spec.name
+        return {
+            f"{p}_replays": self.num_replays,
+            f"{p}_replays_by_bucket": {str(b): n for b, n in sorted(self.replays_by_bucket.items())},
+            f"{p}_fallbacks": dict(self.fallbacks),
+            f"{p}_buckets": list(self.buckets),
+            f"{p}_capture_seconds": round(self.capture_seconds, 3),
+            f"{p}_graph_memory_bytes": self.graph_memory_bytes,
+        }
+
+    def release(self) -> None:
+        for g in self.graphs.values():
+            g.release()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.captured_metadata.clear()
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return 0
+
+
+def _progress(items, device, desc):
+    """tqdm bar showing the bucket being captured and free device memory."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a runtime dependency
+        return items
+    bar = tqdm(items, desc=desc, leave=False, disable=None)
+
+    def gen():
+        for item in bar:
+            bar.set_postfix(bucket=item, free_gib=round(_free_memory(device) / 2**30, 1))
+            yield item
+
+    return gen()
