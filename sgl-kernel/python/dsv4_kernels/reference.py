@@ -11,6 +11,25 @@ from typing import Optional, Tuple
 import torch
 
 # ----------------------------------------------------------------------------------------
+# Deterministic top-k
+# ----------------------------------------------------------------------------------------
+
+
+def topk_indices(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Columns of the k largest fp32 `score`s per row: by score descending, exact ties by
+    column ascending, on every device and for any row width (torch.topk breaks ties in a
+    device- and width-dependent order). One top-k over a strictly ordered int64 key (the
+    score's order-preserving bits, then the reversed column): static shapes, no host sync,
+    graph-safe. -inf ranks below every finite score; -0.0 counts as +0.0."""
+    C = score.shape[-1]
+    bits = (score.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # int order == float order
+    col = torch.arange(C, device=score.device, dtype=torch.int64)
+    key = ordered * (1 << 32) + (C - 1 - col)
+    return key.topk(k, dim=-1).indices
+
+
+# ----------------------------------------------------------------------------------------
 # Sparse attention with a per-head sink
 # ----------------------------------------------------------------------------------------
 
@@ -222,7 +241,8 @@ def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len):
 def select_topk_slots(logits, cand_slots, topk, out_slots):
     """out_slots [T, topk] = slots of the best min(topk, valid) logits, -1 for the rest."""
     k = min(topk, logits.shape[1])
-    values, cols = torch.topk(logits, k, dim=1)
+    cols = topk_indices(logits, k)
+    values = torch.gather(logits, 1, cols)
     chosen = torch.gather(cand_slots, 1, cols).to(out_slots.dtype)
     out_slots.fill_(-1)
     out_slots[:, :k] = torch.where(torch.isinf(values), -1, chosen)
@@ -315,7 +335,7 @@ def moe_route(router_logits, bias, topk: int, scaling: float, tid2eid=None, inpu
         ids = tid2eid[input_ids.long()].long()
     else:
         select = scores + bias.float() if bias is not None else scores
-        ids = torch.topk(select, topk, dim=-1).indices
+        ids = topk_indices(select, topk)
     weights = torch.gather(scores, 1, ids)
     weights = weights / weights.sum(-1, keepdim=True) * scaling
     return weights, ids.to(torch.int32)

@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from dsv4_kernels.reference import topk_indices
 from torch import nn
 
 
@@ -27,7 +28,7 @@ def route(logits: torch.Tensor, topk: int, scaling: float, scoring_func: str,
         ids = tid2eid[input_ids].long()
     else:
         selection = scores if bias is None else scores + bias
-        ids = selection.topk(topk, dim=-1).indices
+        ids = topk_indices(selection, topk)  # ties: the lower expert id, on every device
     weights = scores.gather(1, ids)
     if scoring_func != "softmax":
         weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -6,6 +6,7 @@ which the backend calls directly."""
 from __future__ import annotations
 
 import torch
+from dsv4_kernels.reference import topk_indices
 
 # A finite stand-in for -inf so fully padded rows stay finite (softmax of equal values);
 # exp(NEG - max) underflows to exactly 0 wherever a real score is present.
@@ -58,11 +59,9 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, can
     visible = col < cand_len[:, None]
     score = score.masked_fill(~visible, float("-inf"))
     kk = min(topk, C)
-    # torch.topk over entries in position order, masked beyond cand_len: the same row layout
-    # as DeepSeek's reference, so even exact ties (all heads clamped to 0 by the relu) break
-    # the same way when the width matches. Ties are the one place where the list width
-    # (batch max length, graph bucket) can change which entries are chosen.
-    order = score.topk(kk, dim=-1).indices
+    # Deterministic: exact ties (all heads clamped to 0 by the relu) go to the earlier
+    # candidate, whatever the device, the list width (batch, graph bucket) or graph vs eager.
+    order = topk_indices(score, kk)
     chosen = cand_slots.gather(1, order)
     rank = torch.arange(kk, device=score.device)[None, :]
     chosen = torch.where(rank < torch.clamp(cand_len, max=kk)[:, None], chosen, -1)
