@@ -54,7 +54,7 @@ def main():
     p.add_argument("--model-path", default="dsv4-mini")
     p.add_argument("--num-tokens", type=int, nargs="+", default=[64, 256])
     p.add_argument("--context-length", type=int, default=8192)
-    p.add_argument("--disable-segment-kernels", action="store_true")
+    p.add_argument("--segment-kernels", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--out", default=".")
     a = p.parse_args()
     n_reqs = 2 * (max(a.num_tokens) // 1024 + 34)
@@ -62,7 +62,7 @@ def main():
         model_path=a.model_path, device="cuda", dtype="bfloat16", context_length=a.context_length,
         max_num_reqs=n_reqs, max_total_tokens=n_reqs * (1024 + 1024 + 128),
         enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=sorted(set(a.num_tokens)),
-        disable_cuda_graph=True, disable_segment_kernels=a.disable_segment_kernels,
+        disable_cuda_graph=True, segment_kernels=a.segment_kernels,
     )
     runner = ModelRunner(cfg)
     bcg = runner.bcg_runner

@@ -90,8 +90,8 @@ def main(argv=None):
     p.add_argument("--context-length", type=int, default=8192)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--disable-segment-kernels", action="store_true",
-                   help="the model's torch code inside graph segments (default on CUDA: dsv4_kernels' Triton)")
+    p.add_argument("--segment-kernels", default="auto", choices=("auto", "on", "off"),
+                   help="dsv4_kernels ops inside graph segments (auto: with the Triton attention core)")
     p.add_argument("--result-file", default=None)
     a = p.parse_args(argv)
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
@@ -102,7 +102,7 @@ def main(argv=None):
         max_num_reqs=n_reqs, max_total_tokens=n_reqs * (a.prefix + a.max_chunk + 128),
         enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=sorted(set(a.num_tokens)),
         disable_cuda_graph=True, attention_backend=a.attention_backend,
-        disable_segment_kernels=a.disable_segment_kernels,
+        segment_kernels=a.segment_kernels,
     )
     runner = ModelRunner(cfg)
     bcg = runner.bcg_runner

@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from sglang.srt.configs import get_preset
 from sglang.srt.server_args import ServerArgs, prepare_server_args
@@ -134,15 +135,19 @@ def test_resolution_errors(kwargs, cuda, message):
         ServerArgs(**kwargs).resolve(cuda_available=cuda)
 
 
-def test_segment_kernel_flags():
-    """Segment kernels follow the attention kernels (on with Triton on CUDA); on CPU they
-    are off unless forced, and the two flags cannot both be given."""
-    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+def test_segment_kernels_flag():
+    """--segment-kernels auto follows the attention kernels (on with Triton on CUDA); on CPU
+    they are off unless forced on; anything but auto/on/off is refused."""
+    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig, resolve_kernels
 
-    with pytest.raises(ValueError, match="contradict"):
-        ServerArgs(enable_segment_kernels=True, disable_segment_kernels=True)
-    a = prepare_server_args(["--disable-segment-kernels"])
-    assert a.disable_segment_kernels and not a.enable_segment_kernels
+    with pytest.raises(ValueError, match="--segment-kernels must be one of"):
+        ServerArgs(segment_kernels="yes")
+    assert prepare_server_args(["--segment-kernels", "off"]).segment_kernels == "off"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kernels("torch", "auto", cpu) == ("torch", False)
+    assert resolve_kernels("torch", "on", cpu) == ("torch", True)
+    assert resolve_kernels("triton", "auto", cuda) == ("triton", True)
+    assert resolve_kernels("triton", "off", cuda) == ("triton", False)
     tiny = dict(max_total_tokens=1024, max_num_reqs=2, context_length=256)
     assert not ModelRunner(ModelRunnerConfig(**tiny)).attn_backend.segment_kernels
-    assert ModelRunner(ModelRunnerConfig(**tiny, enable_segment_kernels=True)).attn_backend.segment_kernels
+    assert ModelRunner(ModelRunnerConfig(**tiny, segment_kernels="on")).attn_backend.segment_kernels

@@ -17,6 +17,7 @@ DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")  # auto: dummy for presets, safetensors for dirs
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SEGMENT_KERNELS = ("auto", "on", "off")
 SCHEDULE_POLICIES = ("fcfs",)
 LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
 DP_IDLE_POLICIES = ("replay", "eager")
@@ -62,8 +63,7 @@ class ServerArgs:
     cuda_graph_max_bs: Optional[int] = None
     disable_cuda_graph: bool = False
     debug_cuda_graph: bool = False
-    enable_segment_kernels: bool = False
-    disable_segment_kernels: bool = False
+    segment_kernels: str = "auto"
     # data parallel attention and multi-node
     enable_dp_attention: bool = False
     dp_size: int = 1
@@ -222,8 +222,8 @@ def _validate(a: ServerArgs) -> None:
         raise ValueError(f"--nnodes must be >= 1, got {a.nnodes}")
     if not 0 <= a.node_rank < a.nnodes:
         raise ValueError(f"--node-rank must be in [0, {a.nnodes}), got {a.node_rank}")
-    if a.enable_segment_kernels and a.disable_segment_kernels:
-        raise ValueError("--enable-segment-kernels and --disable-segment-kernels contradict each other")
+    if a.segment_kernels not in SEGMENT_KERNELS:
+        raise ValueError(f"--segment-kernels must be one of {SEGMENT_KERNELS}, got {a.segment_kernels!r}")
     if a.nnodes > 1 and not a.dist_init_addr:
         raise ValueError("--nnodes > 1 needs --dist-init-addr (host:port of node 0)")
     if a.dp_size % a.nnodes:
@@ -283,12 +283,10 @@ def _query_gpu_free_memory() -> int:
 # ---- CLI ----------------------------------------------------------------------------------
 
 _HELP = {
-    "enable_segment_kernels": "route the in-segment DSV4 pieces (mHC, q RMS+RoPE, KV norm+RoPE+cache write, "
-                              "inverse RoPE, compressors, indexer, MoE) through sgl-kernel's dsv4_kernels ops "
-                              "even where the attention backend is torch (on CPU: their torch references). "
-                              "Default: on exactly when the attention backend resolves to triton",
-    "disable_segment_kernels": "keep the model's own torch code inside graph segments on CUDA (the Triton "
-                               "attention core still runs if --attention-backend is triton)",
+    "segment_kernels": "the in-segment DSV4 pieces (mHC, q RMS+RoPE, KV norm+RoPE+cache write, inverse RoPE, "
+                       "compressors, indexer, MoE) through sgl-kernel's dsv4_kernels ops: auto = exactly when the "
+                       "attention backend resolves to triton; on = also elsewhere (on CPU: their torch "
+                       "references); off = the model's own torch code",
     "model_path": "preset name (dsv4-tiny, dsv4-mini, dsv4-flash-slice) or a directory with config.json "
                   "and *.safetensors [+ tokenizer.json]",
     "tokenizer_path": "tokenizer.json or a directory holding one (default: the model directory's, else bytes)",
@@ -321,6 +319,7 @@ _CHOICES = {
     "load_format": LOAD_FORMATS, "dtype": DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS,
     "schedule_policy": SCHEDULE_POLICIES, "load_balance_method": LOAD_BALANCE_METHODS,
     "dp_idle_policy": DP_IDLE_POLICIES, "log_level": LOG_LEVELS,
+    "segment_kernels": SEGMENT_KERNELS,
 }
 _INT_FIELDS = {"random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
                "chunked_prefill_size", "breakable_cuda_graph_max_tokens", "cuda_graph_max_bs", "dp_size", "nnodes",

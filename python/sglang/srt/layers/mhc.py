@@ -18,7 +18,7 @@ from sglang.srt.model_executor.forward_context import segment_kernel_ops
 
 
 # The torch math lives once, in sgl-kernel's reference (what the fused kernels are tested
-# against); on CPU and with --disable-segment-kernels the model runs it directly.
+# against); on CPU and with --segment-kernels off the model runs it directly.
 sinkhorn_split = kernel_reference.hc_sinkhorn_split
 
 

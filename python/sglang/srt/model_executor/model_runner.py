@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -61,10 +61,9 @@ class ModelRunnerConfig:
     cuda_graph_max_bs: int = 16
     debug_cuda_graph: bool = False
     attention_backend: str = "auto"  # "torch" | "triton" | "auto" (Triton kernels on CUDA)
-    # dsv4_kernels ops for the in-segment pieces too: on by default exactly when the attention
-    # core runs on Triton; enable forces them (CPU: their torch references), disable keeps torch.
-    enable_segment_kernels: bool = False
-    disable_segment_kernels: bool = False
+    # dsv4_kernels ops for the in-segment pieces too: "auto" exactly when the attention core
+    # runs on Triton; "on" forces them (CPU: their torch references), "off" keeps torch.
+    segment_kernels: str = "auto"
     # Decode graphs are on by default on CUDA; tests turn the CPU emulator on explicitly.
     cuda_graph_on_cpu: bool = False
     # DP attention (the process groups are set up before the runner: distributed/parallel_state.py)
@@ -82,15 +81,20 @@ class ModelRunnerConfig:
         return ModelRunnerConfig(**kw)
 
 
-def resolve_attention_kernels(choice: str, device: torch.device) -> str:
-    """'auto' -> Triton on CUDA when triton imports, the plain-torch reference otherwise."""
-    if choice == "auto":
+def resolve_kernels(attention_backend: str, segment_kernels: str, device: torch.device) -> Tuple[str, bool]:
+    """The one place torch-or-Triton is chosen: (attention core "torch" | "triton", whether
+    the in-segment pieces call dsv4_kernels ops). Attention 'auto' -> Triton on CUDA when
+    triton imports, the plain-torch reference otherwise; segment kernels 'auto' follow it."""
+    if attention_backend == "auto":
         from dsv4_kernels.ops import triton_available
 
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
-    if choice == "triton" and device.type != "cuda":
+        attention_backend = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if attention_backend == "triton" and device.type != "cuda":
         raise ValueError("--attention-backend triton needs a CUDA device (use torch on CPU)")
-    return choice
+    if segment_kernels not in ("auto", "on", "off"):
+        raise ValueError(f"segment_kernels must be auto, on or off, got {segment_kernels!r}")
+    on = segment_kernels == "on" or (segment_kernels == "auto" and attention_backend == "triton")
+    return attention_backend, on
 
 
 class ModelRunner:
@@ -110,10 +114,7 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(cfg.max_num_reqs, self.max_context_len, num_pages,
                                                 cfg.page_size, self.device)
         self.kv_pool = DSV4KVPool(self.config, num_pages * cfg.page_size, cfg.max_num_reqs, self.dtype, self.device)
-        kernels = resolve_attention_kernels(cfg.attention_backend, self.device)
-        if cfg.enable_segment_kernels and cfg.disable_segment_kernels:
-            raise ValueError("enable_segment_kernels and disable_segment_kernels contradict each other")
-        segment_kernels = cfg.enable_segment_kernels or (kernels == "triton" and not cfg.disable_segment_kernels)
+        kernels, segment_kernels = resolve_kernels(cfg.attention_backend, cfg.segment_kernels, self.device)
         self.attn_backend = DeepseekV4AttnBackend(self.config, self.kv_pool, self.req_to_token_pool,
                                                   max_seq_len=self.max_context_len, kernels=kernels,
                                                   segment_kernels=segment_kernels)

@@ -205,10 +205,10 @@ def test_input_embeds_batches_replay_through_the_static_embeddings_buffer():
 
 
 def test_segment_kernels_path_replays_and_matches_the_model_torch_path():
-    """--enable-segment-kernels routes the in-segment pieces through dsv4_kernels ops (their
+    """--segment-kernels on routes the in-segment pieces through dsv4_kernels ops (their
     torch references on CPU, Triton on CUDA): same results, and it replays from graphs too."""
     buckets = (16, 48)
-    runners = make_runners(buckets, enable_segment_kernels=True)
+    runners = make_runners(buckets, segment_kernels="on")
     assert all(r.attn_backend.segment_kernels for r in runners)
     report = run_equivalence(runners, buckets, batches_per_bucket=12, seed=4)
     assert report.mismatches == [], report.mismatches[:3]

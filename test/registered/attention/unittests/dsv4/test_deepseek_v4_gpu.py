@@ -54,9 +54,9 @@ def test_triton_attention_matches_torch_reference_on_dsv4_mini():
 
 
 def test_model_torch_code_in_segments_on_dsv4_mini():
-    """--disable-segment-kernels (the model's own torch code inside segments, Triton attention
+    """--segment-kernels off (the model's own torch code inside segments, Triton attention
     core): replay == padded eager exactly there too."""
-    runners = make_runners(BUCKETS, **dict(MINI, disable_segment_kernels=True))
+    runners = make_runners(BUCKETS, **dict(MINI, segment_kernels="off"))
     assert not any(r.attn_backend.segment_kernels for r in runners)
     report = run_equivalence(runners, BUCKETS, batches_per_bucket=12, seed=6, max_len=1800,
                              atol_unpadded=float("inf"))

@@ -1,5 +1,5 @@
 """Plain-torch DSV4 ops of the model's own segment code (CPU, and CUDA with
---disable-segment-kernels): static-shaped, as they run inside captured segments. The attention
+--segment-kernels off): static-shaped, as they run inside captured segments. The attention
 core's torch version is sgl-kernel's reference (dsv4_kernels.reference.sparse_attn_with_sink),
 which the backend calls directly."""
 
