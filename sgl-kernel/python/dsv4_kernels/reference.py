@@ -38,7 +38,7 @@ def _gather_keys(kv, idx, length):
     """Rows of kv for each token's index list, and which of them count ([T, W, D], [T, W])."""
     cols = torch.arange(idx.shape[1], device=idx.device)
     valid = (cols[None, :] < length[:, None].long()) & (idx >= 0)
-    rows = kv.float()[idx.long().clamp(min=0)]
+    rows = kv[idx.long().clamp(min=0)].float()  # gather, then widen: never a copy of the whole pool
     return rows, valid
 
 

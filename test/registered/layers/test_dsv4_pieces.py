@@ -14,13 +14,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from dsv4_harness import Session, run_step  # noqa: E402
 
 from sglang.srt.configs import get_preset  # noqa: E402
-from sglang.srt.layers.attention.dsv4.ops import compressor_pool, indexer_topk  # noqa: E402
+from dsv4_kernels import reference  # noqa: E402
 from sglang.srt.layers.mhc import sinkhorn_split  # noqa: E402
 from sglang.srt.layers.moe.experts import RoutedExperts  # noqa: E402
 from sglang.srt.layers.moe.router import Gate, route  # noqa: E402
 from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_, yarn_inv_freq  # noqa: E402
 from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
 from sglang.srt.models.deepseek_v4 import rope_tables_for  # noqa: E402
+
+
+def compressor_pool(state_kv, state_sc, kv_new, sc_new, gather, ratio):
+    """The model's pooling (sgl-kernel's torch reference) as a function."""
+    D = kv_new.shape[-1] // (2 if ratio == 4 else 1)
+    out = kv_new.new_empty(gather.shape[0], D)
+    return reference.compressor_pool(state_kv, state_sc, kv_new, sc_new, gather, ratio, out)
+
+
+def indexer_topk(q, w, keys, cand_slots, cand_len, topk):
+    """The model's indexer top-k (sgl-kernel's torch reference) as a function."""
+    out = torch.empty(cand_slots.shape[0], topk, dtype=torch.int32)
+    return reference.indexer_topk(q, w, keys, cand_slots, cand_len, topk, out)
 
 
 @pytest.fixture(autouse=True)

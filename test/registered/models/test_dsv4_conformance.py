@@ -36,9 +36,9 @@ TIE_ORDER_ARGMAX_ROWS = [6, 7]
 @pytest.fixture
 def deepseek_tie_order(monkeypatch):
     """The indexer's top-k with the reference's tie order: CPU torch.topk, same row layout."""
-    import sglang.srt.layers.attention.dsv4.ops as ops
+    import dsv4_kernels.reference as kernel_reference
 
-    monkeypatch.setattr(ops, "topk_indices", lambda score, k: score.topk(k, dim=-1).indices)
+    monkeypatch.setattr(kernel_reference, "topk_indices", lambda score, k: score.topk(k, dim=-1).indices)
 
 
 @pytest.fixture(scope="module")

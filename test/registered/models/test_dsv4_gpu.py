@@ -168,12 +168,9 @@ def test_conformance_tiny_on_cuda_with_the_reference_tie_order(dsv4_reference_di
     else running on CUDA in float32 (Triton kernels) reproduces every reference row."""
     import dsv4_kernels.reference as kernel_reference
 
-    import sglang.srt.layers.attention.dsv4.ops as ops
-
     def cpu_topk(score, k):  # eager only: it syncs
         return score.cpu().topk(k, dim=-1).indices.to(score.device)
 
-    monkeypatch.setattr(ops, "topk_indices", cpu_topk)
     monkeypatch.setattr(kernel_reference, "topk_indices", cpu_topk)
     d = dsv4_reference_dir / "conformance-tiny"
     runner = ModelRunner(ModelRunnerConfig(model_path=str(d), context_length=512, max_total_tokens=2048,

@@ -9,10 +9,11 @@ full-prefill entries exactly. Projections run in fp32 (the checkpoint stores the
 from __future__ import annotations
 
 import torch
+from dsv4_kernels import reference
 from torch import nn
 
 from sglang.srt.layers.attention.dsv4.metadata import DSV4CompressorMetadata
-from sglang.srt.layers.attention.dsv4.ops import compressor_pool, scatter_rows_
+from sglang.srt.layers.attention.dsv4.ops import scatter_rows_
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_
 from sglang.srt.mem_cache.dsv4_kv_pool import CompressorState
@@ -36,14 +37,13 @@ class Compressor(nn.Module):
         xf = x.float()
         kv = self.wkv(xf)
         score = self.wgate(xf) + self.ape[positions % self.ratio]
-        if kernels is not None:  # dsv4_kernels: pool, then ring update, then norm + RoPE + store
-            pooled = kv.new_empty(meta.gather_idx.shape[0], self.norm.weight.shape[0])
-            kernels.compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled)
+        pooled = kv.new_empty(meta.gather_idx.shape[0], self.norm.weight.shape[0])
+        (kernels or reference).compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled)
+        if kernels is not None:  # dsv4_kernels: ring update, then norm + RoPE + store
             kernels.compressor_state_update(state.kv, state.score, kv, score, meta.ring_write_loc)
             kernels.compressor_norm_rope_store(pooled, self.norm.weight, self.norm.eps, rope.cos, rope.sin,
                                                meta.positions, rope.rope_dim, pool, meta.out_loc)
             return
-        pooled = compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio)
         # Ring update after pooling: this step's emissions read the previous contents.
         C = kv.shape[-1]
         scatter_rows_(state.kv.view(-1, C), meta.ring_write_loc, kv, trash_ring_row)

@@ -5,10 +5,10 @@ segments: static shapes, output written into the metadata's produced `topk_slots
 from __future__ import annotations
 
 import torch
+from dsv4_kernels import reference
 from torch import nn
 
 from sglang.srt.layers.attention.dsv4.compressor import Compressor
-from sglang.srt.layers.attention.dsv4.ops import indexer_topk
 from sglang.srt.layers.rotary_embedding import apply_rope_
 
 
@@ -29,7 +29,5 @@ class Indexer(nn.Module):
         self.compressor(x, meta.positions, meta.c4_compressor, state, key_pool, rope, trash_ring_row, kernels)
         w = self.weights_proj(x).float() * self.weight_scale
         im = meta.indexer
-        if kernels is not None:  # logits kernel + top-k straight into the produced buffer
-            kernels.indexer_topk(q, w, key_pool, im.cand_slots, im.cand_len, im.topk, im.topk_slots)
-        else:
-            im.topk_slots.copy_(indexer_topk(q, w, key_pool, im.cand_slots, im.cand_len, im.topk))
+        # logits (Triton kernel or the torch reference) + top-k straight into the produced buffer
+        (kernels or reference).indexer_topk(q, w, key_pool, im.cand_slots, im.cand_len, im.topk, im.topk_slots)
