@@ -72,7 +72,7 @@ def test_sinkhorn_comb_is_doubly_stochastic(comb_scale, iters):
 
 
 def _sinkhorn_reference(logits, iters, eps):
-    """DESIGN 3 in plain Python: softmax rows + eps, normalise columns, then (iters - 1) x
+    """The mHC Sinkhorn in plain Python: softmax rows + eps, normalise columns, then (iters - 1) x
     (rows, columns), each divide by sum + eps."""
     n = len(logits)
     m = []
@@ -249,7 +249,7 @@ def _rope_reference(x, cos, sin):
 
 
 def _compressor_reference(comp, x, ratio, rope):
-    """Entries of a whole sequence from DESIGN section 3, block by block in plain loops."""
+    """Entries of a whole sequence by the compressor's definition, block by block in plain loops."""
     kv = x.double() @ comp.wkv.weight.double().T
     pos = torch.arange(x.shape[0])
     score = x.double() @ comp.wgate.weight.double().T + comp.ape.double()[pos % ratio]

@@ -1,4 +1,4 @@
-"""Specification of the breakable-graph primitive on CPU (the emulator, DESIGN 4.1/4.2/4.7)."""
+"""Specification of the breakable-graph primitive on CPU (the emulator; docs/design.md, contracts 1, 2, 7)."""
 
 import gc
 import os
@@ -188,7 +188,7 @@ def test_replay_outside_inference_mode_of_an_inference_mode_capture():
         assert torch.equal(out, model.forward(static_x.clone()))
 
 
-# ---- frozen Python (DESIGN 4.2) -------------------------------------------------------
+# ---- frozen Python (design.md, contract 2) -------------------------------------------------------
 
 
 def test_tensor_branch_in_segment_raises_naming_local_scalar_dense():
@@ -208,7 +208,7 @@ def test_tensor_branch_in_segment_raises_naming_local_scalar_dense():
 
 
 def test_branch_on_python_value_is_frozen_at_capture():
-    # The hazard of DESIGN 4.2: a shortcut chosen by Python at capture is replayed forever.
+    # The hazard of contract 2 (docs/design.md): a shortcut chosen by Python at capture is replayed forever.
     config = {"skip_indexer": True}
     x = torch.ones(3)
 
@@ -290,7 +290,7 @@ def test_repeat_interleave_with_output_size_is_allowed_and_replays():
     assert out.tolist() == [1.0, 2.0, 2.0, 3.0]
 
 
-# ---- break op contract (DESIGN 4.1) ---------------------------------------------------
+# ---- break op contract (design.md, contract 1) ---------------------------------------------------
 
 
 def test_break_op_returning_a_value_raises_under_capture_only():

@@ -226,7 +226,7 @@ def _init_dp(server_args, rank: RankSpec) -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.ranks_per_node))
     if server_args.device == "cuda":
-        # NVLink multicast hung on the H200 hosts this was built on (DESIGN.md section 5).
+        # NVLink multicast hung on the H200 hosts this was built on (docs/design.md, contract 9).
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         device = torch.device("cuda", torch.cuda.current_device())
     else:

@@ -1,4 +1,4 @@
-"""Attention backend interface, including the breakable-CUDA-graph hooks (DESIGN 4.3)."""
+"""Attention backend interface, including the breakable-CUDA-graph hooks (docs/design.md, contract 3)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Breakable CUDA graphs: a forward captured as graph segments split at eager break ops.
 
 `create_breakable_graph(device)` picks real CUDA graphs on a GPU and the CPU emulator
-elsewhere; both follow DESIGN section 4, contracts 1, 2 and 7.
+elsewhere; both follow docs/design.md, contracts 1, 2 and 7.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CPU emulator of a breakable CUDA graph (DESIGN 4.7).
+"""CPU emulator of a breakable CUDA graph (docs/design.md, contract 7).
 
 Each segment is recorded as the list of aten ops it dispatched, against the tensor objects
 they touched; replay re-executes those ops in order on the same objects. Like a CUDA graph,

@@ -1,4 +1,4 @@
-"""DSV4 breakable CUDA graphs: the metadata contract (DESIGN 4.4) and replay == eager on the
+"""DSV4 breakable CUDA graphs: the metadata contract (docs/design.md, contract 4) and replay == eager on the
 CPU emulator, including tests that show the harness catches the two classic bugs."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Field classes of attention metadata under breakable CUDA graphs (DESIGN 4.4).
+"""Field classes of attention metadata under breakable CUDA graphs (docs/design.md, contract 4).
 
 Every dataclass field of a metadata object declares exactly one class next to it:
 - copy:     read by kernels inside captured segments. Refresh copies the new contents into
