@@ -28,6 +28,7 @@ def test_resolve_on_cpu():
     r = a.resolve(cuda_available=False)
     assert r.resolved and not a.resolved  # a new object; the original is untouched
     assert (r.device, r.dtype, r.load_format, r.attention_backend) == ("cpu", "float32", "dummy", "torch")
+    assert r.segment_kernels == "off"  # auto follows the torch attention core
     assert r.context_length == 4096  # min(max_position_embeddings 4096, 4096)
     assert (r.max_running_requests, r.chunked_prefill_size) == (64, 256)
     assert (r.breakable_cuda_graph_max_tokens, r.cuda_graph_max_bs) == (512, 16)
@@ -138,7 +139,8 @@ def test_resolution_errors(kwargs, cuda, message):
 def test_segment_kernels_flag():
     """--segment-kernels auto follows the attention kernels (on with Triton on CUDA); on CPU
     they are off unless forced on; anything but auto/on/off is refused."""
-    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig, resolve_kernels
+    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+    from sglang.srt.server_args import resolve_kernels
 
     with pytest.raises(ValueError, match="--segment-kernels must be one of"):
         ServerArgs(segment_kernels="yes")

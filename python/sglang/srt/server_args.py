@@ -100,7 +100,8 @@ class ServerArgs:
             raise ValueError("--device cuda was requested but CUDA is not available")
         device = self.device if self.device != "auto" else ("cuda" if cuda_available else "cpu")
         on_cuda = device == "cuda"
-        from dsv4_kernels.ops import triton_available
+        # Triton kernels for the attention core on CUDA, the plain-torch reference elsewhere
+        attention_backend, segment_kernels = resolve_kernels(self.attention_backend, self.segment_kernels, device)
         if model_config is None:
             from sglang.srt.configs.deepseek_v4 import load_model_config
 
@@ -153,10 +154,8 @@ class ServerArgs:
             max_running_requests=max_running,
             max_total_tokens=max_total_tokens,
             chunked_prefill_size=self.chunked_prefill_size or _DEFAULT_CHUNKED_PREFILL_SIZE[pick],
-            # Triton kernels for the attention core on CUDA; the plain-torch reference elsewhere
-            # (triton_available: the same probe the model runner and dsv4_kernels use)
-            attention_backend=(("triton" if on_cuda and triton_available() else "torch")
-                               if self.attention_backend == "auto" else self.attention_backend),
+            attention_backend=attention_backend,
+            segment_kernels="on" if segment_kernels else "off",
             breakable_cuda_graph_max_tokens=bcg_max,
             cuda_graph_max_bs=self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick],
             resolved=True,
@@ -183,6 +182,23 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
         return from_cli_args(args)
+
+
+def resolve_kernels(attention_backend: str, segment_kernels: str, device) -> Tuple[str, bool]:
+    """The one place torch-or-Triton is chosen: (attention core "torch" | "triton", whether
+    the in-segment pieces call dsv4_kernels ops). Attention 'auto' -> Triton on CUDA when
+    triton imports, the plain-torch reference otherwise; segment kernels 'auto' follow it."""
+    on_cuda = str(device).split(":")[0] == "cuda"  # a torch.device or its name
+    if attention_backend == "auto":
+        from dsv4_kernels.ops import triton_available
+
+        attention_backend = "triton" if on_cuda and triton_available() else "torch"
+    if attention_backend == "triton" and not on_cuda:
+        raise ValueError("--attention-backend triton needs a CUDA device (use torch on CPU)")
+    if segment_kernels not in ("auto", "on", "off"):
+        raise ValueError(f"segment_kernels must be auto, on or off, got {segment_kernels!r}")
+    on = segment_kernels == "on" or (segment_kernels == "auto" and attention_backend == "triton")
+    return attention_backend, on
 
 
 def _validate(a: ServerArgs) -> None:

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 
@@ -35,6 +35,7 @@ from sglang.srt.model_executor.graph_dispatch import (
 from sglang.srt.model_loader.random_init import init_random_weights
 from sglang.srt.model_loader.safetensors_io import load_checkpoint
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+from sglang.srt.server_args import resolve_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -79,22 +80,6 @@ class ModelRunnerConfig:
         if hasattr(args, "max_running_requests"):
             kw["max_num_reqs"] = args.max_running_requests
         return ModelRunnerConfig(**kw)
-
-
-def resolve_kernels(attention_backend: str, segment_kernels: str, device: torch.device) -> Tuple[str, bool]:
-    """The one place torch-or-Triton is chosen: (attention core "torch" | "triton", whether
-    the in-segment pieces call dsv4_kernels ops). Attention 'auto' -> Triton on CUDA when
-    triton imports, the plain-torch reference otherwise; segment kernels 'auto' follow it."""
-    if attention_backend == "auto":
-        from dsv4_kernels.ops import triton_available
-
-        attention_backend = "triton" if device.type == "cuda" and triton_available() else "torch"
-    if attention_backend == "triton" and device.type != "cuda":
-        raise ValueError("--attention-backend triton needs a CUDA device (use torch on CPU)")
-    if segment_kernels not in ("auto", "on", "off"):
-        raise ValueError(f"segment_kernels must be auto, on or off, got {segment_kernels!r}")
-    on = segment_kernels == "on" or (segment_kernels == "auto" and attention_backend == "triton")
-    return attention_backend, on
 
 
 class ModelRunner:

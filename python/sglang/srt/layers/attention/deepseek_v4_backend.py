@@ -1,6 +1,6 @@
 """DSV4 attention backend. Builds the per-batch metadata, runs the attention core for the
 break op (dsv4_kernels' Triton kernel with `kernels="triton"`, its plain-torch reference with
-"torch"; model_runner.resolve_kernels chooses), and implements the breakable-CUDA-graph and
+"torch"; server_args.resolve_kernels chooses), and implements the breakable-CUDA-graph and
 decode-CUDA-graph metadata hooks."""
 
 from __future__ import annotations
