@@ -11,7 +11,7 @@ from dsv4_kernels.reference import topk_indices
 
 from sglang.srt.layers.moe.router import route
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
-from sglang.srt.model_executor.graph_dispatch import PathKind, eager_path
+from sglang.srt.model_executor.graph_dispatch import eager_path
 from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
 
 
@@ -135,3 +135,53 @@ def test_tied_request_alone_in_a_batch_and_replayed_gives_the_same_logits(tied_r
     assert tied_runner.bcg_runner.num_replays == 1
     torch.testing.assert_close(in_batch, alone, rtol=0, atol=1e-5)
     torch.testing.assert_close(replayed, alone, rtol=0, atol=1e-5)
+
+
+# ---- CUDA: the same choices as the CPU -----------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_breaks_ties_exactly_as_the_cpu():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(-2, 3, (300, 1000), generator=g).float()  # 5 distinct values: ties everywhere
+    for k in (4, 64, 512):
+        assert torch.equal(topk_indices(x.cuda(), k).cpu(), topk_indices(x, k))
+    _, ids_cpu = route(x[:, :64], 6, 1.0, "sqrtsoftplus")
+    _, ids_cuda = route(x[:, :64].cuda(), 6, 1.0, "sqrtsoftplus")
+    assert torch.equal(ids_cuda.cpu(), ids_cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tied_request_on_cuda_alone_in_a_batch_replayed_and_on_cpu():
+    """All indexer scores tied; CUDA (Triton kernels, float32) eager alone, eager in a wider
+    batch and replayed from a breakable graph all give the CPU's logits."""
+    cuda = ModelRunner(ModelRunnerConfig(**CFG, device="cuda", dtype="float32", enable_breakable_cuda_graph=True,
+                                         breakable_cuda_graph_tokens=[64], disable_cuda_graph=True))
+    cpu = ModelRunner(ModelRunnerConfig(**CFG))
+    for r in (cuda, cpu):
+        _tie_every_indexer_score(r)
+    g = torch.Generator().manual_seed(5)
+    mine = torch.randint(3, 500, (40,), generator=g).tolist()
+    other = torch.randint(3, 500, (200,), generator=g).tolist()
+
+    def run(runner, chunks, path=None):
+        rtp = runner.req_to_token_pool
+        slots = [rtp.alloc_req() for _ in chunks]
+        for s, c in zip(slots, chunks):
+            rtp.ensure_capacity(s, len(c))
+        fb = build_forward_batch(ForwardMode.EXTEND, slots, [0] * len(chunks), chunks, rtp.req_to_token,
+                                 runner.device)
+        out = runner.forward(fb, path(fb) if path else None).next_token_logits[0].float().cpu()
+        for s in slots:
+            rtp.free_req(s)
+        return out
+
+    want = run(cpu, [mine], eager_path)
+    got = [run(cuda, [mine], eager_path), run(cuda, [mine, other], eager_path), run(cuda, [mine])]
+    assert cuda.bcg_runner.num_replays == 1
+    for g_ in got:
+        assert g_.argmax() == want.argmax()
+        torch.testing.assert_close(g_, want, rtol=0, atol=1e-3)
+    cuda.shutdown()
