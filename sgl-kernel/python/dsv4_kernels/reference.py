@@ -233,9 +233,9 @@ def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write
 def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len):
     """I(t, j) [T, C] fp32; -inf where j >= cand_len[t] or the slot is -1."""
     keys, valid = _gather_keys(key_pool, cand_slots, cand_len)
-    dots = torch.einsum("thd,tjd->thj", q_idx.float(), keys).relu()
+    dots = torch.einsum("thd,tjd->thj", q_idx.float(), keys).relu_()  # in place: the model's hot path
     logits = torch.einsum("th,thj->tj", weights.float(), dots)
-    return logits.masked_fill(~valid, float("-inf"))
+    return logits.masked_fill_(~valid, float("-inf"))
 
 
 def select_topk_slots(logits, cand_slots, topk, out_slots):
