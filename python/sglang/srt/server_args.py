@@ -16,6 +16,8 @@ from typing import List, Optional, Sequence, Tuple
 DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")  # auto: dummy for presets, safetensors for dirs
+QUANT_NUMERICS = ("weight_only", "release")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model dtype
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULE_POLICIES = ("fcfs",)
 LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
@@ -41,6 +43,8 @@ class ServerArgs:
     dtype: str = "auto"
     device: str = "auto"
     random_seed: int = 0
+    quant_numerics: str = "release"
+    kv_cache_dtype: str = "auto"
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
@@ -190,6 +194,7 @@ def _validate(a: ServerArgs) -> None:
     """Checks of single values and of cross-field rules the user states explicitly."""
     for name, choices in (
         ("dtype", DTYPES), ("device", DEVICES), ("load_format", LOAD_FORMATS),
+        ("quant_numerics", QUANT_NUMERICS), ("kv_cache_dtype", KV_CACHE_DTYPES),
         ("attention_backend", ATTENTION_BACKENDS), ("schedule_policy", SCHEDULE_POLICIES),
         ("load_balance_method", LOAD_BALANCE_METHODS), ("dp_idle_policy", DP_IDLE_POLICIES),
         ("log_level", LOG_LEVELS),
@@ -296,8 +301,14 @@ _HELP = {
     "model_path": "preset name (dsv4-tiny, dsv4-mini, dsv4-flash-slice) or a directory with config.json "
                   "and *.safetensors [+ tokenizer.json]",
     "tokenizer_path": "tokenizer.json or a directory holding one (default: the model directory's, else bytes)",
-    "load_format": "auto: dummy (seeded random weights) for presets, safetensors for directories",
+    "load_format": "auto: dummy (seeded random weights, in the release format for the *-fp8 presets) for "
+                   "presets, safetensors for directories",
     "dtype": "auto: bfloat16 on CUDA, float32 on CPU",
+    "quant_numerics": "release-format weights (FP8 linears, FP4 experts): release reproduces the release's "
+                      "rounding (activations to FP8 per 128, KV nope dims to FP8 per 64, indexer q/k Hadamard + "
+                      "FP4 per 32); weight_only runs the quantized weights on unrounded activations. A bf16 model "
+                      "has nothing to round: it always runs weight_only",
+    "kv_cache_dtype": "auto: the model dtype; fp8_e4m3: KV nope dims stored as e4m3 with per-64 scales",
     "device": "auto: cuda when available, else cpu",
     "context_length": "default: min(max_position_embeddings, 4096)",
     "page_size": "tokens per KV page (a multiple of 128)",
@@ -324,6 +335,7 @@ _HELP = {
 }
 _CHOICES = {
     "load_format": LOAD_FORMATS, "dtype": DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS,
+    "quant_numerics": QUANT_NUMERICS, "kv_cache_dtype": KV_CACHE_DTYPES,
     "schedule_policy": SCHEDULE_POLICIES, "load_balance_method": LOAD_BALANCE_METHODS,
     "dp_idle_policy": DP_IDLE_POLICIES, "log_level": LOG_LEVELS,
 }

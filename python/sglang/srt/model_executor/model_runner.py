@@ -39,6 +39,11 @@ class ModelRunnerConfig:
 
     model_path: str = "dsv4-tiny"
     load_format: str = "auto"  # "auto": checkpoint for directories, seeded random for presets
+    # "release": the release's activation/KV/indexer rounding on release-format weights;
+    # "weight_only": quantized weights on unrounded activations. The runner resolves it to
+    # "weight_only" for a model without quantized weights (runner_config holds the resolved value).
+    quant_numerics: str = "release"
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8_e4m3" (nope dims e4m3, per-64 scales)
     dtype: str = "float32"
     device: str = "cpu"
     random_seed: int = 0
