@@ -10,7 +10,7 @@ import importlib
 
 import torch
 
-from . import reference
+from . import quant_reference, reference
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,3 +129,29 @@ def hc_post(f, residual, post, comb, out=None):
     (residual.dtype; out may be residual itself). Returns out."""
     impl = _kernels("mhc") if _use_triton(residual) else reference
     return impl.hc_post(f, residual, post, comb, out)
+
+
+# ----------------------------------------------------------------------------------------
+# Release weight format: FP8 block-scaled linears, FP4 routed experts (quant_reference.py
+# holds the formulas; these are the entry points the model calls)
+# ----------------------------------------------------------------------------------------
+quantize_fp8_blocks = quant_reference.quantize_fp8_blocks
+fp8_round_blocks = quant_reference.fp8_round_blocks
+fp4_round_blocks = quant_reference.fp4_round_blocks
+hadamard_rotate = quant_reference.hadamard_rotate
+
+
+def fp8_block_linear(x, weight, weight_scale, act_quant: bool):
+    """x [..., K] @ dequant(weight e4m3 [N, K], weight_scale fp32 [ceil(N/128), ceil(K/128)])^T
+    -> x.dtype [..., N]; act_quant: x quantized per 128 along K first (release numerics)."""
+    return quant_reference.fp8_block_linear_ref(x, weight, weight_scale, act_quant)
+
+
+def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, out,
+                  act_quant: bool):
+    """out fp32 [T, d] <- the FP4 routed experts' sum (quant_reference.fp4_moe_ref's contract:
+    packed e2m1 int8 [E, out, in/2] + e8m0 uint8 scales [E, out, in/32]; ids outside [0, E)
+    skipped; weight applied before W2). Returns out."""
+    out.copy_(quant_reference.fp4_moe_ref(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids,
+                                           weights, limit, act_quant))
+    return out
