@@ -144,6 +144,8 @@ hadamard_rotate = quant_reference.hadamard_rotate
 def fp8_block_linear(x, weight, weight_scale, act_quant: bool):
     """x [..., K] @ dequant(weight e4m3 [N, K], weight_scale fp32 [ceil(N/128), ceil(K/128)])^T
     -> x.dtype [..., N]; act_quant: x quantized per 128 along K first (release numerics)."""
+    if _use_triton(x):
+        return _kernels("fp8_gemm").fp8_block_linear(x, weight, weight_scale, act_quant)
     return quant_reference.fp8_block_linear_ref(x, weight, weight_scale, act_quant)
 
 
@@ -152,6 +154,9 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
     """out fp32 [T, d] <- the FP4 routed experts' sum (quant_reference.fp4_moe_ref's contract:
     packed e2m1 int8 [E, out, in/2] + e8m0 uint8 scales [E, out, in/32]; ids outside [0, E)
     skipped; weight applied before W2). Returns out."""
+    if _use_triton(x):
+        return _kernels("fp4_moe").fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale,
+                                                 ids, weights, limit, out, act_quant)
     out.copy_(quant_reference.fp4_moe_ref(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids,
                                            weights, limit, act_quant))
     return out
