@@ -31,20 +31,25 @@ def _kernels(name: str):
     return importlib.import_module(f"{__package__}.{name}")  # cached: called on every step
 
 
-def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out):
+def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
+                          kv_layout=None):
     """out [T, H, D] = sink-softmax attention of q [T, H, D] over the valid rows of kv_a (idx_a
-    [T, Wa], first len_a entries, -1 skipped) and of kv_b (may be None). Returns out."""
+    [T, Wa], first len_a entries, -1 skipped) and of kv_b (may be None). With kv_layout
+    (kv_fp8.FP8KVLayout) both pools hold FP8 KV rows, dequantized on load. Returns out."""
     impl = _kernels("sparse_attention") if _use_triton(q) else reference
-    return impl.sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out)
+    return impl.sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
+                                      kv_layout=kv_layout)
 
 
 def rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc,
-                       kv_out=None):
+                       kv_out=None, nope_fp8=False):
     """RMSNorm(kv [T, D]) * weight -> RoPE on the last rope_dim dims -> pool[out_loc[t]]
-    (skipped where out_loc == -1) and kv_out [T, D] if given. Returns kv_out."""
+    (skipped where out_loc == -1) and kv_out [T, D] (unrounded) if given. Returns kv_out.
+    nope_fp8: the nope dims are FP8-rounded per 64 before a float pool stores them; a uint8
+    pool holds FP8 KV rows (kv_fp8.py) and always quantizes."""
     impl = _kernels("cache_write") if _use_triton(kv) else reference
     return impl.rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool,
-                                   out_loc, kv_out)
+                                   out_loc, kv_out, nope_fp8=nope_fp8)
 
 
 def q_rms_rope(q, cos, sin, positions, rope_dim, eps):
