@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ._dot import dot_precision
-from .fp8_gemm import INV_E4M3_MAX, QBLOCK, e4m3_bits, pow2_scale, quantize_act
+from .fp8_gemm import INV_E4M3_MAX, QBLOCK, e4m3_bits, pow2_recip, pow2_scale, quantize_act
 from .moe import _sum_topk_kernel, moe_align
 
 SUM_BLOCK_D = 1024
@@ -135,7 +135,7 @@ def _fp4_gate_up_kernel(
     rows64 = rows.to(tl.int64)
     if ACT_QUANT:
         scale = pow2_scale(tl.max(tl.abs(h), axis=1), INV_E4M3_MAX)
-        bits = e4m3_bits(tl.minimum(tl.maximum(h / scale[:, None], -448.0), 448.0))
+        bits = e4m3_bits(tl.minimum(tl.maximum(h * pow2_recip(scale)[:, None], -448.0), 448.0))
         tl.store(hs_ptr + rows64 * stride_hs + tl.program_id(1), scale, mask=row_mask)
         if FP8_DOT:
             tl.store(hq_ptr + rows64[:, None] * stride_h + offs_n[None, :], bits, mask=out_mask)

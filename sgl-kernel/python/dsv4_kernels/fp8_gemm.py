@@ -39,6 +39,14 @@ def pow2_scale(amax, INV_QMAX: tl.constexpr):
 
 
 @triton.jit
+def pow2_recip(scale):
+    """1 / scale for a normal fp32 power of two, exactly (from its exponent bits): a multiply
+    by it is exact, where fp32 division on the GPU is an approximation."""
+    exp = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return ((254 - exp) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def e4m3_bits(v):
     """fp32 v with |v| <= 448 -> the uint8 bits of e4m3(v), round to nearest even."""
     a = tl.abs(v)
@@ -63,7 +71,7 @@ def _act_quant_kernel(
     mask = offs < K
     x = tl.load(x_ptr + m * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     scale = pow2_scale(tl.max(tl.abs(x), axis=1), INV_E4M3_MAX)
-    v = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+    v = tl.minimum(tl.maximum(x * pow2_recip(scale)[:, None], -448.0), 448.0)
     tl.store(q_ptr + m * stride_q + offs, e4m3_bits(v), mask=mask)
     tl.store(s_ptr + m * stride_s + kb, scale, mask=kb * QB < K)
 
