@@ -111,7 +111,8 @@ class ModelRunner:
         num_pages = 1 + -(-cfg.max_total_tokens // cfg.page_size)  # + the padding page
         self.req_to_token_pool = ReqToTokenPool(cfg.max_num_reqs, self.max_context_len, num_pages,
                                                 cfg.page_size, self.device)
-        self.kv_pool = DSV4KVPool(self.config, num_pages * cfg.page_size, cfg.max_num_reqs, self.dtype, self.device)
+        self.kv_pool = DSV4KVPool(self.config, num_pages * cfg.page_size, cfg.max_num_reqs, self.dtype, self.device,
+                                  kv_cache_dtype=cfg.kv_cache_dtype, round_nope_fp8=cfg.quant_numerics == "release")
         kernels = resolve_attention_kernels(cfg.attention_backend, self.device)
         if cfg.enable_segment_kernels and cfg.disable_segment_kernels:
             raise ValueError("enable_segment_kernels and disable_segment_kernels contradict each other")
