@@ -147,11 +147,15 @@ class ServerArgs:
                 f"--breakable-cuda-graph-tokens has {max(self.breakable_cuda_graph_tokens)}, "
                 f"above --breakable-cuda-graph-max-tokens {bcg_max}"
             )
+        from sglang.srt.layers.quantization import QuantMode
+
         return dataclasses.replace(
             self,
             device=device,
             dtype=dtype,
             load_format=load_format,
+            # release numerics are the release format's: a bf16 model has nothing to round
+            quant_numerics=QuantMode.resolve_numerics(model_config, self.quant_numerics),
             tokenizer_path=self.tokenizer_path,
             served_model_name=self.served_model_name or self.model_path,
             context_length=context_length,
