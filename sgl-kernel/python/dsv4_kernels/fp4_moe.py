@@ -32,28 +32,38 @@ DEFAULT_VARIANT = "bf16"  # until the H200 numbers (bench_quant.py) say otherwis
 
 
 @triton.jit
-def _decode_tile(w_ptr, s_ptr, e, offs_n, n_mask, kk, k_mask, stride_we, stride_wn, stride_se,
-                 stride_sn, AS_E4M3: tl.constexpr):
-    """[BK, BN] tile of expert e's weight (row n, input k): fp32 values times their scale,
-    or (AS_E4M3) the e4m3 bits of the bare e2m1 values (the scale is the caller's)."""
-    mask = n_mask[None, :] & k_mask[:, None]
+def _load_codes(w_ptr, e, offs_n, n_mask, kk, k_mask, stride_we, stride_wn):
+    """[BK, BN] e2m1 codes of expert e (row n, input k): element k in byte k/2, low nibble first."""
     byte = tl.load(w_ptr + e * stride_we + offs_n[None, :] * stride_wn + (kk // 2)[:, None],
-                   mask=mask, other=0).to(tl.int32) & 0xFF
-    code = (byte >> ((kk & 1) * 4)[:, None]) & 0xF
+                   mask=n_mask[None, :] & k_mask[:, None], other=0).to(tl.int32) & 0xFF
+    return (byte >> ((kk & 1) * 4)[:, None]) & 0xF
+
+
+@triton.jit
+def _decode_tile(w_ptr, s_ptr, e, offs_n, n_mask, kk, k_mask, stride_we, stride_wn, stride_se,
+                 stride_sn):
+    """[BK, BN] fp32 weight values: e2m1 value x 2^(scale byte - 127)."""
+    code = _load_codes(w_ptr, e, offs_n, n_mask, kk, k_mask, stride_we, stride_wn)
     ex = (code >> 1) & 3
     m = code & 1
-    neg = code >> 3
-    if AS_E4M3:
-        # e2m1 (e, m) -> e4m3: exponent e - 1 rebiased to 7, mantissa bit m on top; 0.5 is 0x30.
-        bits = tl.where(ex == 0, m * 0x30, ((ex + 6) << 3) | (m << 2)) | (neg << 7)
-        return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
     sc = tl.load(s_ptr + e * stride_se + offs_n[None, :] * stride_sn + (kk // 32)[:, None],
-                 mask=mask, other=0).to(tl.int32) & 0xFF
+                 mask=n_mask[None, :] & k_mask[:, None], other=0).to(tl.int32) & 0xFF
     # Twice the magnitude, an integer: 0, 1, 2, 3, 4, 6, 8, 12.
     twice = tl.where(ex == 0, m, (2 + m) << tl.maximum(ex - 1, 0))
     scale = (sc << 23).to(tl.float32, bitcast=True)  # 2^(sc - 127)
     val = (twice.to(tl.float32) * 0.5) * scale
-    return tl.where(neg != 0, -val, val)
+    return tl.where((code >> 3) != 0, -val, val)
+
+
+@triton.jit
+def _decode_tile_e4m3(w_ptr, e, offs_n, n_mask, kk, k_mask, stride_we, stride_wn):
+    """[BK, BN] e4m3 tile of the bare e2m1 values (exact; the scale is the caller's)."""
+    code = _load_codes(w_ptr, e, offs_n, n_mask, kk, k_mask, stride_we, stride_wn)
+    ex = (code >> 1) & 3
+    m = code & 1
+    # e2m1 (e, m) -> e4m3: exponent e - 1 rebiased to 7, mantissa bit m on top; 0.5 is 0x30.
+    bits = tl.where(ex == 0, m * 0x30, ((ex + 6) << 3) | (m << 2)) | ((code >> 3) << 7)
+    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -77,8 +87,7 @@ def _expert_gemm(acc, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_as, w_pt
             a = tl.load(a_ptr + a_rows[:, None] * stride_a + kk[None, :],
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             sa = tl.load(as_ptr + a_rows * stride_as + k0 // 128, mask=row_mask, other=0.0)
-            b = _decode_tile(w_ptr, s_ptr, e, offs_n, n_mask, kk, k_mask, stride_we, stride_wn,
-                             stride_se, stride_sn, True)
+            b = _decode_tile_e4m3(w_ptr, e, offs_n, n_mask, kk, k_mask, stride_we, stride_wn)
             sb = _row_scales(s_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn)
             acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
     else:
@@ -91,7 +100,7 @@ def _expert_gemm(acc, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_as, w_pt
                 sa = tl.load(as_ptr + a_rows * stride_as + k0 // 128, mask=row_mask, other=0.0)
                 a = (a.to(tl.float32) * sa[:, None]).to(OUT_DTYPE)
             b = _decode_tile(w_ptr, s_ptr, e, offs_n, n_mask, kk, k_mask, stride_we, stride_wn,
-                             stride_se, stride_sn, False)
+                             stride_se, stride_sn)
             acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PREC)
     return acc
 

@@ -177,9 +177,10 @@ def _num_sms(device: torch.device) -> int:
 def gemm_config(M: int, N: int, K: int, act_quant: bool, num_sms: int = 132) -> dict:
     """Tiles by shape (no autotuning: graph capture must not launch candidate configs).
 
-    M <= 16: 16 x 64 tiles; M <= 64: 64 x 64; M <= 256: 64 x 128; M <= 1024: 128 x 128;
-    larger: 128 x 256 (FP8) / 128 x 128 (bf16, whose K tile is 64 and operands twice the bytes).
-    K step: 128 for FP8 (one scale block per dot), 64 for weight-only. While the tiles leave
+    M <= 16: 16 x 64 tiles; M <= 64: 64 x 64; M <= 256: 64 x 128; larger: 128 x 128 (8 warps).
+    128 x 256 spills for FP8 (the per-block partial doubles the accumulator registers: 496 B
+    of spill stack in an sm_90 compile, none at 128 x 128). K step: 128 for FP8 (one scale
+    block per dot), 64 for weight-only. While the tiles leave
     SMs idle (fewer than 2 waves' worth), K is split across programs up to 2 waves and at
     least 4 K steps per split (bandwidth-bound small M: every SM must stream weights)."""
     if M <= 16:
@@ -188,10 +189,8 @@ def gemm_config(M: int, N: int, K: int, act_quant: bool, num_sms: int = 132) -> 
         bm, bn, warps, stages = 64, 64, 4, 4
     elif M <= 256:
         bm, bn, warps, stages = 64, 128, 4, 4
-    elif M <= 1024:
-        bm, bn, warps, stages = 128, 128, 8, 4
     else:
-        bm, bn, warps, stages = (128, 256, 8, 3) if act_quant else (128, 128, 8, 4)
+        bm, bn, warps, stages = 128, 128, 8, 4
     bk = 128 if act_quant else 64
     steps = triton.cdiv(K, bk)
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
