@@ -132,7 +132,8 @@ class ServerArgs:
             cap = context_length * max_running
             if on_cuda:
                 free = gpu_free_memory if gpu_free_memory is not None else _query_gpu_free_memory()
-                max_total_tokens = min(cap, _tokens_for_memory(model_config, dtype, free, self.mem_fraction_static))
+                max_total_tokens = min(cap, _tokens_for_memory(model_config, dtype, free, self.mem_fraction_static,
+                                                               self.kv_cache_dtype))
             else:
                 max_total_tokens = min(cap, max(_CPU_MAX_TOTAL_TOKENS, context_length))
             if max_total_tokens < self.page_size:
@@ -263,27 +264,21 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-def _kv_bytes_per_token(config, dtype: str) -> int:
-    """KV bytes one token costs across layers, mirroring DSV4KVPool's layout: raw KV every
-    layer, plus 1/r of a compressed entry (and of an indexer key on ratio-4 layers)."""
-    elt = 2 if dtype == "bfloat16" else 4
-    total = 0.0
-    for layer in range(config.num_hidden_layers):
-        r = config.layer_compress_ratio(layer)
-        total += config.head_dim
-        if r:
-            total += config.head_dim / r
-        if r == 4:
-            total += config.index_head_dim / 4
-    return int(total * elt) + 1
+def _kv_bytes_per_token(config, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """KV bytes one token costs across layers (DSV4KVPool's layout: mem_cache/dsv4_kv_pool.py)."""
+    import torch
+
+    from sglang.srt.mem_cache.dsv4_kv_pool import kv_bytes_per_token
+
+    return int(kv_bytes_per_token(config, getattr(torch, dtype), kv_cache_dtype)) + 1
 
 
-def _tokens_for_memory(config, dtype: str, free_bytes: int, fraction: float) -> int:
+def _tokens_for_memory(config, dtype: str, free_bytes: int, fraction: float, kv_cache_dtype: str = "auto") -> int:
     from sglang.srt.configs.deepseek_v4 import estimate_num_parameters
 
     weight_bytes = estimate_num_parameters(config) * (2 if dtype == "bfloat16" else 4)
     budget = free_bytes * fraction - weight_bytes
-    return max(0, int(budget // _kv_bytes_per_token(config, dtype)))
+    return max(0, int(budget // _kv_bytes_per_token(config, dtype, kv_cache_dtype)))
 
 
 def _query_gpu_free_memory() -> int:
