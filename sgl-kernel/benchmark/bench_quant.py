@@ -14,6 +14,7 @@ Every configuration is run once (compiled) before any is timed; each time is the
 REPS graph replays, with the 10th-90th percentile spread.
 
     python sgl-kernel/benchmark/bench_quant.py --out quant.json [--quick]
+    python sgl-kernel/benchmark/bench_quant.py --compile-report   # sm_90 compile, no GPU
 """
 
 import argparse
@@ -155,12 +156,101 @@ def bench_moe(rows, t_list):
         _record(rows, "moe", name, T, impl, _time(fn), nbytes, flops, experts_hit=hit)
 
 
+def _sm90_report(name, fn, types, constexprs, num_warps, num_stages, not_aligned=()):
+    """Compile fn for sm_90 without a GPU (Triton's bundled ptxas) and print registers, spill
+    stack, shared memory and the MMA kind. Pointers and int args other than `not_aligned` get
+    the 16-divisibility the launcher would specialize on (without it nothing is pipelined)."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if sig[a] != "constexpr" and (sig[a].startswith("*") or
+                                           (sig[a] == "i32" and a not in not_aligned))}
+    kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        tool = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "cuobjdump"
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True).stdout
+    fields = dict(tok.split(":", 1) for line in usage.splitlines() if "REG:" in line
+                  for tok in line.split() if ":" in tok)
+    ptx = kernel.asm["ptx"]
+    mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "-"
+    print(f"{name:<46} regs {fields.get('REG', '?'):>4}  spill-stack {fields.get('STACK', '?'):>5}"
+          f"  smem {kernel.metadata.shared:>7}  mma {mma}", flush=True)
+
+
+def compile_report():
+    """Every kernel of bench_quant at each config the shape tables pick, compiled for sm_90."""
+    import triton.language as tl
+
+    from dsv4_kernels import fp4_moe, fp8_gemm as G
+
+    _sm90_report("act_quant (8 blocks of 128)", G._act_quant_kernel,
+                 dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"), dict(BLOCKS=8, QB=128), 4, 2,
+                 ("M", "K"))
+    _sm90_report("split_sum", G._split_sum_kernel, dict(ws_ptr="*fp32", out_ptr="*bf16"),
+                 dict(SPLIT=4, BLOCK=1024), 4, 2, ("MN",))
+    for M in GEMM_M:
+        for act_quant in (True, False):
+            c = G.gemm_config(M, 4096, 4096, act_quant)
+            out = "*fp32" if c["split"] > 1 else "*bf16"
+            tag = (f"M={M} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} "
+                   f"s{c['num_stages']} split={c['split']}")
+            tiles = dict(BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], GROUP_M=8)
+            if act_quant:
+                _sm90_report(f"fp8 gemm {tag}", G._fp8_gemm_kernel,
+                             dict(a_ptr="*fp8e4nv", as_ptr="*fp32", b_ptr="*fp8e4nv",
+                                  bs_ptr="*fp32", c_ptr=out), tiles, c["num_warps"],
+                             c["num_stages"], ("M", "N", "K", "KB_PER_SPLIT"))
+            else:
+                _sm90_report(f"wo gemm {tag}", G._wo_gemm_kernel,
+                             dict(a_ptr="*bf16", b_ptr="*fp8e4nv", bs_ptr="*fp32", c_ptr=out),
+                             dict(tiles, BLOCK_K=c["BLOCK_K"], DOT_PREC="tf32"),
+                             c["num_warps"], c["num_stages"], ("M", "N", "K"))
+    for T in (1, 8192):
+        c = fp4_moe.moe_config(T, MOE_TOPK)
+        for variant, act_quant in (("bf16", False), ("bf16", True), ("fp8", True)):
+            fp8 = variant == "fp8"
+            kw = dict(NUM_EXPERTS=MOE_E // 2, FP8_DOT=fp8, BLOCK_M=c["block_m"],
+                      BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], DOT_PREC="tf32",
+                      X_DTYPE=tl.bfloat16)
+            h = "*fp8e4nv" if fp8 else "*bf16"
+            tag = f"T={T} {variant} act_quant={act_quant} bm={c['block_m']}"
+            _sm90_report(f"moe gate_up {tag}", fp4_moe._fp4_gate_up_kernel,
+                         dict(a_ptr="*fp8e4nv" if act_quant else "*bf16", as_ptr="*fp32",
+                              w1_ptr="*i8", w1s_ptr="*u8", w3_ptr="*i8", w3s_ptr="*u8",
+                              sorted_ids_ptr="*i32", block_expert_ptr="*i32",
+                              weights_ptr="*fp32", h_ptr=h, hq_ptr="*u8" if fp8 else h,
+                              hs_ptr="*fp32", limit="fp32"),
+                         dict(kw, HAS_LIMIT=True, ACT_QUANT=act_quant), c["num_warps"],
+                         c["num_stages"], ("M", "topk"))
+            _sm90_report(f"moe down {tag}", fp4_moe._fp4_down_kernel,
+                         dict(h_ptr=h, hs_ptr="*fp32", w2_ptr="*i8", w2s_ptr="*u8",
+                              sorted_ids_ptr="*i32", block_expert_ptr="*i32",
+                              partial_ptr="*fp32"), kw, c["num_warps"], c["num_stages"], ("M",))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--quick", action="store_true", help="M/T in (16, 2048) only")
     ap.add_argument("--only", choices=("gemm", "moe"), default=None)
+    ap.add_argument("--compile-report", action="store_true",
+                    help="no GPU needed: compile every kernel config for sm_90 and print "
+                         "registers / spills / shared memory")
     args = ap.parse_args(argv)
+    if args.compile_report:
+        compile_report()
+        return 0
     if not require_cuda():
         return 0
     torch.manual_seed(0)

@@ -71,6 +71,22 @@ def test_skipped_rows_are_zero_and_weights_scale_before_w2(device, variant, act_
                                rtol=1e-5, atol=1e-5)
 
 
+def test_weight_only_takes_dims_that_are_not_whole_tiles(device):
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    E, d, inter, T = 3, 96, 160, 4  # 32-multiples: partial K and N tiles in both GEMMs
+    ws = _experts(E, d, inter, device)
+    x = torch.randn(T, d, device=device)
+    ids = _distinct_ids(T, 2, -1, E + 1, device)
+    weights = torch.rand(T, 2, device=device)
+    out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 1.0, torch.empty(T, d, device=device),
+                                False, "bf16")
+    torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 1.0, False),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiples of 128 with act_quant"):
+        fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 1.0, out, True, "bf16")
+
+
 def test_fp8_variant_needs_act_quant_and_shapes_are_checked(device):
     require_triton()
     from dsv4_kernels import fp4_moe

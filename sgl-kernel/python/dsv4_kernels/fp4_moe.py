@@ -214,8 +214,10 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
         if tuple(s.shape) != want or s.element_size() != 1:
             raise ValueError(f"fp4_fused_moe: {name}_scale must be e8m0 bytes {want}, got "
                              f"{s.dtype} {tuple(s.shape)}")
-    if d % QBLOCK or I % QBLOCK:
-        raise ValueError(f"fp4_fused_moe: hidden {d} and inter {I} must be multiples of 128")
+    multiple = QBLOCK if act_quant else 32  # FP8 activation blocks / the FP4 scale blocks
+    if d % multiple or I % multiple:
+        raise ValueError(f"fp4_fused_moe: hidden {d} and inter {I} must be multiples of "
+                         f"{multiple}{' with act_quant' if act_quant else ''}")
     assert x.stride(-1) == 1 and out.shape == (T, d) and out.stride(-1) == 1
     assert all(t.is_contiguous() for t in (w1, w3, w2, w1_scale, w3_scale, w2_scale))
     if T == 0:
