@@ -195,8 +195,11 @@ def compile_report():
     from dsv4_kernels import fp4_moe, fp8_gemm as G
 
     _sm90_report("act_quant (8 blocks of 128)", G._act_quant_kernel,
-                 dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"), dict(BLOCKS=8, QB=128), 4, 2,
-                 ("M", "K"))
+                 dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
+                 dict(BLOCKS=8, QB=128, ROUND_ONLY=False), 4, 2, ("M", "K"))
+    _sm90_report("act_round fp32 (8 blocks of 128)", G._act_quant_kernel,
+                 dict(x_ptr="*fp32", q_ptr="*fp32", s_ptr="*fp32"),
+                 dict(BLOCKS=8, QB=128, ROUND_ONLY=True), 4, 2, ("M", "K"))
     _sm90_report("split_sum", G._split_sum_kernel, dict(ws_ptr="*fp32", out_ptr="*bf16"),
                  dict(SPLIT=4, BLOCK=1024), 4, 2, ("MN",))
     for M in GEMM_M:

@@ -2,8 +2,12 @@
 
 Tolerances: the activation quantizer is bit-exact (same integer formula). The GEMM's products
 are exact (e4m3 x e4m3, or e4m3 x pow2 converted exactly), so the only difference from the
-reference is the order of the fp32 sums: rtol 1e-5 on fp32 outputs, one bf16 ulp on bf16 ones.
-The interpreter multiplies bf16 wrongly (tl.dot), so bf16 is checked on the GPU only.
+reference is the order of the fp32 sums: rtol 1e-5 on fp32 outputs, one bf16 ulp on bf16 ones
+(compared with the reference's fp32 result, before its own rounding; 2^-7 relative because the
+interpreter's fp32 -> bf16 cast truncates where the GPU rounds to nearest). bf16 x with act_quant is
+the FP8 tensor-core kernel; fp32 x always takes the exact fp32 kernel (x rounded to FP8 values
+first with act_quant). The interpreter's bf16 tl.dot is wrong, so weight-only bf16 (a bf16
+dot) is checked on the GPU only; the FP8 kernel's dot is e4m3 and runs here.
 """
 
 import pytest
@@ -17,6 +21,14 @@ from kernel_test_utils import require_triton
 def _weight(N, K, device):
     q, s = Q.quantize_fp8_weight(torch.randn(N, K) * torch.linspace(0.05, 2, K))
     return q.to(device), s.to(device)
+
+
+def test_act_round_kernel_is_bit_exact(device):
+    require_triton()
+    from dsv4_kernels import fp8_gemm
+    x = torch.randn(3, 384) * torch.logspace(-6, 2, 384)
+    x[0, 128:256] = 0
+    assert torch.equal(fp8_gemm.round_act(x.to(device)).cpu(), Q.fp8_round_blocks(x))
 
 
 def test_act_quant_kernel_is_bit_exact(device):
@@ -34,21 +46,25 @@ def test_act_quant_kernel_is_bit_exact(device):
     assert torch.equal(q.view(torch.uint8).cpu(), q_ref.view(torch.uint8))
 
 
-@pytest.mark.parametrize("M,N,K,act_quant", [
-    (1, 200, 384, True),     # one token, N not a multiple of the 64-wide tile
-    (37, 130, 256, True),    # M between tiles, ragged last weight block
-    (1, 96, 200, False),     # weight-only, K not a multiple of the 64/128 K tile
-    (19, 256, 320, False),
+@pytest.mark.parametrize("M,N,K,act_quant,dtype", [
+    (1, 200, 384, True, torch.bfloat16),    # FP8 kernel: one token, N not a multiple of 64
+    (37, 130, 256, True, torch.bfloat16),   # M between tiles, ragged last weight block
+    (5, 130, 256, True, torch.float32),     # exact path: rounded x, fp32 GEMM
+    (1, 96, 200, False, torch.float32),     # weight-only, K not a multiple of the K tile
+    (19, 256, 320, False, torch.float32),
 ])
-def test_fp8_block_linear_matches_reference(device, M, N, K, act_quant):
+def test_fp8_block_linear_matches_reference(device, M, N, K, act_quant, dtype):
     require_triton()
     from dsv4_kernels import fp8_gemm
     w, s = _weight(N, K, device)
-    x = torch.randn(M, K, device=device)
+    x = torch.randn(M, K, device=device).to(dtype)
     y = fp8_gemm.fp8_block_linear(x, w, s, act_quant)
-    ref = Q.fp8_block_linear_ref(x, w, s, act_quant)
-    assert y.shape == (M, N) and y.dtype == torch.float32
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    ref = Q.fp8_block_linear_ref(x.float(), w, s, act_quant)
+    assert y.shape == (M, N) and y.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    else:
+        torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-4)
 
 
 @pytest.mark.parametrize("act_quant", [True, False])
@@ -57,16 +73,18 @@ def test_split_k_sums_the_same_products(device, act_quant):
     from dsv4_kernels import fp8_gemm
     M, N, K = 3, 64, 1024
     w, s = _weight(N, K, device)
-    x = torch.randn(2, M, K, device=device)  # leading dims are flattened and restored
+    # Leading dims are flattened and restored; bf16 x with act_quant: the FP8 kernel.
+    x = torch.randn(2, M, K, device=device).to(torch.bfloat16 if act_quant else torch.float32)
     base = fp8_gemm.gemm_config(2 * M, N, K, act_quant)
     assert base["split"] > 1  # small M: K is split to keep the SMs streaming
     one = dict(base, split=1, steps_per_split=K)  # one program walks all of K
     y_split = fp8_gemm.fp8_block_linear(x, w, s, act_quant, config=base)
     y_one = fp8_gemm.fp8_block_linear(x, w, s, act_quant, config=one)
     assert y_split.shape == (2, M, N)
-    torch.testing.assert_close(y_split, y_one, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(y_split, Q.fp8_block_linear_ref(x, w, s, act_quant),
-                               rtol=1e-5, atol=1e-4)
+    tol = dict(rtol=2 ** -7, atol=1e-4) if act_quant else dict(rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(y_split.float(), y_one.float(), **tol)
+    torch.testing.assert_close(y_split.float(), Q.fp8_block_linear_ref(x.float(), w, s, act_quant),
+                               **tol)
 
 
 def test_config_table_by_m():

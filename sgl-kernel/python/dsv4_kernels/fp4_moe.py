@@ -196,8 +196,12 @@ def moe_config(T: int, topk: int) -> dict:
 
 
 def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, out,
-                  act_quant: bool, variant: str = DEFAULT_VARIANT, config: dict | None = None):
-    """out fp32 [T, d] <- quant_reference.fp4_moe_ref(...) (see the module docstring)."""
+                  act_quant: bool, variant: str | None = None, config: dict | None = None):
+    """out fp32 [T, d] <- quant_reference.fp4_moe_ref(...) (see the module docstring).
+    variant None: DEFAULT_VARIANT for bf16/fp16 x with act_quant, else "bf16" (fp32 x stays on
+    exact fp32 products: the FP8 tensor cores' in-block accumulation is not fp32-exact)."""
+    if variant is None:
+        variant = DEFAULT_VARIANT if act_quant and x.dtype != torch.float32 else "bf16"
     if variant not in VARIANTS:
         raise ValueError(f"fp4_fused_moe: variant must be one of {VARIANTS}, got {variant!r}")
     if variant == "fp8" and not act_quant:
