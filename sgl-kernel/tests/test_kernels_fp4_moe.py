@@ -119,9 +119,17 @@ def test_gpu_bf16_fp4_moe_at_flash_dims(variant, act_quant, T):
     from dsv4_kernels import fp4_moe
     ops_out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, out, act_quant, variant)
     ref = Q.fp4_moe_ref(x, *ws, ids, weights, 10.0, act_quant)
-    # bf16 activations between the GEMMs: the reference rounds h the same way, so what is
-    # left is fp32 summation order (and, with act_quant, a rare FP8 code flip at a midpoint).
-    torch.testing.assert_close(ops_out, ref, rtol=1e-3, atol=2e-3)
+    # Weight-only: the reference rounds h to bf16 the same way, so only fp32 summation order
+    # (and a rare bf16 flip of h) is left. act_quant: h is also rounded to FP8 (steps of 2^-4
+    # relative), and a sum that differs in its last bits flips an FP8 code now and then (more
+    # often through the fp8 variant, whose tensor cores do not accumulate in full fp32 within a
+    # block): each flip moves an output by ~1e-3, so the bound is on the relative norm.
+    if not act_quant:
+        torch.testing.assert_close(ops_out, ref, rtol=1e-3, atol=1e-3)
+    else:
+        rel = ((ops_out - ref).norm() / ref.norm()).item()
+        assert rel < 5e-3, rel
+        assert (ops_out - ref).abs().max().item() < 0.05
 
 
 @pytest.mark.gpu
