@@ -210,10 +210,13 @@ def compile_report():
                    f"s{c['num_stages']} split={c['split']}")
             tiles = dict(BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], GROUP_M=8)
             if act_quant:
-                _sm90_report(f"fp8 gemm {tag}", G._fp8_gemm_kernel,
-                             dict(a_ptr="*fp8e4nv", as_ptr="*fp32", b_ptr="*fp8e4nv",
-                                  bs_ptr="*fp32", c_ptr=out), tiles, c["num_warps"],
-                             c["num_stages"], ("M", "N", "K", "KB_PER_SPLIT"))
+                fuse = c["fuse_quant"]
+                _sm90_report(f"fp8 gemm {tag}{' fused quant' if fuse else ''}",
+                             G._fp8_gemm_kernel,
+                             dict(a_ptr="*bf16" if fuse else "*fp8e4nv", as_ptr="*fp32",
+                                  b_ptr="*fp8e4nv", bs_ptr="*fp32", c_ptr=out),
+                             dict(tiles, QUANT_A=fuse), c["num_warps"], c["num_stages"],
+                             ("M", "N", "K", "KB_PER_SPLIT"))
             else:
                 _sm90_report(f"wo gemm {tag}", G._wo_gemm_kernel,
                              dict(a_ptr="*bf16", b_ptr="*fp8e4nv", bs_ptr="*fp32", c_ptr=out),

@@ -49,6 +49,7 @@ def test_act_quant_kernel_is_bit_exact(device):
 @pytest.mark.parametrize("M,N,K,act_quant,dtype", [
     (1, 200, 384, True, torch.bfloat16),    # FP8 kernel: one token, N not a multiple of 64
     (37, 130, 256, True, torch.bfloat16),   # M between tiles, ragged last weight block
+    (70, 64, 256, True, torch.bfloat16),    # M > 64: activations quantized by their own kernel
     (5, 130, 256, True, torch.float32),     # exact path: rounded x, fp32 GEMM
     (1, 96, 200, False, torch.float32),     # weight-only, K not a multiple of the K tile
     (19, 256, 320, False, torch.float32),
@@ -77,7 +78,7 @@ def test_split_k_sums_the_same_products(device, act_quant):
     x = torch.randn(2, M, K, device=device).to(torch.bfloat16 if act_quant else torch.float32)
     base = fp8_gemm.gemm_config(2 * M, N, K, act_quant)
     assert base["split"] > 1  # small M: K is split to keep the SMs streaming
-    one = dict(base, split=1, steps_per_split=K)  # one program walks all of K
+    one = dict(base, split=1, steps_per_split=K, fuse_quant=False)  # one program, all of K
     y_split = fp8_gemm.fp8_block_linear(x, w, s, act_quant, config=base)
     y_one = fp8_gemm.fp8_block_linear(x, w, s, act_quant, config=one)
     assert y_split.shape == (2, M, N)
@@ -93,6 +94,7 @@ def test_config_table_by_m():
     small = fp8_gemm.gemm_config(16, 1024, 4096, True)
     large = fp8_gemm.gemm_config(8192, 4096, 8192, True)
     assert (small["BLOCK_M"], small["BLOCK_K"]) == (16, 128) and small["split"] > 1
+    assert small["fuse_quant"] and not large["fuse_quant"]
     assert (large["BLOCK_M"], large["BLOCK_N"], large["split"]) == (128, 128, 1)
     wo = fp8_gemm.gemm_config(8192, 4096, 8192, False)
     assert (wo["BLOCK_M"], wo["BLOCK_N"], wo["BLOCK_K"]) == (128, 128, 64)

@@ -102,8 +102,11 @@ def _fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, KB_PER_SPLIT,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cs, stride_cm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    QUANT_A: tl.constexpr,
 ):
-    """c[split] = sum over this split's 128-blocks kb of (a_kb . b_kb) * as[m,kb] * bs[n/128,kb]."""
+    """c[split] = sum over this split's 128-blocks kb of (a_kb . b_kb) * as[m,kb] * bs[n/128,kb].
+    QUANT_A: a is x itself (bf16/fp16) and each 128-block is quantized here, as _act_quant_kernel
+    does (small M: saves a launch; every N tile repeats the few rows' quantization)."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -121,7 +124,13 @@ def _fp8_gemm_kernel(
         k = kb * 128 + offs_k
         a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :], mask=m_mask[:, None], other=0.0)
         b = tl.load(b_ptr + cols[None, :] * stride_bn + k[:, None], mask=n_mask[None, :], other=0.0)
-        sa = tl.load(as_ptr + rows * stride_asm + kb, mask=m_mask, other=0.0)
+        if QUANT_A:
+            xa = a.to(tl.float32)
+            sa = pow2_scale(tl.max(tl.abs(xa), axis=1), INV_E4M3_MAX)
+            va = tl.minimum(tl.maximum(xa * pow2_recip(sa)[:, None], -448.0), 448.0)
+            a = e4m3_bits(va).to(tl.float8e4nv, bitcast=True)
+        else:
+            sa = tl.load(as_ptr + rows * stride_asm + kb, mask=m_mask, other=0.0)
         sb = tl.load(bs_ptr + (offs_n // 128) * stride_bsn + kb, mask=n_mask, other=0.0)
         # The 128-deep e4m3 dot is exact-product fp32; the scales are applied once per block.
         acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
@@ -185,6 +194,8 @@ def gemm_config(M: int, N: int, K: int, act_quant: bool, num_sms: int = 132) -> 
     """Tiles by shape (no autotuning: graph capture must not launch candidate configs).
 
     M <= 16: 16 x 64 tiles; M <= 64: 64 x 64; M <= 256: 64 x 128; larger: 128 x 128 (8 warps).
+    FP8 with M <= 64 quantizes the activations inside the GEMM (fuse_quant: one launch fewer;
+    beyond that the repeated per-N-tile quantization would cost more than the launch).
     128 x 256 spills for FP8 (the per-block partial doubles the accumulator registers: 496 B
     of spill stack in an sm_90 compile, none at 128 x 128). K step: 128 for FP8 (one scale
     block per dot), 64 for weight-only. While the tiles leave
@@ -207,7 +218,7 @@ def gemm_config(M: int, N: int, K: int, act_quant: bool, num_sms: int = 132) -> 
     steps_per_split = triton.cdiv(steps, split)
     split = triton.cdiv(steps, steps_per_split)  # no empty splits
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-                split=split, steps_per_split=steps_per_split)
+                split=split, steps_per_split=steps_per_split, fuse_quant=act_quant and M <= 64)
 
 
 def quantize_act(x2: torch.Tensor):
@@ -269,10 +280,12 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, config: dict | No
     stride_cs = c.stride(0) if split > 1 else 0
     stride_cm = c.stride(-2)
     if fp8_dot:
-        q, s = quantize_act(x2)
+        fuse = cfg.get("fuse_quant", False)
+        q, s = (x2, x2) if fuse else quantize_act(x2)  # fused: s is never read
         _fp8_gemm_kernel[grid](
-            q, s, weight, ws, c, M, N, K, cfg["steps_per_split"], q.stride(0), s.stride(0),
-            weight.stride(0), ws.stride(0), stride_cs, stride_cm, **common)
+            q, s, weight, ws, c, M, N, K, cfg["steps_per_split"], q.stride(0),
+            0 if fuse else s.stride(0), weight.stride(0), ws.stride(0), stride_cs, stride_cm,
+            QUANT_A=fuse, **common)
     else:
         if act_quant:
             x2 = round_act(x2)
