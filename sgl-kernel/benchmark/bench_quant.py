@@ -227,7 +227,7 @@ def compile_report():
         for variant, act_quant in (("bf16", False), ("bf16", True), ("fp8", True)):
             fp8 = variant == "fp8"
             kw = dict(NUM_EXPERTS=MOE_E // 2, FP8_DOT=fp8, BLOCK_M=c["block_m"],
-                      BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], DOT_PREC="tf32",
+                      BLOCK_N=c["block_n"], DOT_PREC="tf32",
                       X_DTYPE=tl.bfloat16)
             h = "*fp8e4nv" if fp8 else "*bf16"
             tag = f"T={T} {variant} act_quant={act_quant} bm={c['block_m']}"

@@ -11,7 +11,10 @@ Hopper has no FP4 MMA, so two decodes, picked by `variant`:
 - "fp8": e2m1 -> e4m3 bits (exact, by table), tl.dot e4m3 x e4m3 per 32-wide K chunk (one
   weight scale per chunk), the fp32 partial scaled by act scale x weight scale. Needs act_quant
   (the activations must be e4m3 already).
-Both accumulate in fp32 and give fp32 per-assignment partials, summed in a fixed order.
+Both walk K 32 inputs at a time: per weight row 16 packed bytes (one vector load, nibbles split
+and interleaved in registers) and one scale byte, so a step costs two loads per row rather than
+one per element. Both accumulate in fp32 and give fp32 per-assignment partials, summed in a
+fixed order.
 
 Graph-safe: buffers sized by (T, topk, E) only, no host syncs, tiles fixed per shape.
 An e8m0 byte 0 (2^-127) decodes as 0 here (the reference keeps the subnormal): no real scale
@@ -32,76 +35,66 @@ DEFAULT_VARIANT = "bf16"  # until the H200 numbers (bench_quant.py) say otherwis
 
 
 @triton.jit
-def _load_codes(w_ptr, e, offs_n, n_mask, kk, k_mask, stride_we, stride_wn):
-    """[BK, BN] e2m1 codes of expert e (row n, input k): element k in byte k/2, low nibble first."""
-    byte = tl.load(w_ptr + e * stride_we + offs_n[None, :] * stride_wn + (kk // 2)[:, None],
-                   mask=n_mask[None, :] & k_mask[:, None], other=0).to(tl.int32) & 0xFF
-    return (byte >> ((kk & 1) * 4)[:, None]) & 0xF
-
-
-@triton.jit
-def _decode_tile(w_ptr, s_ptr, e, offs_n, n_mask, kk, k_mask, stride_we, stride_wn, stride_se,
-                 stride_sn):
-    """[BK, BN] fp32 weight values: e2m1 value x 2^(scale byte - 127)."""
-    code = _load_codes(w_ptr, e, offs_n, n_mask, kk, k_mask, stride_we, stride_wn)
-    ex = (code >> 1) & 3
-    m = code & 1
-    sc = tl.load(s_ptr + e * stride_se + offs_n[None, :] * stride_sn + (kk // 32)[:, None],
-                 mask=n_mask[None, :] & k_mask[:, None], other=0).to(tl.int32) & 0xFF
-    # Twice the magnitude, an integer: 0, 1, 2, 3, 4, 6, 8, 12.
-    twice = tl.where(ex == 0, m, (2 + m) << tl.maximum(ex - 1, 0))
-    scale = (sc << 23).to(tl.float32, bitcast=True)  # 2^(sc - 127)
-    val = (twice.to(tl.float32) * 0.5) * scale
-    return tl.where((code >> 3) != 0, -val, val)
-
-
-@triton.jit
-def _decode_tile_e4m3(w_ptr, e, offs_n, n_mask, kk, k_mask, stride_we, stride_wn):
-    """[BK, BN] e4m3 tile of the bare e2m1 values (exact; the scale is the caller's)."""
-    code = _load_codes(w_ptr, e, offs_n, n_mask, kk, k_mask, stride_we, stride_wn)
-    ex = (code >> 1) & 3
-    m = code & 1
-    # e2m1 (e, m) -> e4m3: exponent e - 1 rebiased to 7, mantissa bit m on top; 0.5 is 0x30.
-    bits = tl.where(ex == 0, m * 0x30, ((ex + 6) << 3) | (m << 2)) | ((code >> 3) << 7)
-    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+def _load_codes(w_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn):
+    """[BN, 32] e2m1 codes of expert e, rows n, inputs k0..k0+31: 16 contiguous bytes per row
+    (one vector load), element 2j from byte j's low nibble, 2j+1 from its high one."""
+    j = k0 // 2 + tl.arange(0, 16)
+    byte = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + j[None, :],
+                   mask=n_mask[:, None], other=0).to(tl.int32) & 0xFF
+    return tl.interleave(byte & 0xF, byte >> 4)
 
 
 @triton.jit
 def _row_scales(s_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn):
+    """[BN] fp32 2^(byte - 127): the scale of inputs k0..k0+31 of each row."""
     sc = tl.load(s_ptr + e * stride_se + offs_n * stride_sn + k0 // 32, mask=n_mask,
                  other=0).to(tl.int32) & 0xFF
     return (sc << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
+def _e2m1_values(code):
+    """e2m1 codes -> fp32 values (exact)."""
+    ex = (code >> 1) & 3
+    m = code & 1
+    twice = tl.where(ex == 0, m, (2 + m) << tl.maximum(ex - 1, 0))  # 0, 1, 2, 3, 4, 6, 8, 12
+    val = twice.to(tl.float32) * 0.5
+    return tl.where((code >> 3) != 0, -val, val)
+
+
+@triton.jit
+def _e2m1_as_e4m3(code):
+    """e2m1 codes -> the same values as e4m3 (exact): exponent e - 1 rebiased to 7, mantissa
+    bit m on top; 0.5 (e = 0, m = 1) is 0x30."""
+    ex = (code >> 1) & 3
+    m = code & 1
+    bits = tl.where(ex == 0, m * 0x30, ((ex + 6) << 3) | (m << 2)) | ((code >> 3) << 7)
+    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
 def _expert_gemm(acc, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_as, w_ptr, s_ptr, e,
                  offs_n, n_mask, K, stride_we, stride_wn, stride_se, stride_sn,
-                 ACT_QUANT: tl.constexpr, FP8_DOT: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PREC: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """acc += A[a_rows] @ W_e^T over K. A is x's dtype, or (ACT_QUANT) e4m3 + fp32 scales per
-    128 (fed dequantized to OUT_DTYPE, or as e4m3 with FP8_DOT)."""
-    if FP8_DOT:
-        for k0 in range(0, K, 32):
-            kk = k0 + tl.arange(0, 32)
-            k_mask = kk < K
-            a = tl.load(a_ptr + a_rows[:, None] * stride_a + kk[None, :],
-                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                 ACT_QUANT: tl.constexpr, FP8_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+                 OUT_DTYPE: tl.constexpr):
+    """acc += A[a_rows] @ W_e^T over K, 32 inputs (one weight scale per row) per step. A is
+    x's dtype, or (ACT_QUANT) e4m3 + fp32 scales per 128, fed dequantized to OUT_DTYPE, or as
+    e4m3 with FP8_DOT (the fp32 partial then scaled by act scale x weight scale)."""
+    for k0 in range(0, K, 32):
+        kk = k0 + tl.arange(0, 32)
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + kk[None, :], mask=row_mask[:, None],
+                    other=0.0)
+        sb = _row_scales(s_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn)
+        code = _load_codes(w_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn)
+        if FP8_DOT:
             sa = tl.load(as_ptr + a_rows * stride_as + k0 // 128, mask=row_mask, other=0.0)
-            b = _decode_tile_e4m3(w_ptr, e, offs_n, n_mask, kk, k_mask, stride_we, stride_wn)
-            sb = _row_scales(s_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn)
-            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_mask = kk < K
-            a = tl.load(a_ptr + a_rows[:, None] * stride_a + kk[None, :],
-                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += tl.dot(a, tl.trans(_e2m1_as_e4m3(code))) * (sa[:, None] * sb[None, :])
+        else:
             if ACT_QUANT:  # e4m3 x its pow2 scale: exact in bf16/fp32
                 sa = tl.load(as_ptr + a_rows * stride_as + k0 // 128, mask=row_mask, other=0.0)
                 a = (a.to(tl.float32) * sa[:, None]).to(OUT_DTYPE)
-            b = _decode_tile(w_ptr, s_ptr, e, offs_n, n_mask, kk, k_mask, stride_we, stride_wn,
-                             stride_se, stride_sn)
-            acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PREC)
+            b = (_e2m1_values(code) * sb[:, None]).to(a.dtype)  # exact: e2m1 x a power of two
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
     return acc
 
 
@@ -112,7 +105,7 @@ def _fp4_gate_up_kernel(
     M, d, I, topk, stride_a, stride_as, stride_we, stride_wn, stride_se, stride_sn,
     stride_h, stride_hs, limit,
     NUM_EXPERTS: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_QUANT: tl.constexpr,
-    FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -129,10 +122,10 @@ def _fp4_gate_up_kernel(
     acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc1 = _expert_gemm(acc1, a_ptr, as_ptr, token, row_mask, stride_a, stride_as, w1_ptr, w1s_ptr,
                         e, offs_n, n_mask, d, stride_we, stride_wn, stride_se, stride_sn,
-                        ACT_QUANT, FP8_DOT, BLOCK_K, DOT_PREC, X_DTYPE)
+                        ACT_QUANT, FP8_DOT, DOT_PREC, X_DTYPE)
     acc3 = _expert_gemm(acc3, a_ptr, as_ptr, token, row_mask, stride_a, stride_as, w3_ptr, w3s_ptr,
                         e, offs_n, n_mask, d, stride_we, stride_wn, stride_se, stride_sn,
-                        ACT_QUANT, FP8_DOT, BLOCK_K, DOT_PREC, X_DTYPE)
+                        ACT_QUANT, FP8_DOT, DOT_PREC, X_DTYPE)
     if HAS_LIMIT:
         acc1 = tl.minimum(acc1, limit)
         acc3 = tl.minimum(tl.maximum(acc3, -limit), limit)
@@ -162,7 +155,7 @@ def _fp4_down_kernel(
     h_ptr, hs_ptr, w2_ptr, w2s_ptr, sorted_ids_ptr, block_expert_ptr, partial_ptr,
     M, d, I, stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_p,
     NUM_EXPERTS: tl.constexpr, FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr,
 ):
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b).to(tl.int64)
@@ -178,7 +171,7 @@ def _fp4_down_kernel(
     # x's dtype (ACT_QUANT=False: no second dequantization).
     acc = _expert_gemm(acc, h_ptr, hs_ptr, rows.to(tl.int64), row_mask, stride_h, stride_hs,
                        w2_ptr, w2s_ptr, e, offs_n, n_mask, I, stride_we, stride_wn, stride_se,
-                       stride_sn, False, FP8_DOT, BLOCK_K, DOT_PREC, X_DTYPE)
+                       stride_sn, False, FP8_DOT, DOT_PREC, X_DTYPE)
     tl.store(partial_ptr + assign.to(tl.int64)[:, None] * stride_p + offs_n[None, :], acc,
              mask=row_mask[:, None] & n_mask[None, :])
 
@@ -189,9 +182,9 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 def moe_config(T: int, topk: int) -> dict:
     """Row block by assignments: 16 while most experts get a handful of rows (decode, small
     batches: bandwidth-bound, little padding), 64 beyond. N tiles 128 (one FP8 block of the
-    activation per gate/up tile); K step 64 for the bf16 decode."""
+    activation per gate/up tile); K steps of 32 (one weight scale per row per step)."""
     block_m = 16 if T * topk <= 1024 else 64
-    return dict(block_m=block_m, block_n=128, block_k=64, num_warps=4 if block_m == 16 else 8,
+    return dict(block_m=block_m, block_n=128, num_warps=4 if block_m == 16 else 8,
                 num_stages=3)
 
 
@@ -227,8 +220,8 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
     if T == 0:
         return out
     cfg = config or moe_config(T, ids.shape[1])
-    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    assert bn == QBLOCK and QBLOCK % bk == 0
+    bm, bn = cfg["block_m"], cfg["block_n"]
+    assert bn == QBLOCK  # a gate/up tile is one FP8 block of the activation
     topk = ids.shape[1]
     M = T * topk
     fp8_dot = variant == "fp8"
@@ -253,7 +246,7 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
     ids_flat = ids.reshape(-1).contiguous()
     xdt = _TL_DTYPE[x.dtype]
     prec = dot_precision(x.dtype)
-    kw = dict(NUM_EXPERTS=E, FP8_DOT=fp8_dot, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec,
+    kw = dict(NUM_EXPERTS=E, FP8_DOT=fp8_dot, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=prec,
               X_DTYPE=xdt, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _fp4_gate_up_kernel[(max_blocks, triton.cdiv(I, bn))](
         a, a_s, w1.view(torch.int8), w1_scale.view(torch.uint8), w3.view(torch.int8),
