@@ -4,12 +4,12 @@ power-of-two scale per 128x128 block (quant_reference.fp8_block_linear_ref's con
 act_quant (release numerics): a small kernel quantizes x per 128 along K (e4m3 bytes + fp32
 pow2 scales, quant_reference.quantize_fp8_blocks bit for bit), then the GEMM multiplies e4m3 x
 e4m3 on the FP8 tensor cores one 128-wide K block at a time and adds the fp32 partial times
-(act scale x weight block scale) into an fp32 accumulator. fp32 x is the exception: rounded
-to FP8 values in fp32 and multiplied by the weight-only kernel in fp32 (exact products, fp32
-sums, like the reference). Weight-only: e4m3 tiles are
-converted to x's dtype with their block scale (exact) and multiplied with tl.dot, fp32
-accumulation. Small M splits K across programs (fp32 workspace, summed by a second kernel in a
-fixed order: deterministic, no atomics).
+(act scale x weight block scale) into an fp32 accumulator; at M <= 64 the quantization runs
+inside the GEMM instead. fp32 x is the exception: rounded to FP8 values in fp32 and multiplied
+by the weight-only kernel in fp32 (exact products, fp32 sums, like the reference).
+Weight-only: e4m3 tiles are converted to x's dtype with their block scale (exact) and
+multiplied with tl.dot, fp32 accumulation. Small M splits K across programs (fp32 workspace,
+summed by a second kernel in a fixed order: deterministic, no atomics).
 
 Graph-safe: no host syncs; the tiles, the split and the buffers depend only on shapes (a small
 table, `gemm_config`, instead of autotuning, which would launch many configs at capture).
@@ -25,9 +25,8 @@ import triton.language as tl
 
 from ._dot import dot_precision
 
-E4M3_MAX = 448.0
-AMAX_FLOOR = 1e-4  # quant_reference.AMAX_FLOOR (the release kernels' floor)
-QBLOCK = 128
+QBLOCK = 128  # activation quantization block along K (pow2_scale floors amax at 1e-4, as
+# quant_reference.AMAX_FLOOR does)
 INV_E4M3_MAX = tl.constexpr(1.0 / 448.0)  # rounded to fp32 where used, as torch does
 
 
@@ -274,7 +273,7 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, config: dict | No
     split = cfg["split"]
     c = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split)
-    ws = weight_scale.float()
+    ws = weight_scale.float().contiguous()
     common = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=8,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     stride_cs = c.stride(0) if split > 1 else 0
