@@ -274,9 +274,10 @@ def _kv_bytes_per_token(config, dtype: str, kv_cache_dtype: str = "auto") -> int
 
 
 def _tokens_for_memory(config, dtype: str, free_bytes: int, fraction: float, kv_cache_dtype: str = "auto") -> int:
-    from sglang.srt.configs.deepseek_v4 import estimate_num_parameters
+    from sglang.srt.configs.deepseek_v4 import estimate_weight_bytes
 
-    weight_bytes = estimate_num_parameters(config) * (2 if dtype == "bfloat16" else 4)
+    # release-format weights (FP8 linears, FP4 experts) counted at their quantized size
+    weight_bytes = estimate_weight_bytes(config, 2 if dtype == "bfloat16" else 4)
     budget = free_bytes * fraction - weight_bytes
     return max(0, int(budget // _kv_bytes_per_token(config, dtype, kv_cache_dtype)))
 

@@ -29,3 +29,20 @@ def test_release_format_weight_bytes(preset, layer_bound):
     assert release_layers <= layer_bound * bf16_layers
     # What is not quantized is exactly what both formats share: the saving is all in the layers.
     assert bf16 - release == bf16_layers - release_layers
+
+
+@pytest.mark.parametrize("preset", ["dsv4-tiny-fp8", "dsv4-tiny", "dsv4-mini-fp8"])
+def test_weight_byte_estimate_matches_the_model(preset):
+    """estimate_weight_bytes (what --max-total-tokens sizing subtracts) agrees with the bytes of
+    the model actually built, within 2% (it leaves out MTP layers and the RoPE tables)."""
+    from sglang.srt.configs import estimate_weight_bytes
+
+    config = load_model_config(preset)
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config, torch.bfloat16, max_positions=256)
+    built = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    # the model holds head, norms, hc_*, compressors in fp32 where the estimate counts 2 bytes
+    fp32 = sum(t.numel() for t in model.parameters() if t.dtype == torch.float32)
+    est = estimate_weight_bytes(config, 2) + 2 * fp32
+    print(f"{preset}: estimated {est} B, built {built} B")
+    assert abs(est - built) <= 0.02 * built

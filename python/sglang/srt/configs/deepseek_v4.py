@@ -389,3 +389,22 @@ def estimate_num_parameters(c: DeepseekV4Config) -> int:
         total += c.vocab_size * c.num_experts_per_tok if c.is_hash_layer(layer_id) else E  # tid2eid | bias
         total += (E + c.n_shared_experts) * 3 * inter * d
     return total
+
+
+def estimate_weight_bytes(c: DeepseekV4Config, dtype_bytes: int) -> int:
+    """Weight bytes of the main layers as the model holds them: estimate_num_parameters at
+    dtype_bytes each, except, in the release format, FP8 linears (1 byte + a 4-byte scale per
+    128x128 block) and FP4 routed experts (half a byte + a 1-byte scale per 32)."""
+    total = estimate_num_parameters(c) * dtype_bytes
+    d, H, hd = c.hidden_size, c.num_attention_heads, c.head_dim
+    for layer_id in range(c.num_hidden_layers):
+        if c.fp8_linears:
+            fp8 = (c.q_lora_rank * d + H * hd * c.q_lora_rank + hd * d + c.o_lora_rank * H * hd
+                   + c.o_groups * c.o_lora_rank * d
+                   + 3 * c.n_shared_experts * c.moe_intermediate_size * d)
+            if c.layer_compress_ratio(layer_id) == 4:
+                fp8 += c.index_n_heads * c.index_head_dim * c.q_lora_rank
+            total -= fp8 * (dtype_bytes - 1 - 4 / FP8_BLOCK ** 2)
+        if c.fp4_experts:
+            total -= 3 * c.n_routed_experts * c.moe_intermediate_size * d * (dtype_bytes - 0.5 - 1 / FP4_BLOCK)
+    return int(total)
