@@ -115,6 +115,9 @@ def main(argv=None):
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--disable-segment-kernels", action="store_true",
                    help="the model's torch code inside graph segments (default on CUDA: dsv4_kernels' Triton)")
+    p.add_argument("--quant-numerics", default="release", choices=["weight_only", "release"],
+                   help="for release-format models (*-fp8 presets, FP8/FP4 checkpoints)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     p.add_argument("--result-file", default=None)
     a = p.parse_args(argv)
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
@@ -125,7 +128,8 @@ def main(argv=None):
         max_num_reqs=n_reqs, max_total_tokens=n_reqs * (a.prefix + a.max_chunk + 128),
         enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=sorted(set(a.num_tokens)),
         disable_cuda_graph=True, attention_backend=a.attention_backend,
-        disable_segment_kernels=a.disable_segment_kernels,
+        disable_segment_kernels=a.disable_segment_kernels, quant_numerics=a.quant_numerics,
+        kv_cache_dtype=a.kv_cache_dtype,
     )
     runner = ModelRunner(cfg)
     bcg = runner.bcg_runner

@@ -4,6 +4,7 @@ CPU emulator, including tests that show the harness catches the two classic bugs
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -13,6 +14,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bcg_equivalence import make_runners, run_equivalence  # noqa: E402
 
+from sglang.srt.configs.presets import get_preset  # noqa: E402
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend  # noqa: E402
 from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend  # noqa: E402
 from sglang.srt.layers.attention.dsv4 import field_classes as fc  # noqa: E402
@@ -204,16 +206,33 @@ def test_input_embeds_batches_replay_through_the_static_embeddings_buffer():
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-4)
 
 
-def test_segment_kernels_path_replays_and_matches_the_model_torch_path():
+@pytest.fixture(params=["model_dtype_kv", "fp8_kv"])
+def kv_cache_over(request, tmp_path):
+    """Runner overrides per KV cache kind. The FP8 cache needs whole 64-dim nope blocks:
+    dsv4-tiny with head_dim 80 (64 nope + 16 rope), random weights from its config file."""
+    if request.param == "model_dtype_kv":
+        return {}
+    cfg = get_preset("dsv4-tiny").to_dict()
+    cfg["head_dim"] = 80
+    path = tmp_path / "dsv4-tiny-head80.json"
+    path.write_text(json.dumps(cfg))
+    return dict(model_path=str(path), kv_cache_dtype="fp8_e4m3")
+
+
+def test_segment_kernels_path_replays_and_matches_the_model_torch_path(kv_cache_over):
     """--enable-segment-kernels routes the in-segment pieces through dsv4_kernels ops (their
-    torch references on CPU, Triton on CUDA): same results, and it replays from graphs too."""
+    torch references on CPU, Triton on CUDA): same results, and it replays from graphs too,
+    with the KV cache in the model dtype or in FP8 rows."""
     buckets = (16, 48)
-    runners = make_runners(buckets, enable_segment_kernels=True)
+    over = kv_cache_over
+    runners = make_runners(buckets, enable_segment_kernels=True, **over)
     assert all(r.attn_backend.segment_kernels for r in runners)
-    report = run_equivalence(runners, buckets, batches_per_bucket=12, seed=4)
+    assert all((r.kv_pool.fp8_layout is not None) == bool(over) for r in runners)
+    batches = 6 if over else 12  # the FP8 case only adds the cache format: fewer batches
+    report = run_equivalence(runners, buckets, batches_per_bucket=batches, seed=4)
     assert report.mismatches == [], report.mismatches[:3]
-    plain = make_runners(buckets)
-    plain_report = run_equivalence(plain, buckets, batches_per_bucket=12, seed=4)
+    plain = make_runners(buckets, **over)
+    plain_report = run_equivalence(plain, buckets, batches_per_bucket=batches, seed=4)
     assert plain_report.tokens == report.tokens
     assert report.max_unpadded_diff < 1e-4 and plain_report.max_unpadded_diff < 1e-4
 

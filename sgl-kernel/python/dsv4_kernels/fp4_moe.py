@@ -1,0 +1,265 @@
+"""Triton FP4 MoE: the routed experts in the release format (packed e2m1 int8 [E, out, in/2],
+two codes per byte with element 2j in the low nibble, e8m0 uint8 scales [E, out, in/32]),
+decoded inside the GEMM kernels. quant_reference.fp4_moe_ref is the contract; the routing,
+alignment and top-k sum are moe.py's (moe_align, _sum_topk_kernel): same skipped-id and
+weight-order semantics as fused_moe.
+
+Hopper has no FP4 MMA, so two decodes, picked by `variant`:
+- "bf16": e2m1 x scale -> x's dtype (exact), tl.dot in that dtype. With act_quant, x and the
+  weighted activation are rounded to FP8 per 128 first and fed dequantized (exact), so the
+  products are those of the release.
+- "fp8": e2m1 -> e4m3 bits (exact, by table), tl.dot e4m3 x e4m3 per 32-wide K chunk (one
+  weight scale per chunk), the fp32 partial scaled by act scale x weight scale. Needs act_quant
+  (the activations must be e4m3 already).
+Both walk K 32 inputs at a time: per weight row 16 packed bytes (one vector load, nibbles split
+and interleaved in registers) and one scale byte, so a step costs two loads per row rather than
+one per element. Both accumulate in fp32 and give fp32 per-assignment partials, summed in a
+fixed order.
+
+Graph-safe: buffers sized by (T, topk, E) only, no host syncs, tiles fixed per shape.
+An e8m0 byte 0 (2^-127) decodes as 0 here (the reference keeps the subnormal): no real scale
+is that small.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dot import dot_precision
+from .fp8_gemm import INV_E4M3_MAX, QBLOCK, e4m3_bits, pow2_recip, pow2_scale, quantize_act
+from .moe import _sum_topk_kernel, moe_align
+
+SUM_BLOCK_D = 1024
+VARIANTS = ("bf16", "fp8")
+DEFAULT_VARIANT = "bf16"  # until the H200 numbers (bench_quant.py) say otherwise
+
+
+@triton.jit
+def _load_codes(w_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn):
+    """[BN, 32] e2m1 codes of expert e, rows n, inputs k0..k0+31: 16 contiguous bytes per row
+    (one vector load), element 2j from byte j's low nibble, 2j+1 from its high one."""
+    j = k0 // 2 + tl.arange(0, 16)
+    byte = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + j[None, :],
+                   mask=n_mask[:, None], other=0).to(tl.int32) & 0xFF
+    return tl.interleave(byte & 0xF, byte >> 4)
+
+
+@triton.jit
+def _row_scales(s_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn):
+    """[BN] fp32 2^(byte - 127): the scale of inputs k0..k0+31 of each row."""
+    sc = tl.load(s_ptr + e * stride_se + offs_n * stride_sn + k0 // 32, mask=n_mask,
+                 other=0).to(tl.int32) & 0xFF
+    return (sc << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_values(code):
+    """e2m1 codes -> fp32 values (exact)."""
+    ex = (code >> 1) & 3
+    m = code & 1
+    twice = tl.where(ex == 0, m, (2 + m) << tl.maximum(ex - 1, 0))  # 0, 1, 2, 3, 4, 6, 8, 12
+    val = twice.to(tl.float32) * 0.5
+    return tl.where((code >> 3) != 0, -val, val)
+
+
+@triton.jit
+def _e2m1_as_e4m3(code):
+    """e2m1 codes -> the same values as e4m3 (exact): exponent e - 1 rebiased to 7, mantissa
+    bit m on top; 0.5 (e = 0, m = 1) is 0x30."""
+    ex = (code >> 1) & 3
+    m = code & 1
+    bits = tl.where(ex == 0, m * 0x30, ((ex + 6) << 3) | (m << 2)) | ((code >> 3) << 7)
+    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _expert_gemm(acc, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_as, w_ptr, s_ptr, e,
+                 offs_n, n_mask, K, stride_we, stride_wn, stride_se, stride_sn,
+                 ACT_QUANT: tl.constexpr, FP8_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+                 OUT_DTYPE: tl.constexpr):
+    """acc += A[a_rows] @ W_e^T over K, 32 inputs (one weight scale per row) per step. A is
+    x's dtype, or (ACT_QUANT) e4m3 + fp32 scales per 128, fed dequantized to OUT_DTYPE, or as
+    e4m3 with FP8_DOT (the fp32 partial then scaled by act scale x weight scale)."""
+    for k0 in range(0, K, 32):
+        kk = k0 + tl.arange(0, 32)
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + kk[None, :], mask=row_mask[:, None],
+                    other=0.0)
+        sb = _row_scales(s_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn)
+        code = _load_codes(w_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn)
+        if FP8_DOT:
+            sa = tl.load(as_ptr + a_rows * stride_as + k0 // 128, mask=row_mask, other=0.0)
+            acc += tl.dot(a, tl.trans(_e2m1_as_e4m3(code))) * (sa[:, None] * sb[None, :])
+        else:
+            if ACT_QUANT:  # e4m3 x its pow2 scale: exact in bf16/fp32
+                sa = tl.load(as_ptr + a_rows * stride_as + k0 // 128, mask=row_mask, other=0.0)
+                a = (a.to(tl.float32) * sa[:, None]).to(OUT_DTYPE)
+            b = (_e2m1_values(code) * sb[:, None]).to(a.dtype)  # exact: e2m1 x a power of two
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def _fp4_gate_up_kernel(
+    a_ptr, as_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, sorted_ids_ptr, block_expert_ptr,
+    weights_ptr, h_ptr, hq_ptr, hs_ptr,
+    M, d, I, topk, stride_a, stride_as, stride_we, stride_wn, stride_se, stride_sn,
+    stride_h, stride_hs, limit,
+    NUM_EXPERTS: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_QUANT: tl.constexpr,
+    FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    if e >= NUM_EXPERTS:  # a padding block past every expert's group
+        return
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(sorted_ids_ptr + rows)
+    row_mask = assign < M
+    token = (assign // topk).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc1 = _expert_gemm(acc1, a_ptr, as_ptr, token, row_mask, stride_a, stride_as, w1_ptr, w1s_ptr,
+                        e, offs_n, n_mask, d, stride_we, stride_wn, stride_se, stride_sn,
+                        ACT_QUANT, FP8_DOT, DOT_PREC, X_DTYPE)
+    acc3 = _expert_gemm(acc3, a_ptr, as_ptr, token, row_mask, stride_a, stride_as, w3_ptr, w3s_ptr,
+                        e, offs_n, n_mask, d, stride_we, stride_wn, stride_se, stride_sn,
+                        ACT_QUANT, FP8_DOT, DOT_PREC, X_DTYPE)
+    if HAS_LIMIT:
+        acc1 = tl.minimum(acc1, limit)
+        acc3 = tl.minimum(tl.maximum(acc3, -limit), limit)
+    # Weighted in fp32, then rounded to x's dtype (and, with ACT_QUANT, to FP8 per 128: this
+    # tile is one 128-block of the activation, BLOCK_N == 128) before the down GEMM.
+    w = tl.load(weights_ptr + assign, mask=row_mask, other=0.0).to(tl.float32)
+    h = (acc1 / (1.0 + tl.exp(-acc1)) * acc3 * w[:, None]).to(X_DTYPE).to(tl.float32)
+    out_mask = row_mask[:, None] & n_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    if ACT_QUANT:
+        scale = pow2_scale(tl.max(tl.abs(h), axis=1), INV_E4M3_MAX)
+        bits = e4m3_bits(tl.minimum(tl.maximum(h * pow2_recip(scale)[:, None], -448.0), 448.0))
+        tl.store(hs_ptr + rows64 * stride_hs + tl.program_id(1), scale, mask=row_mask)
+        if FP8_DOT:
+            tl.store(hq_ptr + rows64[:, None] * stride_h + offs_n[None, :], bits, mask=out_mask)
+        else:
+            hq = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+            tl.store(h_ptr + rows64[:, None] * stride_h + offs_n[None, :], hq.to(X_DTYPE),
+                     mask=out_mask)
+    else:
+        tl.store(h_ptr + rows64[:, None] * stride_h + offs_n[None, :], h.to(X_DTYPE),
+                 mask=out_mask)
+
+
+@triton.jit
+def _fp4_down_kernel(
+    h_ptr, hs_ptr, w2_ptr, w2s_ptr, sorted_ids_ptr, block_expert_ptr, partial_ptr,
+    M, d, I, stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_p,
+    NUM_EXPERTS: tl.constexpr, FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    if e >= NUM_EXPERTS:
+        return
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(sorted_ids_ptr + rows)
+    row_mask = assign < M
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < d
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # h is already rounded as the down GEMM needs it: FP8_DOT reads e4m3 + scales, otherwise
+    # x's dtype (ACT_QUANT=False: no second dequantization).
+    acc = _expert_gemm(acc, h_ptr, hs_ptr, rows.to(tl.int64), row_mask, stride_h, stride_hs,
+                       w2_ptr, w2s_ptr, e, offs_n, n_mask, I, stride_we, stride_wn, stride_se,
+                       stride_sn, False, FP8_DOT, DOT_PREC, X_DTYPE)
+    tl.store(partial_ptr + assign.to(tl.int64)[:, None] * stride_p + offs_n[None, :], acc,
+             mask=row_mask[:, None] & n_mask[None, :])
+
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def moe_config(T: int, topk: int) -> dict:
+    """Row block by assignments: 16 while most experts get a handful of rows (decode, small
+    batches: bandwidth-bound, little padding), 64 beyond. N tiles 128 (one FP8 block of the
+    activation per gate/up tile); K steps of 32 (one weight scale per row per step)."""
+    block_m = 16 if T * topk <= 1024 else 64
+    return dict(block_m=block_m, block_n=128, num_warps=4 if block_m == 16 else 8,
+                num_stages=3)
+
+
+def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, out,
+                  act_quant: bool, variant: str | None = None, config: dict | None = None):
+    """out fp32 [T, d] <- quant_reference.fp4_moe_ref(...) (see the module docstring).
+    variant None: DEFAULT_VARIANT for bf16/fp16 x with act_quant, else "bf16" (fp32 x stays on
+    exact fp32 products: the FP8 tensor cores' in-block accumulation is not fp32-exact)."""
+    if variant is None:
+        variant = DEFAULT_VARIANT if act_quant and x.dtype != torch.float32 else "bf16"
+    if variant not in VARIANTS:
+        raise ValueError(f"fp4_fused_moe: variant must be one of {VARIANTS}, got {variant!r}")
+    if variant == "fp8" and not act_quant:
+        raise ValueError("fp4_fused_moe: the fp8 variant multiplies e4m3 activations; it needs "
+                         "act_quant=True (use variant='bf16' for weight-only numerics)")
+    T, d = x.shape
+    E, I, half_d = w1.shape
+    if (half_d * 2 != d or w3.shape != w1.shape or w2.shape != (E, d, I // 2)
+            or w1.dtype not in (torch.int8, torch.uint8)):
+        raise ValueError(f"fp4_fused_moe: w1/w3 {tuple(w1.shape)} {w1.dtype}, w2 "
+                         f"{tuple(w2.shape)} do not fit x [T, {d}] (packed int8 [E, out, in/2])")
+    for s, want, name in ((w1_scale, (E, I, d // 32), "w1"), (w3_scale, (E, I, d // 32), "w3"),
+                          (w2_scale, (E, d, I // 32), "w2")):
+        if tuple(s.shape) != want or s.element_size() != 1:
+            raise ValueError(f"fp4_fused_moe: {name}_scale must be e8m0 bytes {want}, got "
+                             f"{s.dtype} {tuple(s.shape)}")
+    multiple = QBLOCK if act_quant else 32  # FP8 activation blocks / the FP4 scale blocks
+    if d % multiple or I % multiple:
+        raise ValueError(f"fp4_fused_moe: hidden {d} and inter {I} must be multiples of "
+                         f"{multiple}{' with act_quant' if act_quant else ''}")
+    assert x.stride(-1) == 1 and out.shape == (T, d) and out.stride(-1) == 1
+    assert all(t.is_contiguous() for t in (w1, w3, w2, w1_scale, w3_scale, w2_scale))
+    if T == 0:
+        return out
+    cfg = config or moe_config(T, ids.shape[1])
+    bm, bn = cfg["block_m"], cfg["block_n"]
+    assert bn == QBLOCK  # a gate/up tile is one FP8 block of the activation
+    topk = ids.shape[1]
+    M = T * topk
+    fp8_dot = variant == "fp8"
+    sorted_ids, block_expert = moe_align(ids, E, bm)
+    max_blocks = block_expert.shape[0]
+    rows = sorted_ids.shape[0]
+    dev = x.device
+    if act_quant:
+        a, a_s = quantize_act(x)
+    else:
+        a, a_s = x, torch.empty(1, 1, dtype=torch.float32, device=dev)
+    # The down GEMM's input: e4m3 + scales (fp8 variant), else x's dtype (already rounded).
+    if fp8_dot:
+        hq = torch.empty(rows, I, dtype=torch.uint8, device=dev)
+        h = hq.view(torch.float8_e4m3fn)
+    else:
+        h = torch.empty(rows, I, dtype=x.dtype, device=dev)
+        hq = h
+    hs = torch.empty(rows, I // QBLOCK if act_quant else 1, dtype=torch.float32, device=dev)
+    partial = torch.empty(M, d, dtype=torch.float32, device=dev)
+    weights_flat = weights.reshape(-1).float().contiguous()
+    ids_flat = ids.reshape(-1).contiguous()
+    xdt = _TL_DTYPE[x.dtype]
+    prec = dot_precision(x.dtype)
+    kw = dict(NUM_EXPERTS=E, FP8_DOT=fp8_dot, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=prec,
+              X_DTYPE=xdt, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _fp4_gate_up_kernel[(max_blocks, triton.cdiv(I, bn))](
+        a, a_s, w1.view(torch.int8), w1_scale.view(torch.uint8), w3.view(torch.int8),
+        w3_scale.view(torch.uint8), sorted_ids, block_expert, weights_flat, h, hq, hs,
+        M, d, I, topk, a.stride(0), a_s.stride(0), w1.stride(0), w1.stride(1),
+        w1_scale.stride(0), w1_scale.stride(1), h.stride(0), hs.stride(0), float(limit),
+        HAS_LIMIT=limit > 0, ACT_QUANT=act_quant, **kw)
+    _fp4_down_kernel[(max_blocks, triton.cdiv(d, bn))](
+        h, hs, w2.view(torch.int8), w2_scale.view(torch.uint8), sorted_ids, block_expert,
+        partial, M, d, I, h.stride(0), hs.stride(0), w2.stride(0), w2.stride(1),
+        w2_scale.stride(0), w2_scale.stride(1), partial.stride(0), **kw)
+    block_d = min(SUM_BLOCK_D, triton.next_power_of_2(d))
+    _sum_topk_kernel[(T, triton.cdiv(d, block_d))](
+        partial, ids_flat, out, d, topk, partial.stride(0), out.stride(0),
+        NUM_EXPERTS=E, BLOCK_D=block_d, num_warps=4)
+    return out
