@@ -54,8 +54,10 @@ def pick_num_splits(num_programs: int, num_sms: int) -> int:
 
 @triton.jit
 def _load_keys(kv_ptr, stride_kv, rope_ptr, stride_rope, slot, valid, offs_d, d_mask, nope_dim,
-               scale_offset, KV_FP8: tl.constexpr, FP8_BLOCK: tl.constexpr):
-    """The gathered rows [BLOCK_N, BLOCK_D]: as stored, or FP8 rows dequantized to fp32."""
+               scale_offset, KV_FP8: tl.constexpr, FP8_BLOCK: tl.constexpr, DEQ_BF16: tl.constexpr):
+    """The gathered rows [BLOCK_N, BLOCK_D]: as stored, or FP8 rows dequantized (to bf16 with
+    DEQ_BF16, exact: an e4m3 value times a power of two; that halves the registers of the
+    dequantized tile against fp32; else to fp32)."""
     slot = slot.to(tl.int64)
     if KV_FP8:
         rows = kv_ptr + slot[:, None] * stride_kv
@@ -63,22 +65,31 @@ def _load_keys(kv_ptr, stride_kv, rope_ptr, stride_rope, slot, valid, offs_d, d_
         nmask = valid[:, None] & nope[None, :]
         codes = tl.load(rows + offs_d[None, :], mask=nmask, other=0)
         sbyte = tl.load(rows + scale_offset + offs_d[None, :] // FP8_BLOCK, mask=nmask, other=127)
-        scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        k_nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
         rmask = valid[:, None] & ((offs_d >= nope_dim) & d_mask)[None, :]
         k_rope = tl.load(rope_ptr + slot[:, None] * stride_rope + (offs_d - nope_dim)[None, :],
-                         mask=rmask, other=0.0).to(tl.float32)
-        return tl.where(nope[None, :], k_nope, k_rope)
+                         mask=rmask, other=0.0)
+        # (one return per function: Triton refuses returns of different types, even in
+        # branches a constexpr prunes)
+        if DEQ_BF16:  # the power-of-two scale is exact in bf16
+            scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True).to(tl.bfloat16)
+            k_nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16) * scale
+            k = tl.where(nope[None, :], k_nope, k_rope.to(tl.bfloat16))
+        else:
+            scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            k_nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+            k = tl.where(nope[None, :], k_nope, k_rope.to(tl.float32))
     else:
-        return tl.load(kv_ptr + slot[:, None] * stride_kv + offs_d[None, :],
-                       mask=valid[:, None] & d_mask[None, :], other=0.0)
+        k = tl.load(kv_ptr + slot[:, None] * stride_kv + offs_d[None, :],
+                    mask=valid[:, None] & d_mask[None, :], other=0.0)
+    return k
 
 
 @triton.jit
 def _attend_list(q, m_i, l_i, acc, kv_ptr, stride_kv, rope_ptr, stride_rope, idx_row_ptr, length,
                  split, qk_scale, offs_d, d_mask, nope_dim, scale_offset,
                  NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-                 KEYS_AS_M: tl.constexpr, KV_FP8: tl.constexpr, FP8_BLOCK: tl.constexpr):
+                 KEYS_AS_M: tl.constexpr, KV_FP8: tl.constexpr, FP8_BLOCK: tl.constexpr,
+                 DEQ_BF16: tl.constexpr):
     """Online softmax over this split's share of one index list (the first `length` entries)."""
     chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -88,7 +99,7 @@ def _attend_list(q, m_i, l_i, acc, kv_ptr, stride_kv, rope_ptr, stride_rope, idx
         slot = tl.load(idx_row_ptr + offs_n, mask=offs_n < end, other=-1)
         valid = slot >= 0
         k = _load_keys(kv_ptr, stride_kv, rope_ptr, stride_rope, slot, valid, offs_d, d_mask,
-                       nope_dim, scale_offset, KV_FP8, FP8_BLOCK).to(q.dtype)
+                       nope_dim, scale_offset, KV_FP8, FP8_BLOCK, DEQ_BF16).to(q.dtype)
         if KEYS_AS_M:
             # Keys as the M side: q^T becomes the B operand, which Hopper's wgmma reads from
             # shared memory, so the [heads, D] q tile does not occupy registers.
@@ -114,7 +125,7 @@ def _sparse_attn_kernel(
     stride_qt, stride_qh, stride_kva, stride_ia, stride_kvb, stride_ib, stride_ot, stride_oh,
     HAS_B: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-    KEYS_AS_M: tl.constexpr, KV_FP8: tl.constexpr, FP8_BLOCK: tl.constexpr,
+    KEYS_AS_M: tl.constexpr, KV_FP8: tl.constexpr, FP8_BLOCK: tl.constexpr, DEQ_BF16: tl.constexpr,
 ):
     # Axis 0 is (token, head block) with the head block fastest, so the programs of one token
     # run together and share the gathered rows through L2 (and T is not capped at 65535).
@@ -146,13 +157,13 @@ def _sparse_attn_kernel(
     m_i, l_i, acc = _attend_list(q, m_i, l_i, acc, kv_a_ptr, stride_kva, rope_a_ptr, stride_rope_a,
                                  idx_a_ptr + t * stride_ia, len_a, split, qk_scale, offs_d, d_mask,
                                  nope_dim, scale_offset,
-                                 NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M, KV_FP8, FP8_BLOCK)
+                                 NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M, KV_FP8, FP8_BLOCK, DEQ_BF16)
     if HAS_B:
         len_b = tl.minimum(tl.load(len_b_ptr + t), WB)
         m_i, l_i, acc = _attend_list(q, m_i, l_i, acc, kv_b_ptr, stride_kvb, rope_b_ptr, stride_rope_b,
                                      idx_b_ptr + t * stride_ib, len_b, split, qk_scale, offs_d, d_mask,
                                      nope_dim, scale_offset,
-                                     NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M, KV_FP8, FP8_BLOCK)
+                                     NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M, KV_FP8, FP8_BLOCK, DEQ_BF16)
 
     hd_mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -255,7 +266,7 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
         out.stride(0), out.stride(1),
         HAS_B=has_b, NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=config.block_n,
         BLOCK_D=block_d, DOT_PREC=dot_precision(q.dtype), KEYS_AS_M=config.keys_as_m,
-        KV_FP8=fp8, FP8_BLOCK=KV_FP8_BLOCK,
+        KV_FP8=fp8, FP8_BLOCK=KV_FP8_BLOCK, DEQ_BF16=q.dtype == torch.bfloat16,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:

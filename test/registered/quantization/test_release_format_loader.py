@@ -221,14 +221,23 @@ def test_dp_rank_reads_only_its_experts(source):
     assert torch.equal(model.layers[1].ffn.experts.w2_scale, full.w2_scale[2:6])
 
 
-def test_dummy_expert_shard_equals_the_slice_of_the_whole():
-    config = load_model_config("dsv4-tiny-fp8")
+@pytest.mark.parametrize("preset, names", [("dsv4-tiny-fp8", ("w1", "w3_scale")), ("dsv4-tiny", ("w1", "w2"))])
+def test_dummy_expert_shard_equals_the_slice_of_the_whole(preset, names):
+    """A DP rank's model, built at its shard size, holds exactly its slice of the whole model's
+    experts (what building whole and then keep_shard_ gave), and everything else identical."""
+    config = load_model_config(preset)
     whole = DeepseekV4ForCausalLM(config, torch.float32, max_positions=64)
     part = DeepseekV4ForCausalLM(config, torch.float32, max_positions=64, expert_range=(4, 8))
     init_random_weights(whole, seed=2)
     init_random_weights(part, seed=2)
-    for name in ("w1", "w3_scale"):
-        assert torch.equal(getattr(part.layers[3].ffn.experts, name), getattr(whole.layers[3].ffn.experts, name)[4:])
+    for layer in (0, 3):
+        for name in names:
+            got, full = getattr(part.layers[layer].ffn.experts, name), getattr(whole.layers[layer].ffn.experts, name)
+            assert got.shape[0] == 4 and torch.equal(got, full[4:])
+    whole.layers[3].ffn.experts.keep_shard_(4, 8)
+    assert all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           b.view(torch.uint8) if b.element_size() == 1 else b)
+               for a, b in zip(part.layers[3].parameters(), whole.layers[3].parameters()))
 
 
 def test_dummy_weights_route_broadly_and_give_peaked_logits():
