@@ -95,15 +95,18 @@ def check_prompt_ids(ids, vocab_size: int, context_length: int,
     the KV cache. Raises ValueError naming the problem; returns the ids as a list."""
     if not isinstance(ids, (list, tuple)) or not ids:
         raise ValueError("input_ids must be a non-empty list of token ids")
-    bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"input_ids must be integers in [0, {vocab_size}): token id {bad!r} is outside "
-                         "the vocabulary")
+    # Lengths first: a huge list is refused without a scan over every element.
     if len(ids) >= context_length:
         raise ValueError(f"the prompt has {len(ids)} tokens but the context length is {context_length} "
                          "(at least one position must remain for output)")
     if kv_capacity is not None and len(ids) > kv_capacity:
         raise ValueError(f"the prompt has {len(ids)} tokens but the KV cache holds only {kv_capacity} "
                          "(--max-total-tokens)")
+    none = object()  # not None: None is itself a bad token id
+    bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size), none)
+    if bad is not none:
+        shown = repr(bad) if isinstance(bad, (int, float, bool, type(None))) else type(bad).__name__
+        raise ValueError(f"input_ids must be integers in [0, {vocab_size}): token id {shown} is outside "
+                         "the vocabulary")
     return list(ids)
 

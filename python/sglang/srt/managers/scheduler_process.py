@@ -119,7 +119,11 @@ def run_scheduler_process(server_args, req_conn: Optional[Connection], out_conn:
         scheduler, ready = _build(server_args, rank)
     except BaseException as e:  # noqa: BLE001 - the parent needs the text of any start-up failure
         logger.error("start-up failed: %s: %s", type(e).__name__, e)
-        out_conn.send(StartupError(traceback.format_exc(), f"{type(e).__name__}: {e}", rank.dp_rank))
+        # Expected failures (bad arguments or model files, a missing device) are one line; a
+        # traceback is for bugs.
+        expected = isinstance(e, (ValueError, NotImplementedError, FileNotFoundError))
+        detail = f"{type(e).__name__}: {e}" if expected else traceback.format_exc()
+        out_conn.send(StartupError(detail, f"{type(e).__name__}: {e}", rank.dp_rank))
         if rank.dp_size > 1:  # process-group destructors may wait on peers that are gone
             logging.shutdown()
             os._exit(1)
