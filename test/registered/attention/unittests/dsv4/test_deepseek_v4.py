@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bcg_equivalence import make_runners, run_equivalence  # noqa: E402
+from bcg_equivalence import make_runners, run_equivalence, run_long_prefills  # noqa: E402
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend  # noqa: E402
 from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend  # noqa: E402
@@ -142,6 +142,7 @@ def runners():
     return make_runners(BUCKETS)
 
 
+@pytest.mark.slow
 def test_replay_equals_eager_on_randomised_extend_and_mixed_batches(runners):
     report = run_equivalence(runners, BUCKETS, batches_per_bucket=200, seed=1)
     assert report.mismatches == [], report.mismatches[:5]
@@ -150,6 +151,26 @@ def test_replay_equals_eager_on_randomised_extend_and_mixed_batches(runners):
     for b in BUCKETS:  # token counts at the bucket size and just under it were exercised
         assert b in report.tokens and b - 1 in report.tokens
     assert runners[0].bcg_runner.num_replays >= report.batches
+
+
+def test_replay_equals_eager_past_positions_128_and_512_and_replays_the_smallest_fitting_bucket():
+    """The fast equivalence run: 5 replayed steps carry a request past positions 128
+    and 4 x 128 (c128 and c4 blocks emitted inside the replayed step, ring state read across
+    steps) next to a decode row; every step replays the smallest bucket that holds it."""
+    runners = make_runners(BUCKETS)
+    graph_runner = runners[0].bcg_runner
+    report = run_long_prefills(runners, chunk=120, total_len=530, num_reqs=1)
+    assert report.mismatches == [], report.mismatches[:5]
+    assert report.batches == 5 and report.modes == {"EXTEND": 1, "MIXED": report.batches - 1}
+    # A few random batches of every bucket's range, for the bucket choice.
+    mixed = run_equivalence(runners, BUCKETS, batches_per_bucket=2, seed=3)
+    assert mixed.mismatches == [], mixed.mismatches[:5]
+    expected = {}
+    for n in report.tokens + mixed.tokens:
+        bucket = min(b for b in BUCKETS if b >= n)
+        expected[bucket] = expected.get(bucket, 0) + 1
+    assert graph_runner.get_stats()["bcg_replays_per_bucket"] == expected
+    assert set(expected) == set(BUCKETS)
 
 
 def test_harness_catches_a_refresh_that_assigns_a_copy_field(monkeypatch):
