@@ -173,6 +173,28 @@ def test_replay_equals_eager_past_positions_128_and_512_and_replays_the_smallest
     assert set(expected) == set(BUCKETS)
 
 
+def test_the_attention_break_op_gets_the_live_token_count_not_the_bucket(monkeypatch):
+    """Replaying a 16-token bucket for 7 live tokens: the break op hands the backend n = 7 (the
+    padding is neither attended nor paid for), while q keeps the bucket's 16 rows."""
+    from bcg_equivalence import TINY
+
+    runner = ModelRunner(ModelRunnerConfig(**TINY, enable_breakable_cuda_graph=True,
+                                           breakable_cuda_graph_tokens=[16]))
+    seen = []
+    real_forward = DeepseekV4AttnBackend.forward
+
+    def spy(self, q, sink, output, layer_id, num_tokens, *args, **kwargs):
+        seen.append((layer_id, q.shape[0], num_tokens))
+        return real_forward(self, q, sink, output, layer_id, num_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(DeepseekV4AttnBackend, "forward", spy)
+    fb = _batch(runner, [[5, 6, 7, 8], [9, 10, 11]])
+    assert runner.bcg_runner.can_run(fb)
+    runner.bcg_runner.replay_hidden(fb)
+    num_layers = runner.model.config.num_hidden_layers
+    assert seen == [(layer, 16, 7) for layer in range(num_layers)]
+
+
 def test_harness_catches_a_refresh_that_assigns_a_copy_field(monkeypatch):
     """The replay hook builds copy fields straight into the captured storage; a hook that
     builds them into new storage and then replaces the captured tensor (instead of copy_)
