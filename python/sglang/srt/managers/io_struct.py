@@ -1,4 +1,6 @@
-"""What crosses the process boundary between the tokenizer/HTTP side and the scheduler.
+"""Every message that crosses a process boundary: requests and outputs between the
+tokenizer/HTTP side (or the Engine) and the schedulers, and the start-up and control messages
+between the DP controller and the scheduler processes.
 
 Plain picklable dataclasses: token ids only, no text (detokenization is the caller's job).
 Finish reasons are dicts so they serialize to JSON unchanged:
@@ -55,6 +57,44 @@ class ServerInfoReq:
 @dataclass
 class ServerInfo:
     stats: dict[str, Any]
+
+
+# ---- process lifecycle: scheduler processes <-> the DP controller ---------------------------
+
+# Pipe control words (the parent to a scheduler process): stop, and wake from the idle wait.
+SHUTDOWN = "shutdown"
+# Sent by the DP controller to the other ranks with a request that reaches an idle server:
+# they wake from their idle wait at once instead of making the new request's rank wait for
+# them in the step's collective.
+WAKE = "wake"
+
+
+@dataclass
+class ReadyMsg:
+    server_args: object  # resolved here, where the device is: the server shows these
+    context_length: int
+    vocab_size: int
+    pid: int
+    stats: dict = field(default_factory=dict)
+    dp_rank: int = 0
+
+
+@dataclass
+class StartupError:
+    message: str  # the traceback
+    summary: str = ""  # "ExcType: message", for the one line a user reads first
+    dp_rank: int = 0
+
+
+@dataclass
+class RankHello:
+    """First message of a DP rank that connects back to node 0 over TCP."""
+
+    dp_rank: int
+    node_rank: int
+
+
+# ---- helpers ---------------------------------------------------------------------------------
 
 
 def visible_output_ids(output_ids: Sequence[int], finish_reason: Optional[dict]) -> list[int]:

@@ -20,13 +20,13 @@ from sglang.srt.managers.dp_controller import DataParallelController, aggregate_
 from sglang.srt.managers.io_struct import (
     AbortReq,
     GenerateReqInput,
+    ReadyMsg,
     ServerInfo,
     ServerInfoReq,
     check_prompt_ids,
     kv_capacity_tokens,
     visible_output_ids,
 )
-from sglang.srt.managers.scheduler_process import ReadyMsg
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.tokenizer import IncrementalDetokenizer, get_tokenizer
 
