@@ -185,7 +185,10 @@ def test_fuzz_1200_malformed_requests_never_get_a_5xx_and_the_server_stays_healt
     statuses = collections.Counter(status for _, _, status, _, _ in results)
     assert statuses[400] > 600, statuses  # most cases are refused, the rest served
     assert health and set(health) == {200}, collections.Counter(health)
-    assert elapsed < 60, f"the fuzz took {elapsed:.1f} s"
+    # ~40 s alone on a 2-core machine under other load; the bound only catches a hang, since a
+    # wall-clock limit tight enough to be a speed spec fails whenever CI is contended.
+    print(f"fuzz: {len(cases)} cases in {elapsed:.1f} s, statuses {dict(statuses)}")
+    assert elapsed < 240, f"the fuzz took {elapsed:.1f} s"
     stats = requests.get(server.url + "/get_server_info", timeout=30).json()["scheduler_stats"]
     assert stats["num_running_reqs"] == 0 and stats["num_free_pages"] == stats["num_total_pages"]
 

@@ -87,7 +87,9 @@ def test_1000_concurrent_streams_with_random_aborts_leave_no_leak(tmp_path):
         failures = [r for r in results if r not in ("done", "aborted")]
         assert failures == [], failures[:5]
         assert results.count("aborted") > 100 and results.count("done") > 700
-        assert elapsed < 60, f"1000 streams took {elapsed:.1f} s"
+        # ~45 s alone on a 2-core machine; the bound only catches a hang (see the fuzz test).
+        print(f"load: {NUM_REQUESTS} streams in {elapsed:.1f} s")
+        assert elapsed < 300, f"1000 streams took {elapsed:.1f} s"
 
         deadline = time.monotonic() + 30  # aborts of dropped streams reach the scheduler
         while time.monotonic() < deadline:
