@@ -49,6 +49,8 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     served_model_name: Optional[str] = None
+    max_request_bytes: int = 32 * 1024 * 1024
+    shutdown_timeout: float = 20.0
     # memory and scheduling (None = auto)
     context_length: Optional[int] = None
     page_size: int = 128
@@ -249,6 +251,10 @@ def _validate(a: ServerArgs) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
     if a.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {a.stream_interval}")
+    if a.max_request_bytes < 1024:
+        raise ValueError(f"--max-request-bytes must be at least 1024, got {a.max_request_bytes}")
+    if a.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {a.shutdown_timeout}")
     if a.watchdog_timeout <= 0:
         raise ValueError(f"--watchdog-timeout must be positive, got {a.watchdog_timeout}")
 
@@ -330,6 +336,9 @@ _HELP = {
     "node_rank": "this node's index; node 0 runs the HTTP server, the others only their DP ranks",
     "dist_init_addr": "host:port of node 0 for the torch.distributed rendezvous; node 0's DP "
                       "controller also listens on port+1",
+    "max_request_bytes": "largest HTTP request body; larger ones get 413 before they are buffered",
+    "shutdown_timeout": "seconds in-flight requests may take to finish after SIGTERM; streams still "
+                        "open then end with an error event",
     "stream_interval": "stream every N tokens (always on finish)",
     "watchdog_timeout": "seconds a forward may take before the server is considered hung",
 }
@@ -341,8 +350,8 @@ _CHOICES = {
 }
 _INT_FIELDS = {"random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
                "chunked_prefill_size", "breakable_cuda_graph_max_tokens", "cuda_graph_max_bs", "dp_size", "nnodes",
-               "node_rank", "stream_interval"}
-_FLOAT_FIELDS = {"mem_fraction_static", "watchdog_timeout"}
+               "node_rank", "stream_interval", "max_request_bytes"}
+_FLOAT_FIELDS = {"mem_fraction_static", "watchdog_timeout", "shutdown_timeout"}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
