@@ -222,27 +222,28 @@ def compile_report():
                              dict(a_ptr="*bf16", b_ptr="*fp8e4nv", bs_ptr="*fp32", c_ptr=out),
                              dict(tiles, BLOCK_K=c["BLOCK_K"], DOT_PREC="tf32"),
                              c["num_warps"], c["num_stages"], ("M", "N", "K"))
-    for T in (1, 8192):
-        c = fp4_moe.moe_config(T, MOE_TOPK)
+    for T in (1, 64, 1024, 8192):
         for variant, act_quant in (("bf16", False), ("bf16", True), ("fp8", True)):
+            c = fp4_moe.moe_config(T, MOE_TOPK, variant)
             fp8 = variant == "fp8"
-            kw = dict(NUM_EXPERTS=MOE_E // 2, FP8_DOT=fp8, BLOCK_M=c["block_m"],
-                      BLOCK_N=c["block_n"], DOT_PREC="tf32",
-                      X_DTYPE=tl.bfloat16)
-            h = "*fp8e4nv" if fp8 else "*bf16"
-            tag = f"T={T} {variant} act_quant={act_quant} bm={c['block_m']}"
+            kw = dict(NUM_EXPERTS=MOE_E // 2, FP8_DOT=fp8, BLOCK_M=c["block_m"], DOT_PREC="tf32",
+                      X_DTYPE=tl.bfloat16, CHUNKS=4)
+            tag = (f"T={T} {variant} act_quant={act_quant} bm={c['block_m']} "
+                   f"bn={c['block_n_up']}/{c['block_n_down']} w{c['num_warps']} "
+                   f"s{c['num_stages']}")
             _sm90_report(f"moe gate_up {tag}", fp4_moe._fp4_gate_up_kernel,
                          dict(a_ptr="*fp8e4nv" if act_quant else "*bf16", as_ptr="*fp32",
                               w1_ptr="*i8", w1s_ptr="*u8", w3_ptr="*i8", w3s_ptr="*u8",
                               sorted_ids_ptr="*i32", block_expert_ptr="*i32",
-                              weights_ptr="*fp32", h_ptr=h, hq_ptr="*u8" if fp8 else h,
-                              hs_ptr="*fp32", limit="fp32"),
-                         dict(kw, HAS_LIMIT=True, ACT_QUANT=act_quant), c["num_warps"],
-                         c["num_stages"], ("M", "topk"))
+                              weights_ptr="*fp32", h_ptr="*bf16", limit="fp32"),
+                         dict(kw, HAS_LIMIT=True, ACT_QUANT=act_quant, BLOCK_N=c["block_n_up"]),
+                         c["num_warps"], c["num_stages"], ("M", "topk"))
             _sm90_report(f"moe down {tag}", fp4_moe._fp4_down_kernel,
-                         dict(h_ptr=h, hs_ptr="*fp32", w2_ptr="*i8", w2s_ptr="*u8",
-                              sorted_ids_ptr="*i32", block_expert_ptr="*i32",
-                              partial_ptr="*fp32"), kw, c["num_warps"], c["num_stages"], ("M",))
+                         dict(h_ptr="*fp8e4nv" if fp8 else "*bf16", hs_ptr="*fp32",
+                              w2_ptr="*i8", w2s_ptr="*u8", sorted_ids_ptr="*i32",
+                              block_expert_ptr="*i32", partial_ptr="*fp32"),
+                         dict(kw, BLOCK_N=c["block_n_down"]), c["num_warps"], c["num_stages"],
+                         ("M",))
 
 
 def main(argv=None) -> int:
