@@ -188,12 +188,15 @@ def _sm90_report(name, fn, types, constexprs, num_warps, num_stages, not_aligned
           f"  smem {kernel.metadata.shared:>7}  mma {mma}", flush=True)
 
 
-def compile_report():
-    """Every kernel of bench_quant at each config the shape tables pick, compiled for sm_90."""
+def compile_report(only=None):
+    """Every kernel of bench_quant at each config the shape tables pick, compiled for sm_90
+    (only: "gemm" or "moe" for one half)."""
     import triton.language as tl
 
     from dsv4_kernels import fp4_moe, fp8_gemm as G
 
+    if only == "moe":
+        return _moe_compile_report()
     _sm90_report("act_quant (8 blocks of 128)", G._act_quant_kernel,
                  dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
                  dict(BLOCKS=8, QB=128, ROUND_ONLY=False), 4, 2, ("M", "K"))
@@ -222,6 +225,15 @@ def compile_report():
                              dict(a_ptr="*bf16", b_ptr="*fp8e4nv", bs_ptr="*fp32", c_ptr=out),
                              dict(tiles, BLOCK_K=c["BLOCK_K"], DOT_PREC="tf32"),
                              c["num_warps"], c["num_stages"], ("M", "N", "K"))
+    if only != "gemm":
+        _moe_compile_report()
+
+
+def _moe_compile_report():
+    import triton.language as tl
+
+    from dsv4_kernels import fp4_moe
+
     for T in (1, 64, 1024, 8192):
         for variant, act_quant in (("bf16", False), ("bf16", True), ("fp8", True)):
             c = fp4_moe.moe_config(T, MOE_TOPK, variant)
@@ -256,7 +268,7 @@ def main(argv=None) -> int:
                          "registers / spills / shared memory")
     args = ap.parse_args(argv)
     if args.compile_report:
-        compile_report()
+        compile_report(args.only)
         return 0
     if not require_cuda():
         return 0

@@ -85,17 +85,22 @@ def _e2m1_as_e4m3(code):
 
 
 @triton.jit
-def _expert_gemm(acc, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_asm, stride_ask, w_ptr,
-                 s_ptr, e, offs_n, n_mask, K, stride_we, stride_wn, stride_se, stride_sn,
-                 ACT_QUANT: tl.constexpr, FP8_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
-                 OUT_DTYPE: tl.constexpr, CHUNKS: tl.constexpr):
-    """acc += A[a_rows] @ W_e^T over K. A step covers CHUNKS x 32 inputs (CHUNKS in 1, 2, 4;
-    32 * CHUNKS divides K and 128): one load of the step's weight scales and activation
-    scales, then per 32-input chunk (one weight scale per row) a 16-byte code load per row
-    and a dot. A is x's dtype, or (ACT_QUANT) e4m3 + fp32 scales per 128, fed dequantized to
-    OUT_DTYPE, or as e4m3 with FP8_DOT (the fp32 partial then scaled by act x weight scale)."""
+def _expert_gemm(acc, acc3, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_asm, stride_ask,
+                 w_ptr, s_ptr, w3_ptr, s3_ptr, e, offs_n, n_mask, K, stride_we, stride_wn,
+                 stride_se, stride_sn, PAIR: tl.constexpr, ACT_QUANT: tl.constexpr,
+                 FP8_DOT: tl.constexpr, DOT_PREC: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                 CHUNKS: tl.constexpr):
+    """acc += A[a_rows] @ W_e^T over K, and with PAIR also acc3 += A[a_rows] @ W3_e^T (same
+    shapes and strides: the gate and up projections share each A tile, and their weight loads
+    are in flight together). A step covers CHUNKS x 32 inputs (CHUNKS in 1, 2, 4; 32 * CHUNKS
+    divides K and 128): one load of the step's weight scales and activation scales, then per
+    32-input chunk (one weight scale per row) a 16-byte code load per row and a dot. A is x's
+    dtype, or (ACT_QUANT) e4m3 + fp32 scales per 128, fed dequantized to OUT_DTYPE, or as e4m3
+    with FP8_DOT (the fp32 partial then scaled by act x weight scale)."""
     for k0 in range(0, K, 32 * CHUNKS):
         sb_step = _step_scales(s_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn, CHUNKS)
+        if PAIR:
+            sb3_step = _step_scales(s3_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn, CHUNKS)
         if ACT_QUANT or FP8_DOT:  # one 128-block of the activation holds the whole step
             sa = tl.load(as_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask,
                          mask=row_mask, other=0.0)
@@ -105,14 +110,24 @@ def _expert_gemm(acc, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_asm, str
                         mask=row_mask[:, None], other=0.0)
             code = _load_codes(w_ptr, e, offs_n, n_mask, k0 + c * 32, stride_we, stride_wn)
             sb = _chunk_scale(sb_step, c, CHUNKS)
+            if PAIR:
+                code3 = _load_codes(w3_ptr, e, offs_n, n_mask, k0 + c * 32, stride_we,
+                                    stride_wn)
+                sb3 = _chunk_scale(sb3_step, c, CHUNKS)
             if FP8_DOT:
                 acc += tl.dot(a, tl.trans(_e2m1_as_e4m3(code))) * (sa[:, None] * sb[None, :])
+                if PAIR:
+                    acc3 += (tl.dot(a, tl.trans(_e2m1_as_e4m3(code3)))
+                             * (sa[:, None] * sb3[None, :]))
             else:
                 if ACT_QUANT:  # e4m3 x its pow2 scale: exact in bf16/fp32
                     a = (a.to(tl.float32) * sa[:, None]).to(OUT_DTYPE)
                 b = (_e2m1_values(code) * sb[:, None]).to(a.dtype)  # exact: e2m1 x a pow2
                 acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
-    return acc
+                if PAIR:
+                    b3 = (_e2m1_values(code3) * sb3[:, None]).to(a.dtype)
+                    acc3 = tl.dot(a, tl.trans(b3), acc3, input_precision=DOT_PREC)
+    return acc, acc3
 
 
 @triton.jit
@@ -140,12 +155,10 @@ def _fp4_gate_up_kernel(
     n_mask = offs_n < I
     acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc1 = _expert_gemm(acc1, a_ptr, as_ptr, token, row_mask, stride_a, stride_asm, stride_ask,
-                        w1_ptr, w1s_ptr, e, offs_n, n_mask, d, stride_we, stride_wn, stride_se,
-                        stride_sn, ACT_QUANT, FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS)
-    acc3 = _expert_gemm(acc3, a_ptr, as_ptr, token, row_mask, stride_a, stride_asm, stride_ask,
-                        w3_ptr, w3s_ptr, e, offs_n, n_mask, d, stride_we, stride_wn, stride_se,
-                        stride_sn, ACT_QUANT, FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS)
+    acc1, acc3 = _expert_gemm(acc1, acc3, a_ptr, as_ptr, token, row_mask, stride_a, stride_asm,
+                              stride_ask, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, e, offs_n, n_mask, d,
+                              stride_we, stride_wn, stride_se, stride_sn, True, ACT_QUANT,
+                              FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS)
     if HAS_LIMIT:
         acc1 = tl.minimum(acc1, limit)
         acc3 = tl.minimum(tl.maximum(acc3, -limit), limit)
@@ -176,9 +189,10 @@ def _fp4_down_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     # h is already rounded as the down GEMM needs it: FP8_DOT reads e4m3 + scales, otherwise
     # x's dtype (ACT_QUANT=False: no second dequantization).
-    acc = _expert_gemm(acc, h_ptr, hs_ptr, rows.to(tl.int64), row_mask, stride_h, stride_hsm,
-                       stride_hsk, w2_ptr, w2s_ptr, e, offs_n, n_mask, I, stride_we, stride_wn,
-                       stride_se, stride_sn, False, FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS)
+    acc, _ = _expert_gemm(acc, acc, h_ptr, hs_ptr, rows.to(tl.int64), row_mask, stride_h,
+                          stride_hsm, stride_hsk, w2_ptr, w2s_ptr, w2_ptr, w2s_ptr, e, offs_n,
+                          n_mask, I, stride_we, stride_wn, stride_se, stride_sn, False, False,
+                          FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS)
     tl.store(partial_ptr + assign.to(tl.int64)[:, None] * stride_p + offs_n[None, :], acc,
              mask=row_mask[:, None] & n_mask[None, :])
 
