@@ -38,6 +38,11 @@ REPS = 20
 GEMM_SHAPES = [("wq_a", 4096, 1024), ("wq_b", 1024, 64 * 512), ("wkv", 4096, 512),
                ("wo_b", 8192, 4096), ("shared_w1_w3", 4096, 2048), ("shared_w2", 2048, 4096)]
 GEMM_M = [16, 64, 256, 1024, 2048, 4096, 8192]
+QUICK_SIZES = [16, 64, 2048, 8192]  # --quick: M and T
+# --quick also times this FP8 tile beside gemm_config's at M >= 2048 (fp8_release_64x128): two
+# such CTAs fit an SM, so one's per-block rescale can overlap the other's tensor-core work,
+# where gemm_config's 128 x 128 x 8 warps runs one CTA per SM.
+ALT_LARGE_TILE = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4)
 MOE_D, MOE_I, MOE_E, MOE_TOPK = 4096, 2048, 256, 6
 MOE_T = [1, 16, 64, 256, 1024, 4096, 8192]
 
@@ -86,8 +91,8 @@ def _record(rows, kind, name, size, impl, timing, nbytes, flops, **extra):
           f"{gbps:7.0f} GB/s ({row['pct_hbm']:5.1f}% HBM)", flush=True)
 
 
-def bench_gemm(rows, ms_list):
-    from dsv4_kernels import ops
+def bench_gemm(rows, ms_list, alt_tile=False):
+    from dsv4_kernels import fp8_gemm, ops
     from dsv4_kernels import quant_reference as Q
 
     cases = []
@@ -107,6 +112,12 @@ def bench_gemm(rows, ms_list):
                 ("bf16_torch_mm", lambda x=x, wb=wb: torch.mm(x, wb.t()), bf16_bytes),
             ):
                 cases.append((name, M, impl, fn, nbytes, flops))
+            if alt_tile and M >= 2048:
+                alt = dict(fp8_gemm.gemm_config(M, N, K, True), **ALT_LARGE_TILE)
+                cases.append((name, M, "fp8_release_64x128",
+                              lambda x=x, q=q, s=s, c=alt: fp8_gemm.fp8_block_linear(x, q, s,
+                                                                                    True, c),
+                              fp8_bytes, flops))
     for case in cases:  # compile and warm every config before timing any
         case[3]()
     torch.cuda.synchronize()
@@ -114,7 +125,7 @@ def bench_gemm(rows, ms_list):
         _record(rows, "gemm", name, M, impl, _time(fn), nbytes, flops)
 
 
-def bench_moe(rows, t_list):
+def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
     from dsv4_kernels import fp4_moe
     from dsv4_kernels import quant_reference as Q
 
@@ -132,7 +143,7 @@ def bench_moe(rows, t_list):
     w2, s2 = experts(MOE_D, MOE_I)
     expert_bytes = 3 * (MOE_I * MOE_D // 2 + MOE_I * MOE_D // 32)
     cases = []
-    for e_local in (MOE_E // 2, MOE_E):
+    for e_local in locals_:
         ws = tuple(t[:e_local] for t in (w1, s1, w3, s3, w2, s2))
         for T in t_list:
             x = torch.randn(T, MOE_D, device="cuda").bfloat16()
@@ -154,6 +165,13 @@ def bench_moe(rows, t_list):
     torch.cuda.synchronize()
     for name, T, impl, fn, nbytes, flops, hit in cases:
         _record(rows, "moe", name, T, impl, _time(fn), nbytes, flops, experts_hit=hit)
+    for name in sorted({c[0] for c in cases}):  # release numerics: which decode won, by T
+        for T in t_list:
+            ms = {r["impl"]: r["ms"] for r in rows
+                  if r["kind"] == "moe" and r["name"] == name and r["size"] == T}
+            won = min(("bf16", "fp8"), key=lambda v: ms[f"{v}_release"])
+            print(f"variant {name} T={T:<5} faster: {won:<4}  default_variant picks: "
+                  f"{fp4_moe.default_variant(T, MOE_TOPK)}", flush=True)
 
 
 def _sm90_report(name, fn, types, constexprs, num_warps, num_stages, not_aligned=()):
@@ -261,7 +279,9 @@ def _moe_compile_report():
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    ap.add_argument("--quick", action="store_true", help="M/T in (16, 2048) only")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"M/T in {QUICK_SIZES}, the 128-expert shard only, plus an alternative "
+                         "FP8 tile at M >= 2048 (under a minute)")
     ap.add_argument("--only", choices=("gemm", "moe"), default=None)
     ap.add_argument("--compile-report", action="store_true",
                     help="no GPU needed: compile every kernel config for sm_90 and print "
@@ -276,10 +296,13 @@ def main(argv=None) -> int:
     rows, t0 = [], time.time()
     if args.only in (None, "gemm"):
         print("== FP8 block GEMM (bf16 x; Flash linears)")
-        bench_gemm(rows, [16, 2048] if args.quick else GEMM_M)
+        bench_gemm(rows, QUICK_SIZES if args.quick else GEMM_M, alt_tile=args.quick)
     if args.only in (None, "moe"):
         print(f"== FP4 MoE d={MOE_D} I={MOE_I} top-{MOE_TOPK} of {MOE_E} (bf16 x)")
-        bench_moe(rows, [16, 2048] if args.quick else MOE_T)
+        if args.quick:
+            bench_moe(rows, QUICK_SIZES, (MOE_E // 2,))
+        else:
+            bench_moe(rows, MOE_T)
     print(f"done in {time.time() - t0:.0f} s")
     if args.out:
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
