@@ -71,6 +71,37 @@ def test_skipped_rows_are_zero_and_weights_scale_before_w2(device, variant, act_
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("table_T,variant,act_quant", [
+    (64, "bf16", False),    # 16-row, 64-wide tiles
+    (8192, "bf16", True),   # 128-row tiles, gate/up 64 wide, h rounded by its own kernel
+    (8192, "fp8", True),    # the fp8 variant keeps 64 x 128 there
+])
+def test_every_config_of_the_table_matches_the_reference(device, table_T, variant, act_quant):
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    E, d, inter, T, topk = 3, 128, 256, 5, 2
+    cfg = fp4_moe.moe_config(table_T, 6, variant)
+    ws = _experts(E, d, inter, device)
+    x = torch.randn(T, d, device=device)
+    ids = _distinct_ids(T, topk, -1, E + 1, device)
+    weights = torch.rand(T, topk, device=device)
+    out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 2.0, torch.empty(T, d, device=device),
+                                act_quant, variant, config=cfg)
+    torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 2.0, act_quant),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_default_variant_follows_the_batch():
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    # e4m3 decode while bandwidth-bound (T <= 64 at top-6), bf16 decode beyond.
+    assert [fp4_moe.default_variant(T, 6) for T in (1, 64, 65, 8192)] == \
+        ["fp8", "fp8", "bf16", "bf16"]
+    assert fp4_moe.moe_config(1, 6)["block_n_up"] < fp4_moe.moe_config(8192, 6)["block_n_up"]
+    assert fp4_moe.moe_config(8192, 6)["block_m"] == 128
+    assert fp4_moe.moe_config(8192, 6, "fp8")["block_m"] == 64  # 128 rows spill there
+
+
 def test_weight_only_takes_dims_that_are_not_whole_tiles(device):
     require_triton()
     from dsv4_kernels import fp4_moe

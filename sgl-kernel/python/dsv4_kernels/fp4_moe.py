@@ -205,15 +205,15 @@ def moe_config(T: int, topk: int, variant: str = "bf16") -> dict:
 
     Few assignments (decode, small batches) are bandwidth-bound: each expert hit has one
     16-row block, so the programs are (experts hit) x (N tiles), and narrow N tiles put more
-    of them on the weights (T = 1, top-6: 6 x 2048/32 gate/up and 6 x 4096/64 down programs,
-    where 128-wide tiles gave 96 and 192). Many assignments are decode-bound (ALU): 128-row
+    of them on the weights (T = 1, top-6: 6 x 2048/16 gate/up and 6 x 4096/32 down programs,
+    where 128-wide tiles gave 96 and 192; 2 warps, as a 16 x 16 tile leaves little to share). Many assignments are decode-bound (ALU): 128-row
     tiles halve the e2m1 decodes per product against 64. Each step takes 128 inputs (4
     chunks of 32) where K allows. num_stages is the software pipeline depth. The fp8 variant
     keeps 64-row tiles there: its per-chunk fp32 partials on top of the two 128 x 64 gate/up
     accumulators spill in an sm_90 compile (64 B of stack)."""
     M = T * topk
     if M <= 96:
-        return dict(block_m=16, block_n_up=32, block_n_down=64, num_warps=4, num_stages=4)
+        return dict(block_m=16, block_n_up=16, block_n_down=32, num_warps=2, num_stages=4)
     if M <= 1024:
         return dict(block_m=16, block_n_up=64, block_n_down=64, num_warps=4, num_stages=4)
     if M <= 8192 or variant == "fp8":
