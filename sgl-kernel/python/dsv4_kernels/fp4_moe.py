@@ -17,8 +17,8 @@ one per element. Both accumulate in fp32 and give fp32 per-assignment partials, 
 fixed order.
 
 Graph-safe: buffers sized by (T, topk, E) only, no host syncs, tiles fixed per shape.
-An e8m0 byte 0 (2^-127) decodes as 0 here (the reference keeps the subnormal): no real scale
-is that small.
+An e8m0 byte 0 or 1 (2^-127, 2^-126) decodes as 0 here in the bf16 variant, 0 alone in the
+fp8 one (the reference keeps the values): no real scale is that small.
 """
 
 import torch
@@ -47,13 +47,12 @@ def _load_codes(w_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn):
 
 @triton.jit
 def _step_scales(s_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn, CHUNKS: tl.constexpr):
-    """[BN, CHUNKS] fp32 2^(byte - 127): the scales of inputs k0 .. k0 + 32 * CHUNKS - 1 of
-    each row, one contiguous CHUNKS-byte load per row (wide enough for the pipeliner's async
+    """[BN, CHUNKS] int32 e8m0 bytes (scale 2^(byte - 127)) of inputs k0 .. k0 + 32 * CHUNKS - 1
+    of each row, one contiguous CHUNKS-byte load per row (wide enough for the pipeliner's async
     copies, where a byte per row and step was a load whose latency every step waited out)."""
     c = k0 // 32 + tl.arange(0, CHUNKS)
-    sc = tl.load(s_ptr + e * stride_se + offs_n[:, None] * stride_sn + c[None, :],
-                 mask=n_mask[:, None], other=0).to(tl.int32) & 0xFF
-    return (sc << 23).to(tl.float32, bitcast=True)
+    return tl.load(s_ptr + e * stride_se + offs_n[:, None] * stride_sn + c[None, :],
+                   mask=n_mask[:, None], other=0).to(tl.int32) & 0xFF
 
 
 @triton.jit
@@ -61,27 +60,31 @@ def _chunk_scale(scales, c: tl.constexpr, CHUNKS: tl.constexpr):
     """Column c of [BN, CHUNKS] scales as [BN] (a masked sum: one row's CHUNKS values sit in
     one thread, so no data moves between threads)."""
     pick = tl.arange(0, CHUNKS)[None, :] == c
-    return tl.sum(tl.where(pick, scales, 0.0), axis=1)
+    return tl.sum(tl.where(pick, scales, 0), axis=1)
 
 
 @triton.jit
-def _e2m1_values(code):
-    """e2m1 codes -> fp32 values (exact)."""
-    ex = (code >> 1) & 3
-    m = code & 1
-    twice = tl.where(ex == 0, m, (2 + m) << tl.maximum(ex - 1, 0))  # 0, 1, 2, 3, 4, 6, 8, 12
-    val = twice.to(tl.float32) * 0.5
-    return tl.where((code >> 3) != 0, -val, val)
+def _e2m1_scaled(code, sbyte):
+    """e2m1 codes [BN, 32] x 2^(sbyte - 127) per row ([BN] e8m0 bytes) -> fp32, exact, built
+    as bits: magnitude codes 2..7 (1, 1.5, 2, 3, 4, 6) are 0.5 * 2^(c >> 1) with mantissa bit
+    c & 1, i.e. fp32 bits (126 << 23) + (c << 22), and code 1 (0.5) is (126 << 23); the scale
+    adds (sbyte - 127) to the exponent. No int->float conversion or multiply (this decode is
+    the large-batch bottleneck). Bytes 0 and 1 (2^-127, 2^-126: no real scale) give 0."""
+    mag = code & 7
+    base = (sbyte - 1) << 23
+    bits = base[:, None] + ((mag - (mag == 1).to(tl.int32)) << 22)
+    bits = tl.where((mag == 0) | (sbyte < 2)[:, None], 0, bits) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _e2m1_as_e4m3(code):
-    """e2m1 codes -> the same values as e4m3 (exact): exponent e - 1 rebiased to 7, mantissa
-    bit m on top; 0.5 (e = 0, m = 1) is 0x30."""
-    ex = (code >> 1) & 3
-    m = code & 1
-    bits = tl.where(ex == 0, m * 0x30, ((ex + 6) << 3) | (m << 2)) | ((code >> 3) << 7)
-    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    """e2m1 codes -> the same values as e4m3 (exact): as in _e2m1_scaled, magnitude codes 2..7
+    are 0x30 + (c << 2) (0.5 is 0x30, exponent 6 = 2^-1 at bias 7, mantissa bit 2), code 1 is
+    0x30, code 0 is 0; the sign moves from bit 3 to bit 7."""
+    mag = code & 7
+    bits = tl.where(mag == 0, 0, 0x30 + ((mag - (mag == 1).to(tl.int32)) << 2))
+    return (bits | ((code & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -115,17 +118,19 @@ def _expert_gemm(acc, acc3, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_as
                                     stride_wn)
                 sb3 = _chunk_scale(sb3_step, c, CHUNKS)
             if FP8_DOT:
-                acc += tl.dot(a, tl.trans(_e2m1_as_e4m3(code))) * (sa[:, None] * sb[None, :])
+                sbf = (sb << 23).to(tl.float32, bitcast=True)
+                acc += tl.dot(a, tl.trans(_e2m1_as_e4m3(code))) * (sa[:, None] * sbf[None, :])
                 if PAIR:
+                    sbf3 = (sb3 << 23).to(tl.float32, bitcast=True)
                     acc3 += (tl.dot(a, tl.trans(_e2m1_as_e4m3(code3)))
-                             * (sa[:, None] * sb3[None, :]))
+                             * (sa[:, None] * sbf3[None, :]))
             else:
                 if ACT_QUANT:  # e4m3 x its pow2 scale: exact in bf16/fp32
                     a = (a.to(tl.float32) * sa[:, None]).to(OUT_DTYPE)
-                b = (_e2m1_values(code) * sb[:, None]).to(a.dtype)  # exact: e2m1 x a pow2
+                b = _e2m1_scaled(code, sb).to(a.dtype)  # exact: e2m1 x a power of two
                 acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
                 if PAIR:
-                    b3 = (_e2m1_values(code3) * sb3[:, None]).to(a.dtype)
+                    b3 = _e2m1_scaled(code3, sb3).to(a.dtype)
                     acc3 = tl.dot(a, tl.trans(b3), acc3, input_precision=DOT_PREC)
     return acc, acc3
 
@@ -217,7 +222,7 @@ def moe_config(T: int, topk: int, variant: str = "bf16") -> dict:
     if M <= 1024:
         return dict(block_m=16, block_n_up=64, block_n_down=64, num_warps=4, num_stages=4)
     if M <= 8192 or variant == "fp8":
-        return dict(block_m=64, block_n_up=128, block_n_down=128, num_warps=8, num_stages=3)
+        return dict(block_m=64, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3)
     return dict(block_m=128, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3)
 
 
