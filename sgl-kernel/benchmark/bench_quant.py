@@ -251,6 +251,12 @@ def _moe_compile_report():
     import triton.language as tl
 
     from dsv4_kernels import fp4_moe
+    from dsv4_kernels import moe
+
+    _sm90_report("moe_align one kernel (M <= 128, E 256)", moe._align_small_kernel,
+                 dict(ids_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32"),
+                 dict(BLOCK_M=16, MP=128, EP=256, CHUNK=128), 16, 1,
+                 ("M", "E", "CAP", "MAX_BLOCKS"))
 
     for T in (1, 64, 1024, 8192):
         for variant, act_quant in (("bf16", False), ("bf16", True), ("fp8", True)):
