@@ -41,7 +41,8 @@ GEMM_M = [16, 64, 256, 1024, 2048, 4096, 8192]
 QUICK_SIZES = [16, 64, 2048, 8192]  # --quick: M and T
 # --quick also times this FP8 tile beside gemm_config's at M >= 2048 (fp8_release_64x128): two
 # such CTAs fit an SM, so one's per-block rescale can overlap the other's tensor-core work,
-# where gemm_config's 128 x 128 x 8 warps runs one CTA per SM.
+# where gemm_config's 128 x 128 x 8 warps runs one CTA per SM. And fp8_release_tma: the same
+# GEMM with TMA tile loads (fp8_tma_experiment.py), when it runs and agrees.
 ALT_LARGE_TILE = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4)
 MOE_D, MOE_I, MOE_E, MOE_TOPK = 4096, 2048, 256, 6
 MOE_T = [1, 16, 64, 256, 1024, 4096, 8192]
@@ -118,11 +119,30 @@ def bench_gemm(rows, ms_list, alt_tile=False):
                               lambda x=x, q=q, s=s, c=alt: fp8_gemm.fp8_block_linear(x, q, s,
                                                                                     True, c),
                               fp8_bytes, flops))
+                tma = _tma_case(x, q, s)
+                if tma is not None:
+                    cases.append((name, M, "fp8_release_tma", tma, fp8_bytes, flops))
     for case in cases:  # compile and warm every config before timing any
         case[3]()
     torch.cuda.synchronize()
     for name, M, impl, fn, nbytes, flops in cases:
         _record(rows, "gemm", name, M, impl, _time(fn), nbytes, flops)
+
+
+def _tma_case(x, q, s):
+    """fp8_tma_experiment's GEMM on these operands if it runs and agrees with
+    ops.fp8_block_linear (within the tests' bf16 tolerance), else None with the reason."""
+    from dsv4_kernels import ops
+    try:
+        from fp8_tma_experiment import fp8_linear_tma
+        got = fp8_linear_tma(x, q, s)
+        torch.testing.assert_close(got.float(), ops.fp8_block_linear(x, q, s, True).float(),
+                                   rtol=2 ** -7, atol=1e-3)
+    except Exception as exc:  # an experiment: report it, keep benchmarking the rest
+        print(f"fp8_release_tma M={x.shape[0]} skipped: {type(exc).__name__}: "
+              f"{str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+        return None
+    return lambda: fp8_linear_tma(x, q, s)
 
 
 def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
