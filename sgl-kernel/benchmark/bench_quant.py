@@ -38,6 +38,12 @@ REPS = 20
 GEMM_SHAPES = [("wq_a", 4096, 1024), ("wq_b", 1024, 64 * 512), ("wkv", 4096, 512),
                ("wo_b", 8192, 4096), ("shared_w1_w3", 4096, 2048), ("shared_w2", 2048, 4096)]
 GEMM_M = [16, 64, 256, 1024, 2048, 4096, 8192]
+QUICK_SIZES = [16, 64, 2048, 8192]  # --quick: M and T
+# --quick also times this FP8 tile beside gemm_config's at M >= 2048 (fp8_release_64x128): two
+# such CTAs fit an SM, so one's per-block rescale can overlap the other's tensor-core work,
+# where gemm_config's 128 x 128 x 8 warps runs one CTA per SM. And fp8_release_tma: the same
+# GEMM with TMA tile loads (fp8_tma_experiment.py), when it runs and agrees.
+ALT_LARGE_TILE = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4)
 MOE_D, MOE_I, MOE_E, MOE_TOPK = 4096, 2048, 256, 6
 MOE_T = [1, 16, 64, 256, 1024, 4096, 8192]
 
@@ -86,8 +92,8 @@ def _record(rows, kind, name, size, impl, timing, nbytes, flops, **extra):
           f"{gbps:7.0f} GB/s ({row['pct_hbm']:5.1f}% HBM)", flush=True)
 
 
-def bench_gemm(rows, ms_list):
-    from dsv4_kernels import ops
+def bench_gemm(rows, ms_list, alt_tile=False):
+    from dsv4_kernels import fp8_gemm, ops
     from dsv4_kernels import quant_reference as Q
 
     cases = []
@@ -107,6 +113,15 @@ def bench_gemm(rows, ms_list):
                 ("bf16_torch_mm", lambda x=x, wb=wb: torch.mm(x, wb.t()), bf16_bytes),
             ):
                 cases.append((name, M, impl, fn, nbytes, flops))
+            if alt_tile and M >= 2048:
+                alt = dict(fp8_gemm.gemm_config(M, N, K, True), **ALT_LARGE_TILE)
+                cases.append((name, M, "fp8_release_64x128",
+                              lambda x=x, q=q, s=s, c=alt: fp8_gemm.fp8_block_linear(x, q, s,
+                                                                                    True, c),
+                              fp8_bytes, flops))
+                tma = _tma_case(x, q, s)
+                if tma is not None:
+                    cases.append((name, M, "fp8_release_tma", tma, fp8_bytes, flops))
     for case in cases:  # compile and warm every config before timing any
         case[3]()
     torch.cuda.synchronize()
@@ -114,7 +129,23 @@ def bench_gemm(rows, ms_list):
         _record(rows, "gemm", name, M, impl, _time(fn), nbytes, flops)
 
 
-def bench_moe(rows, t_list):
+def _tma_case(x, q, s):
+    """fp8_tma_experiment's GEMM on these operands if it runs and agrees with
+    ops.fp8_block_linear (within the tests' bf16 tolerance), else None with the reason."""
+    from dsv4_kernels import ops
+    try:
+        from fp8_tma_experiment import fp8_linear_tma
+        got = fp8_linear_tma(x, q, s)
+        torch.testing.assert_close(got.float(), ops.fp8_block_linear(x, q, s, True).float(),
+                                   rtol=2 ** -7, atol=1e-3)
+    except Exception as exc:  # an experiment: report it, keep benchmarking the rest
+        print(f"fp8_release_tma M={x.shape[0]} skipped: {type(exc).__name__}: "
+              f"{str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+        return None
+    return lambda: fp8_linear_tma(x, q, s)
+
+
+def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
     from dsv4_kernels import fp4_moe
     from dsv4_kernels import quant_reference as Q
 
@@ -132,7 +163,7 @@ def bench_moe(rows, t_list):
     w2, s2 = experts(MOE_D, MOE_I)
     expert_bytes = 3 * (MOE_I * MOE_D // 2 + MOE_I * MOE_D // 32)
     cases = []
-    for e_local in (MOE_E // 2, MOE_E):
+    for e_local in locals_:
         ws = tuple(t[:e_local] for t in (w1, s1, w3, s3, w2, s2))
         for T in t_list:
             x = torch.randn(T, MOE_D, device="cuda").bfloat16()
@@ -154,6 +185,13 @@ def bench_moe(rows, t_list):
     torch.cuda.synchronize()
     for name, T, impl, fn, nbytes, flops, hit in cases:
         _record(rows, "moe", name, T, impl, _time(fn), nbytes, flops, experts_hit=hit)
+    for name in sorted({c[0] for c in cases}):  # release numerics: which decode won, by T
+        for T in t_list:
+            ms = {r["impl"]: r["ms"] for r in rows
+                  if r["kind"] == "moe" and r["name"] == name and r["size"] == T}
+            won = min(("bf16", "fp8"), key=lambda v: ms[f"{v}_release"])
+            print(f"variant {name} T={T:<5} faster: {won:<4}  default_variant picks: "
+                  f"{fp4_moe.default_variant(T, MOE_TOPK)}", flush=True)
 
 
 def _sm90_report(name, fn, types, constexprs, num_warps, num_stages, not_aligned=()):
@@ -188,12 +226,15 @@ def _sm90_report(name, fn, types, constexprs, num_warps, num_stages, not_aligned
           f"  smem {kernel.metadata.shared:>7}  mma {mma}", flush=True)
 
 
-def compile_report():
-    """Every kernel of bench_quant at each config the shape tables pick, compiled for sm_90."""
+def compile_report(only=None):
+    """Every kernel of bench_quant at each config the shape tables pick, compiled for sm_90
+    (only: "gemm" or "moe" for one half)."""
     import triton.language as tl
 
     from dsv4_kernels import fp4_moe, fp8_gemm as G
 
+    if only == "moe":
+        return _moe_compile_report()
     _sm90_report("act_quant (8 blocks of 128)", G._act_quant_kernel,
                  dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
                  dict(BLOCKS=8, QB=128, ROUND_ONLY=False), 4, 2, ("M", "K"))
@@ -222,40 +263,58 @@ def compile_report():
                              dict(a_ptr="*bf16", b_ptr="*fp8e4nv", bs_ptr="*fp32", c_ptr=out),
                              dict(tiles, BLOCK_K=c["BLOCK_K"], DOT_PREC="tf32"),
                              c["num_warps"], c["num_stages"], ("M", "N", "K"))
-    for T in (1, 8192):
-        c = fp4_moe.moe_config(T, MOE_TOPK)
+    if only != "gemm":
+        _moe_compile_report()
+
+
+def _moe_compile_report():
+    import triton.language as tl
+
+    from dsv4_kernels import fp4_moe
+    from dsv4_kernels import moe
+
+    _sm90_report("moe_align one kernel (M <= 128, E 256)", moe._align_small_kernel,
+                 dict(ids_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32"),
+                 dict(BLOCK_M=16, MP=128, EP=256, CHUNK=128), 16, 1,
+                 ("M", "E", "CAP", "MAX_BLOCKS"))
+
+    for T in (1, 64, 1024, 8192):
         for variant, act_quant in (("bf16", False), ("bf16", True), ("fp8", True)):
+            c = fp4_moe.moe_config(T, MOE_TOPK, variant)
             fp8 = variant == "fp8"
-            kw = dict(NUM_EXPERTS=MOE_E // 2, FP8_DOT=fp8, BLOCK_M=c["block_m"],
-                      BLOCK_N=c["block_n"], DOT_PREC="tf32",
-                      X_DTYPE=tl.bfloat16)
-            h = "*fp8e4nv" if fp8 else "*bf16"
-            tag = f"T={T} {variant} act_quant={act_quant} bm={c['block_m']}"
+            kw = dict(NUM_EXPERTS=MOE_E // 2, FP8_DOT=fp8, BLOCK_M=c["block_m"], DOT_PREC="tf32",
+                      X_DTYPE=tl.bfloat16, CHUNKS=4)
+            tag = (f"T={T} {variant} act_quant={act_quant} bm={c['block_m']} "
+                   f"bn={c['block_n_up']}/{c['block_n_down']} w{c['num_warps']} "
+                   f"s{c['num_stages']}")
             _sm90_report(f"moe gate_up {tag}", fp4_moe._fp4_gate_up_kernel,
                          dict(a_ptr="*fp8e4nv" if act_quant else "*bf16", as_ptr="*fp32",
                               w1_ptr="*i8", w1s_ptr="*u8", w3_ptr="*i8", w3s_ptr="*u8",
                               sorted_ids_ptr="*i32", block_expert_ptr="*i32",
-                              weights_ptr="*fp32", h_ptr=h, hq_ptr="*u8" if fp8 else h,
-                              hs_ptr="*fp32", limit="fp32"),
-                         dict(kw, HAS_LIMIT=True, ACT_QUANT=act_quant), c["num_warps"],
-                         c["num_stages"], ("M", "topk"))
+                              weights_ptr="*fp32", h_ptr="*bf16", limit="fp32"),
+                         dict(kw, HAS_LIMIT=True, ACT_QUANT=act_quant, BLOCK_N=c["block_n_up"]),
+                         c["num_warps"], c["num_stages"], ("M", "topk"))
             _sm90_report(f"moe down {tag}", fp4_moe._fp4_down_kernel,
-                         dict(h_ptr=h, hs_ptr="*fp32", w2_ptr="*i8", w2s_ptr="*u8",
-                              sorted_ids_ptr="*i32", block_expert_ptr="*i32",
-                              partial_ptr="*fp32"), kw, c["num_warps"], c["num_stages"], ("M",))
+                         dict(h_ptr="*fp8e4nv" if fp8 else "*bf16", hs_ptr="*fp32",
+                              w2_ptr="*i8", w2s_ptr="*u8", sorted_ids_ptr="*i32",
+                              block_expert_ptr="*i32", partial_ptr="*fp32"),
+                         dict(kw, BLOCK_N=c["block_n_down"]), c["num_warps"], c["num_stages"],
+                         ("M",))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    ap.add_argument("--quick", action="store_true", help="M/T in (16, 2048) only")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"M/T in {QUICK_SIZES}, the 128-expert shard only, plus an alternative "
+                         "FP8 tile at M >= 2048 (under a minute)")
     ap.add_argument("--only", choices=("gemm", "moe"), default=None)
     ap.add_argument("--compile-report", action="store_true",
                     help="no GPU needed: compile every kernel config for sm_90 and print "
                          "registers / spills / shared memory")
     args = ap.parse_args(argv)
     if args.compile_report:
-        compile_report()
+        compile_report(args.only)
         return 0
     if not require_cuda():
         return 0
@@ -263,10 +322,13 @@ def main(argv=None) -> int:
     rows, t0 = [], time.time()
     if args.only in (None, "gemm"):
         print("== FP8 block GEMM (bf16 x; Flash linears)")
-        bench_gemm(rows, [16, 2048] if args.quick else GEMM_M)
+        bench_gemm(rows, QUICK_SIZES if args.quick else GEMM_M, alt_tile=args.quick)
     if args.only in (None, "moe"):
         print(f"== FP4 MoE d={MOE_D} I={MOE_I} top-{MOE_TOPK} of {MOE_E} (bf16 x)")
-        bench_moe(rows, [16, 2048] if args.quick else MOE_T)
+        if args.quick:
+            bench_moe(rows, QUICK_SIZES, (MOE_E // 2,))
+        else:
+            bench_moe(rows, MOE_T)
     print(f"done in {time.time() - t0:.0f} s")
     if args.out:
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

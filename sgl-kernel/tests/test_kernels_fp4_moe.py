@@ -71,6 +71,37 @@ def test_skipped_rows_are_zero_and_weights_scale_before_w2(device, variant, act_
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("table_T,variant,act_quant", [
+    (64, "bf16", False),    # 16-row, 64-wide tiles
+    (8192, "bf16", True),   # 128-row tiles, gate/up 64 wide, h rounded by its own kernel
+    (8192, "fp8", True),    # the fp8 variant keeps 64-row tiles there (as at mid batches)
+])
+def test_every_config_of_the_table_matches_the_reference(device, table_T, variant, act_quant):
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    E, d, inter, T, topk = 3, 128, 256, 5, 2
+    cfg = fp4_moe.moe_config(table_T, 6, variant)
+    ws = _experts(E, d, inter, device)
+    x = torch.randn(T, d, device=device)
+    ids = _distinct_ids(T, topk, -1, E + 1, device)
+    weights = torch.rand(T, topk, device=device)
+    out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 2.0, torch.empty(T, d, device=device),
+                                act_quant, variant, config=cfg)
+    torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 2.0, act_quant),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_default_variant_follows_the_batch():
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    # e4m3 decode while bandwidth-bound (T <= 64 at top-6), bf16 decode beyond.
+    assert [fp4_moe.default_variant(T, 6) for T in (1, 64, 65, 8192)] == \
+        ["fp8", "fp8", "bf16", "bf16"]
+    assert fp4_moe.moe_config(1, 6)["block_n_up"] < fp4_moe.moe_config(8192, 6)["block_n_up"]
+    assert fp4_moe.moe_config(8192, 6)["block_m"] == 128
+    assert fp4_moe.moe_config(8192, 6, "fp8")["block_m"] == 64  # 128 rows spill there
+
+
 def test_weight_only_takes_dims_that_are_not_whole_tiles(device):
     require_triton()
     from dsv4_kernels import fp4_moe
@@ -106,19 +137,31 @@ def test_fp8_variant_needs_act_quant_and_shapes_are_checked(device):
 # ---------------------------------------------------------------------------------------
 # Compiled on an H200: Flash's expert dims, a shard, bf16 activations, graphs
 # ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def flash_experts():
+    """8 experts at Flash's dims, quantized on the GPU once for the module (on the CPU this
+    took seconds per test)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    return _experts(8, 4096, 2048, "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant,act_quant", CASES)
-@pytest.mark.parametrize("T", [1, 64, 1500])
-def test_gpu_bf16_fp4_moe_at_flash_dims(variant, act_quant, T):
-    E, d, inter, topk = 8, 4096, 2048, 6
-    ws = _experts(E, d, inter, "cuda")
+@pytest.mark.parametrize("T", [1, 64, 1500])  # moe_config's small, mid and 128-row tiles
+def test_gpu_bf16_fp4_moe_at_flash_dims(flash_experts, variant, act_quant, T):
+    ws, E, d, topk = flash_experts, 8, 4096, 6
     x = torch.randn(T, d, device="cuda").bfloat16()
     ids = _distinct_ids(T, topk, 0, 2 * E, "cuda")  # half of them on the other shard
     weights = torch.rand(T, topk, device="cuda")
     out = torch.empty(T, d, device="cuda")
     from dsv4_kernels import fp4_moe
     ops_out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, out, act_quant, variant)
-    ref = Q.fp4_moe_ref(x, *ws, ids, weights, 10.0, act_quant)
+    # The reference on up to 64 rows spread over the batch (tokens are independent).
+    rows = torch.linspace(0, T - 1, min(T, 64), device="cuda").long().unique()
+    ops_out = ops_out[rows]
+    ref = Q.fp4_moe_ref(x[rows], *ws, ids[rows], weights[rows], 10.0, act_quant)
     # Weight-only: the reference rounds h to bf16 the same way, so only fp32 summation order
     # (and a rare bf16 flip of h) is left. act_quant: h is also rounded to FP8 (steps of 2^-4
     # relative), and a sum that differs in its last bits flips an FP8 code now and then (more

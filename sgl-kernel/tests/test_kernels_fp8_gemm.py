@@ -119,11 +119,15 @@ def test_bad_inputs_are_named(device):
 # Compiled on an H200 at the release's shapes
 # ---------------------------------------------------------------------------------------
 FLASH = [(4096, 1024), (1024, 32768), (4096, 512), (8192, 4096), (4096, 2048), (2048, 4096)]
+# Every Flash shape at M = 16 (split-K, quantization fused) and 64 (split-K, x quantized by its
+# own kernel), and each other tile of gemm_config once: M = 1, 200 (64 x 128) and 2048
+# (128 x 128, no split) on a shape each.
+GPU_CASES = ([(K, N, M) for K, N in FLASH for M in (16, 64)]
+             + [(4096, 1024, 1), (4096, 2048, 200), (8192, 4096, 2048)])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("K,N", FLASH)
-@pytest.mark.parametrize("M", [1, 16, 64, 2048])
+@pytest.mark.parametrize("K,N,M", GPU_CASES)
 @pytest.mark.parametrize("act_quant", [True, False])
 def test_gpu_bf16_fp8_linear_at_flash_shapes(K, N, M, act_quant):
     q, s = Q.quantize_fp8_weight(torch.randn(N, K, device="cuda") / K ** 0.5)

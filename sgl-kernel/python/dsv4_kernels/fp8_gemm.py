@@ -4,7 +4,7 @@ power-of-two scale per 128x128 block (quant_reference.fp8_block_linear_ref's con
 act_quant (release numerics): a small kernel quantizes x per 128 along K (e4m3 bytes + fp32
 pow2 scales, quant_reference.quantize_fp8_blocks bit for bit), then the GEMM multiplies e4m3 x
 e4m3 on the FP8 tensor cores one 128-wide K block at a time and adds the fp32 partial times
-(act scale x weight block scale) into an fp32 accumulator; at M <= 64 the quantization runs
+(act scale x weight block scale) into an fp32 accumulator; at M <= 16 the quantization runs
 inside the GEMM instead. fp32 x is the exception: rounded to FP8 values in fp32 and multiplied
 by the weight-only kernel in fp32 (exact products, fp32 sums, like the reference).
 Weight-only: e4m3 tiles are converted to x's dtype with their block scale (exact) and
@@ -62,7 +62,7 @@ def e4m3_bits(v):
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s,
+    x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sk,
     BLOCKS: tl.constexpr, QB: tl.constexpr, ROUND_ONLY: tl.constexpr,
 ):
     """Row m, K blocks [j*BLOCKS, (j+1)*BLOCKS): e4m3 bits and fp32 pow2 scales, or
@@ -79,7 +79,7 @@ def _act_quant_kernel(
         tl.store(q_ptr + m * stride_q + offs, r.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(q_ptr + m * stride_q + offs, e4m3_bits(v), mask=mask)
-        tl.store(s_ptr + m * stride_s + kb, scale, mask=kb * QB < K)
+        tl.store(s_ptr + m * stride_sm + kb * stride_sk, scale, mask=kb * QB < K)
 
 
 @triton.jit
@@ -99,13 +99,16 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
 @triton.jit
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, KB_PER_SPLIT,
-    stride_am, stride_asm, stride_bn, stride_bsn, stride_cs, stride_cm,
+    stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cs, stride_cm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     QUANT_A: tl.constexpr,
 ):
     """c[split] = sum over this split's 128-blocks kb of (a_kb . b_kb) * as[m,kb] * bs[n/128,kb].
     QUANT_A: a is x itself (bf16/fp16) and each 128-block is quantized here, as _act_quant_kernel
-    does (small M: saves a launch; every N tile repeats the few rows' quantization)."""
+    does (M <= 16: saves a launch; every N tile repeats the few rows' quantization).
+    BLOCK_N divides 128, so a tile has one weight scale per K block (a scalar load), and the
+    two scales fold into one per-row factor before they touch the [BM, BN] partial: a single
+    FMA per accumulator element per block, and fewer live registers."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -116,6 +119,7 @@ def _fp8_gemm_kernel(
     rows = offs_m.to(tl.int64)
     cols = offs_n.to(tl.int64)
     num_kb = K // 128
+    bs_row = bs_ptr + ((pid_n * BLOCK_N) // 128) * stride_bsn
     kb0 = split * KB_PER_SPLIT
     kb1 = tl.minimum(kb0 + KB_PER_SPLIT, num_kb)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -129,10 +133,12 @@ def _fp8_gemm_kernel(
             va = tl.minimum(tl.maximum(xa * pow2_recip(sa)[:, None], -448.0), 448.0)
             a = e4m3_bits(va).to(tl.float8e4nv, bitcast=True)
         else:
-            sa = tl.load(as_ptr + rows * stride_asm + kb, mask=m_mask, other=0.0)
-        sb = tl.load(bs_ptr + (offs_n // 128) * stride_bsn + kb, mask=n_mask, other=0.0)
-        # The 128-deep e4m3 dot is exact-product fp32; the scales are applied once per block.
-        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            # quantize_act stores the scales K-block-major: this load is coalesced.
+            sa = tl.load(as_ptr + rows * stride_asm + kb * stride_ask, mask=m_mask, other=0.0)
+        sb = tl.load(bs_row + kb)
+        # The 128-deep e4m3 dot is exact-product fp32; the scales are applied once per block
+        # (sa * sb: a product of powers of two, exact).
+        acc += tl.dot(a, b) * (sa * sb)[:, None]
     c = c_ptr + split * stride_cs + rows[:, None] * stride_cm + cols[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -145,8 +151,8 @@ def _wo_gemm_kernel(
     DOT_PREC: tl.constexpr,
 ):
     """Weight-only: c[split] = a . (b * bs) over this split's K range, b converted to a's dtype
-    (exact: an e4m3 value times a power of two). BLOCK_K divides 128, so one tile of b has one
-    scale per column."""
+    (exact: an e4m3 value times a power of two). BLOCK_K and BLOCK_N divide 128, so one tile of
+    b has one scale (a scalar load)."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -155,6 +161,7 @@ def _wo_gemm_kernel(
     n_mask = offs_n < N
     rows = offs_m.to(tl.int64)
     cols = offs_n.to(tl.int64)
+    bs_row = bs_ptr + ((pid_n * BLOCK_N) // 128) * stride_bsn
     k_lo = split * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -165,8 +172,8 @@ def _wo_gemm_kernel(
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptr + cols[None, :] * stride_bn + k[:, None],
                     mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-        sb = tl.load(bs_ptr + (offs_n // 128) * stride_bsn + k0 // 128, mask=n_mask, other=0.0)
-        b = (b.to(tl.float32) * sb[None, :]).to(a.dtype)
+        sb = tl.load(bs_row + k0 // 128)
+        b = (b.to(tl.float32) * sb).to(a.dtype)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
     c = c_ptr + split * stride_cs + rows[:, None] * stride_cm + cols[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -193,13 +200,14 @@ def gemm_config(M: int, N: int, K: int, act_quant: bool, num_sms: int = 132) -> 
     """Tiles by shape (no autotuning: graph capture must not launch candidate configs).
 
     M <= 16: 16 x 64 tiles; M <= 64: 64 x 64; M <= 256: 64 x 128; larger: 128 x 128 (8 warps).
-    FP8 with M <= 64 quantizes the activations inside the GEMM (fuse_quant: one launch fewer;
-    beyond that the repeated per-N-tile quantization would cost more than the launch).
-    128 x 256 spills for FP8 (the per-block partial doubles the accumulator registers: 496 B
-    of spill stack in an sm_90 compile, none at 128 x 128). K step: 128 for FP8 (one scale
-    block per dot), 64 for weight-only. While the tiles leave
-    SMs idle (fewer than 2 waves' worth), K is split across programs up to 2 waves and at
-    least 4 K steps per split (bandwidth-bound small M: every SM must stream weights)."""
+    BLOCK_N always divides 128 (one weight scale per tile and K block). FP8 with M <= 16
+    quantizes the activations inside the GEMM (fuse_quant: one launch fewer); at M = 64 the
+    H200 showed the repeated per-N-tile quantization costing 2.5x the GEMM (wq_b: 65 us fused
+    vs 24 us weight-only), so from 17 rows on x is quantized once by its own kernel.
+    128 x 256 spills for FP8 (the per-block partial doubles the accumulator registers). K step:
+    128 for FP8 (one scale block per dot), 64 for weight-only. While the tiles leave SMs idle
+    (fewer than 2 waves' worth), K is split across programs up to 2 waves and at least 4 K
+    steps per split (bandwidth-bound small M: every SM must stream weights)."""
     if M <= 16:
         bm, bn, warps, stages = 16, 64, 4, 4
     elif M <= 64:
@@ -217,19 +225,21 @@ def gemm_config(M: int, N: int, K: int, act_quant: bool, num_sms: int = 132) -> 
     steps_per_split = triton.cdiv(steps, split)
     split = triton.cdiv(steps, steps_per_split)  # no empty splits
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-                split=split, steps_per_split=steps_per_split, fuse_quant=act_quant and M <= 64)
+                split=split, steps_per_split=steps_per_split, fuse_quant=act_quant and M <= 16)
 
 
 def quantize_act(x2: torch.Tensor):
-    """x [M, K] (K % 128 == 0) -> (e4m3 [M, K], fp32 scales [M, K/128])."""
+    """x [M, K] (K % 128 == 0) -> (e4m3 [M, K], fp32 scales [M, K/128]). The scales are a
+    transposed view (strides (1, M)): the GEMMs read one K block's scales for many rows at a
+    time, and these lie together. Consumers must use both strides."""
     M, K = x2.shape
     q = torch.empty(M, K, dtype=torch.uint8, device=x2.device)
-    s = torch.empty(M, K // QBLOCK, dtype=torch.float32, device=x2.device)
+    s = torch.empty(K // QBLOCK, M, dtype=torch.float32, device=x2.device).t()
     if M:
         blocks = min(8, triton.next_power_of_2(K // QBLOCK))
         _act_quant_kernel[(M, triton.cdiv(K // QBLOCK, blocks))](
-            x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), BLOCKS=blocks, QB=QBLOCK,
-            ROUND_ONLY=False, num_warps=4)
+            x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), BLOCKS=blocks,
+            QB=QBLOCK, ROUND_ONLY=False, num_warps=4)
     return q.view(torch.float8_e4m3fn), s
 
 
@@ -240,7 +250,7 @@ def round_act(x2: torch.Tensor) -> torch.Tensor:
     if M:
         blocks = min(8, triton.next_power_of_2(K // QBLOCK))
         _act_quant_kernel[(M, triton.cdiv(K // QBLOCK, blocks))](
-            x2, r, r, M, K, x2.stride(0), r.stride(0), 0, BLOCKS=blocks, QB=QBLOCK,
+            x2, r, r, M, K, x2.stride(0), r.stride(0), 0, 0, BLOCKS=blocks, QB=QBLOCK,
             ROUND_ONLY=True, num_warps=4)
     return r
 
@@ -270,6 +280,8 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, config: dict | No
     # within a 128-deep block is not fp32-exact, and release numerics amplify any difference.
     fp8_dot = act_quant and x.dtype != torch.float32
     cfg = config or gemm_config(M, N, K, fp8_dot, _num_sms(x.device))
+    if 128 % cfg["BLOCK_N"] or 128 % cfg["BLOCK_K"]:
+        raise ValueError(f"fp8_block_linear: BLOCK_N and BLOCK_K must divide 128, got {cfg}")
     split = cfg["split"]
     c = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split)
@@ -283,7 +295,8 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, config: dict | No
         q, s = (x2, x2) if fuse else quantize_act(x2)  # fused: s is never read
         _fp8_gemm_kernel[grid](
             q, s, weight, ws, c, M, N, K, cfg["steps_per_split"], q.stride(0),
-            0 if fuse else s.stride(0), weight.stride(0), ws.stride(0), stride_cs, stride_cm,
+            0 if fuse else s.stride(0), 0 if fuse else s.stride(1), weight.stride(0),
+            ws.stride(0), stride_cs, stride_cm,
             QUANT_A=fuse, **common)
     else:
         if act_quant:
