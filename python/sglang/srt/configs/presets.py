@@ -1,8 +1,10 @@
 """Built-in model shapes with random weights: tiny for CPU tests, mini for one GPU, and a
-four-layer slice of DeepSeek-V4-Flash for per-layer timings. Each call returns a fresh config."""
+four-layer slice of DeepSeek-V4-Flash for per-layer timings, each also in the release weight
+format (`<name>-fp8`: FP8 linears, FP4 experts). Each call returns a fresh config."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from sglang.srt.configs.deepseek_v4 import DeepseekV4Config
@@ -117,10 +119,52 @@ def dsv4_flash_slice() -> DeepseekV4Config:
     )
 
 
+def dsv4_tiny_fp8_dims() -> DeepseekV4Config:
+    """CPU tests of the release format: dsv4-tiny's structure at dims that are whole
+    quantization blocks (the conformance-tiny-fp8fp4 model's dims), still bf16 here."""
+    return _preset(
+        vocab_size=512,
+        hidden_size=256,
+        num_hidden_layers=4,
+        compress_ratios=[0, 4, 128, 4],
+        num_attention_heads=4,
+        head_dim=128,
+        qk_rope_head_dim=64,
+        q_lora_rank=128,
+        o_groups=2,
+        o_lora_rank=64,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        routed_scaling_factor=1.5,
+        sliding_window=8,
+        index_n_heads=16,
+        index_head_dim=128,
+        index_topk=4,
+        max_position_embeddings=4096,
+        rope_factor=4,
+        original_max_position_embeddings=256,
+    )
+
+
+# The release's quantization_config, as DeepSeek-V4's config.json has it.
+RELEASE_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                        "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+
+
+def release_format(config: DeepseekV4Config) -> DeepseekV4Config:
+    """The same model in the release's weight format: FP8 block-scaled linears, FP4 experts."""
+    return dataclasses.replace(config, quantization_config=dict(RELEASE_QUANTIZATION), expert_dtype="fp4")
+
+
 PRESETS: dict[str, Callable[[], DeepseekV4Config]] = {
     "dsv4-tiny": dsv4_tiny,
     "dsv4-mini": dsv4_mini,
     "dsv4-flash-slice": dsv4_flash_slice,
+    # Release-format variants (`-fp8`): --load-format dummy builds them quantized on the device.
+    "dsv4-tiny-fp8": lambda: release_format(dsv4_tiny_fp8_dims()),
+    "dsv4-mini-fp8": lambda: release_format(dsv4_mini()),
+    "dsv4-flash-slice-fp8": lambda: release_format(dsv4_flash_slice()),
 }
 
 

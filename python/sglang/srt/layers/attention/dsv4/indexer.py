@@ -9,14 +9,25 @@ from dsv4_kernels import reference
 from torch import nn
 
 from sglang.srt.layers.attention.dsv4.compressor import Compressor
+from sglang.srt.layers.quantization import BF16, QuantMode
+from sglang.srt.layers.quantization.fp8_linear import make_linear
 from sglang.srt.layers.rotary_embedding import apply_rope_
 
 
+def _rotate_round(t: torch.Tensor) -> torch.Tensor:
+    from dsv4_kernels.ops import fp4_round_blocks, hadamard_rotate
+
+    return fp4_round_blocks(hadamard_rotate(t)).to(t.dtype)
+
+
 class Indexer(nn.Module):
-    def __init__(self, config, dtype: torch.dtype):
+    def __init__(self, config, dtype: torch.dtype, quant: QuantMode = BF16):
         super().__init__()
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
-        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype)
+        # Release numerics: q and the compressed keys are Walsh-Hadamard rotated, then rounded
+        # to FP4 per 32, as the release's indexer kernels see them.
+        self.fp4_qk = quant.release_numerics
+        self.wq_b = make_linear(config.q_lora_rank, self.n_heads * self.head_dim, dtype, quant)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False, dtype=dtype)
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
         self.compressor = Compressor(config.hidden_size, self.head_dim, 4, config.rms_norm_eps)
@@ -27,6 +38,12 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         apply_rope_(q, cos, sin)
         self.compressor(x, meta.positions, meta.c4_compressor, state, key_pool, rope, trash_ring_row, kernels)
+        if self.fp4_qk:
+            q = _rotate_round(q)
+            # The keys this step emitted, in place: each entry is written once, so each is
+            # rotated and rounded exactly once (padded emissions, -1, go to trash row 0).
+            loc = meta.c4_compressor.out_loc.long().clamp(min=0)
+            key_pool.index_copy_(0, loc, _rotate_round(key_pool.index_select(0, loc)))
         w = self.weights_proj(x).float() * self.weight_scale
         im = meta.indexer
         # logits (Triton kernel or the torch reference) + top-k straight into the produced buffer
