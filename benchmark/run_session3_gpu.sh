@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python
 nvidia-smi --query-gpu=name,memory.total --format=csv
 (CUDA_VISIBLE_DEVICES=1 timeout 420 python -m pytest -v -m gpu --timeout 150 -p no:cacheprovider \
-  --ignore=test/registered/entrypoints/test_http_load.py sgl-kernel/tests test/registered \
+  --ignore=test/registered/entrypoints --continue-on-collection-errors sgl-kernel/tests test/registered \
   > "$OUT/gpu_tests.log" 2>&1) &
 tests=$!
 export CUDA_VISIBLE_DEVICES=0
