@@ -38,6 +38,7 @@ class ServerArgs:
     model_path: str = "dsv4-tiny"
     tokenizer_path: Optional[str] = None
     load_format: str = "auto"
+    num_layers: Optional[int] = None  # keep only the model's first N layers (same dims)
     dtype: str = "auto"
     device: str = "auto"
     random_seed: int = 0
@@ -105,13 +106,20 @@ class ServerArgs:
         if model_config is None:
             from sglang.srt.configs.deepseek_v4 import load_model_config
 
-            model_config = load_model_config(self.model_path)
+            model_config = load_model_config(self.model_path, self.num_layers)
+        elif self.num_layers is not None:
+            from sglang.srt.configs.deepseek_v4 import with_num_layers
+
+            model_config = with_num_layers(model_config, self.num_layers)
         is_preset = not os.path.isdir(self.model_path)  # a preset name or a bare config.json
         load_format = self.load_format
         if load_format == "auto":
             load_format = "dummy" if is_preset else "safetensors"
         if load_format == "safetensors" and is_preset:
             raise ValueError(f"--load-format safetensors needs a checkpoint directory, got {self.model_path!r}")
+        if self.num_layers is not None and load_format != "dummy":
+            # a checkpoint holds every layer; the loader refuses tensors the model does not have
+            raise ValueError("--num-layers needs --load-format dummy (random weights), not a checkpoint")
 
         max_pos = model_config.max_position_embeddings
         context_length = self.context_length or min(max_pos, _DEFAULT_MAX_CONTEXT_LENGTH)
@@ -200,7 +208,7 @@ def _validate(a: ServerArgs) -> None:
         raise ValueError("--model-path must be a preset name or a checkpoint directory")
     if a.page_size <= 0 or a.page_size % 128:
         raise ValueError(f"--page-size must be a multiple of 128 (the c128 block), got {a.page_size}")
-    for name in ("context_length", "max_running_requests", "max_total_tokens", "breakable_cuda_graph_max_tokens",
+    for name in ("num_layers", "context_length", "max_running_requests", "max_total_tokens", "breakable_cuda_graph_max_tokens",
                  "cuda_graph_max_bs"):
         v = getattr(a, name)
         if v is not None and v <= 0:
@@ -293,10 +301,12 @@ _HELP = {
                               "Default: on exactly when the attention backend resolves to triton",
     "disable_segment_kernels": "keep the model's own torch code inside graph segments on CUDA (the Triton "
                                "attention core still runs if --attention-backend is triton)",
-    "model_path": "preset name (dsv4-tiny, dsv4-mini, dsv4-flash-slice) or a directory with config.json "
+    "model_path": "preset name (dsv4-tiny, dsv4-mini, dsv4-flash-slice, dsv4-flash) or a directory with config.json "
                   "and *.safetensors [+ tokenizer.json]",
     "tokenizer_path": "tokenizer.json or a directory holding one (default: the model directory's, else bytes)",
     "load_format": "auto: dummy (seeded random weights) for presets, safetensors for directories",
+    "num_layers": "run only the model's first N layers at full dims (compress-ratio pattern and MTP "
+                  "entry kept), for when the whole model does not fit; needs --load-format dummy",
     "dtype": "auto: bfloat16 on CUDA, float32 on CPU",
     "device": "auto: cuda when available, else cpu",
     "context_length": "default: min(max_position_embeddings, 4096)",
@@ -327,7 +337,7 @@ _CHOICES = {
     "schedule_policy": SCHEDULE_POLICIES, "load_balance_method": LOAD_BALANCE_METHODS,
     "dp_idle_policy": DP_IDLE_POLICIES, "log_level": LOG_LEVELS,
 }
-_INT_FIELDS = {"random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
+_INT_FIELDS = {"num_layers", "random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
                "chunked_prefill_size", "breakable_cuda_graph_max_tokens", "cuda_graph_max_bs", "dp_size", "nnodes",
                "node_rank", "stream_interval"}
 _FLOAT_FIELDS = {"mem_fraction_static", "watchdog_timeout"}

@@ -290,8 +290,27 @@ def _validate(c: DeepseekV4Config) -> None:
 # ---- loading and size -----------------------------------------------------------------------
 
 
-def load_model_config(model_path: str) -> DeepseekV4Config:
-    """A preset name, a checkpoint directory holding config.json, or a path to a .json file."""
+def with_num_layers(c: DeepseekV4Config, num_layers: int) -> DeepseekV4Config:
+    """The same model with its first `num_layers` layers: every dim, the compress-ratio pattern
+    and the hash layers among them kept, MTP entries of compress_ratios kept last. For when the
+    whole model does not fit on the devices at hand (--num-layers)."""
+    if not _is_int(num_layers) or not 1 <= num_layers <= c.num_hidden_layers:
+        raise ConfigError(f"num_hidden_layers: --num-layers must be in [1, {c.num_hidden_layers}], got {num_layers!r}")
+    if num_layers == c.num_hidden_layers:
+        return c
+    mtp = c.compress_ratios[c.num_hidden_layers:]
+    return dataclasses.replace(c, num_hidden_layers=num_layers, compress_ratios=c.compress_ratios[:num_layers] + mtp,
+                               num_hash_layers=min(c.num_hash_layers, num_layers), extra=dict(c.extra))
+
+
+def load_model_config(model_path: str, num_layers: int | None = None) -> DeepseekV4Config:
+    """A preset name, a checkpoint directory holding config.json, or a path to a .json file;
+    `num_layers` keeps only the first layers (`with_num_layers`)."""
+    c = _load_model_config(model_path)
+    return c if num_layers is None else with_num_layers(c, num_layers)
+
+
+def _load_model_config(model_path: str) -> DeepseekV4Config:
     from sglang.srt.configs.presets import PRESETS  # presets build configs from this module
 
     if model_path in PRESETS:

@@ -90,7 +90,7 @@ def check_dp_model(server_args) -> None:
     from sglang.srt.configs.deepseek_v4 import load_model_config
     from sglang.srt.layers.dp_attention import expert_shard
 
-    config = load_model_config(server_args.model_path)
+    config = load_model_config(server_args.model_path, server_args.num_layers)
     expert_shard(config.n_routed_experts, 0, _dp_size(server_args))
 
 

@@ -39,6 +39,7 @@ class ModelRunnerConfig:
 
     model_path: str = "dsv4-tiny"
     load_format: str = "auto"  # "auto": checkpoint for directories, seeded random for presets
+    num_layers: Optional[int] = None  # only the first N layers (configs/deepseek_v4.with_num_layers)
     dtype: str = "float32"
     device: str = "cpu"
     random_seed: int = 0
@@ -91,7 +92,7 @@ class ModelRunner:
         self.runner_config = cfg
         self.device = torch.device(cfg.device)
         self.dtype = _DTYPES[cfg.dtype]
-        self.config = load_model_config(cfg.model_path)
+        self.config = load_model_config(cfg.model_path, cfg.num_layers)
         self.max_context_len = min(cfg.context_length, self.config.max_position_embeddings)
         self.max_num_reqs = cfg.max_num_reqs
         self.model = self._load_model(cfg)
