@@ -136,7 +136,8 @@ class ServerArgs:
             cap = context_length * max_running
             if on_cuda:
                 free = gpu_free_memory if gpu_free_memory is not None else _query_gpu_free_memory()
-                max_total_tokens = min(cap, _tokens_for_memory(model_config, dtype, free, self.mem_fraction_static))
+                max_total_tokens = self._memory_plan(model_config, dtype, free, context_length, max_running,
+                                                     pick).kv_pool_tokens
             else:
                 max_total_tokens = min(cap, max(_CPU_MAX_TOTAL_TOKENS, context_length))
             if max_total_tokens < self.page_size:
@@ -170,6 +171,25 @@ class ServerArgs:
             cuda_graph_max_bs=self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick],
             resolved=True,
         )
+
+    def _memory_plan(self, model_config, dtype: str, free: int, context_length: int, max_running: int, pick: int):
+        """This GPU's memory plan (mem_cache/memory_planner.py); raises MemoryPlanError, which
+        names the shortfall and the flag to change, when the model or the KV cache does not fit."""
+        from sglang.srt.mem_cache.memory_planner import PlanSettings, loaded_weight_format, plan_memory
+
+        settings = PlanSettings(
+            weight_format=loaded_weight_format(model_config, dtype), model_dtype=dtype,
+            kv_cache_dtype=getattr(self, "kv_cache_dtype", "auto"),  # the flag comes with the FP8 KV cache
+            dp_size=self.dp_size if self.enable_dp_attention else 1, page_size=self.page_size,
+            context_length=context_length, max_running_requests=max_running,
+            chunked_prefill_size=max(self.chunked_prefill_size or _DEFAULT_CHUNKED_PREFILL_SIZE[pick], 1),
+            bcg_max_tokens=(self.breakable_cuda_graph_max_tokens or _DEFAULT_BCG_MAX_TOKENS[pick])
+            if self.enable_breakable_cuda_graph else 0,
+            decode_graph_max_bs=0 if self.disable_cuda_graph else min(
+                self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick], max_running),
+            mem_fraction_static=self.mem_fraction_static,
+        )
+        return plan_memory(model_config, settings, free)
 
     @property
     def torch_dtype(self):
@@ -260,29 +280,6 @@ def _check_dist_init_addr(addr: str) -> None:
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
-
-
-def _kv_bytes_per_token(config, dtype: str) -> int:
-    """KV bytes one token costs across layers, mirroring DSV4KVPool's layout: raw KV every
-    layer, plus 1/r of a compressed entry (and of an indexer key on ratio-4 layers)."""
-    elt = 2 if dtype == "bfloat16" else 4
-    total = 0.0
-    for layer in range(config.num_hidden_layers):
-        r = config.layer_compress_ratio(layer)
-        total += config.head_dim
-        if r:
-            total += config.head_dim / r
-        if r == 4:
-            total += config.index_head_dim / 4
-    return int(total * elt) + 1
-
-
-def _tokens_for_memory(config, dtype: str, free_bytes: int, fraction: float) -> int:
-    from sglang.srt.configs.deepseek_v4 import estimate_num_parameters
-
-    weight_bytes = estimate_num_parameters(config) * (2 if dtype == "bfloat16" else 4)
-    budget = free_bytes * fraction - weight_bytes
-    return max(0, int(budget // _kv_bytes_per_token(config, dtype)))
 
 
 def _query_gpu_free_memory() -> int:

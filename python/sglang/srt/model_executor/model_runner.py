@@ -20,6 +20,7 @@ from sglang.srt.layers.dp_attention import DPMoEContext, expert_shard
 from sglang.srt.layers.logits_processor import LogitsOutput, compute_logits
 from sglang.srt.managers.dp_sync import GraphConfig, PathKind
 from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
+from sglang.srt.mem_cache.memory_planner import report_startup_memory
 from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.forward_context import forward_context
@@ -47,6 +48,8 @@ class ModelRunnerConfig:
     page_size: int = 128
     max_num_reqs: int = 16
     max_total_tokens: int = 16384
+    mem_fraction_static: float = 0.8  # for the start-up memory plan (mem_cache/memory_planner.py)
+    chunked_prefill_size: int = 2048
     enable_breakable_cuda_graph: bool = False
     breakable_cuda_graph_max_tokens: int = 512
     breakable_cuda_graph_tokens: Optional[Sequence[int]] = None
@@ -91,6 +94,7 @@ class ModelRunner:
         cfg = ModelRunnerConfig.from_server_args(server_args)
         self.runner_config = cfg
         self.device = torch.device(cfg.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         self.dtype = _DTYPES[cfg.dtype]
         self.config = load_model_config(cfg.model_path, cfg.num_layers)
         self.max_context_len = min(cfg.context_length, self.config.max_position_embeddings)
@@ -115,6 +119,7 @@ class ModelRunner:
         self.decode_graph_runner = None  # decode batches (full graphs)
         self.graph_runners = []  # both, in the order forward() tries them
         self._init_graph_runners(cfg)
+        self.memory_plan = report_startup_memory(self, free_before)
 
     def _init_graph_runners(self, cfg: ModelRunnerConfig) -> None:
         if cfg.enable_breakable_cuda_graph:
@@ -140,7 +145,8 @@ class ModelRunner:
         if self.dp_groups is None or self.dp_groups.dp_size != cfg.dp_size:
             raise RuntimeError("DP attention: call init_dp_groups() before building the ModelRunner")
         start, end = expert_shard(self.config.n_routed_experts, self.dp_groups.dp_rank, cfg.dp_size)
-        for layer in self.model.layers:
+        # MTP layers too: never run here, but loaded, and at Pro size their experts are 13 GB
+        for layer in list(self.model.layers) + list(self.model.mtp):
             layer.ffn.experts.keep_shard_(start, end)
 
     def dp_moe(self, pad_tokens: int):
