@@ -20,6 +20,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULE_POLICIES = ("fcfs",)
 LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
 DP_IDLE_POLICIES = ("replay", "eager")
+MOE_DISPATCHERS = ("gather", "deepep")  # layers/moe/ep_dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 # Device-dependent defaults: (cpu, cuda).
@@ -70,6 +71,7 @@ class ServerArgs:
     dp_size: int = 1
     load_balance_method: str = "round_robin"
     dp_idle_policy: str = "replay"
+    moe_dispatcher: str = "gather"
     enable_two_batch_overlap: bool = False
     nnodes: int = 1
     node_rank: int = 0
@@ -220,7 +222,7 @@ def _validate(a: ServerArgs) -> None:
         ("dtype", DTYPES), ("device", DEVICES), ("load_format", LOAD_FORMATS),
         ("attention_backend", ATTENTION_BACKENDS), ("schedule_policy", SCHEDULE_POLICIES),
         ("load_balance_method", LOAD_BALANCE_METHODS), ("dp_idle_policy", DP_IDLE_POLICIES),
-        ("log_level", LOG_LEVELS),
+        ("log_level", LOG_LEVELS), ("moe_dispatcher", MOE_DISPATCHERS),
     ):
         if getattr(a, name) not in choices:
             raise ValueError(f"--{_flag(name)} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
@@ -321,6 +323,9 @@ _HELP = {
     "load_balance_method": "how the DP controller picks a rank: round_robin, or least_loaded "
                            "(fewest outstanding requests, then tokens)",
     "dp_idle_policy": "what ranks do on steps where some DP rank is idle",
+    "moe_dispatcher": "how DP ranks exchange MoE rows (each holds 1/dp of the routed experts): gather "
+                      "(all-gather + reduce-scatter, captured in graphs) or deepep (all-to-all; needs deep_ep, "
+                      "not implemented yet)",
     "enable_two_batch_overlap": "not implemented yet: start-up fails with NotImplementedError",
     "nnodes": "nodes the DP ranks span (--dp-size must be a multiple)",
     "node_rank": "this node's index; node 0 runs the HTTP server, the others only their DP ranks",
@@ -332,7 +337,7 @@ _HELP = {
 _CHOICES = {
     "load_format": LOAD_FORMATS, "dtype": DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS,
     "schedule_policy": SCHEDULE_POLICIES, "load_balance_method": LOAD_BALANCE_METHODS,
-    "dp_idle_policy": DP_IDLE_POLICIES, "log_level": LOG_LEVELS,
+    "dp_idle_policy": DP_IDLE_POLICIES, "log_level": LOG_LEVELS, "moe_dispatcher": MOE_DISPATCHERS,
 }
 _INT_FIELDS = {"num_layers", "random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
                "chunked_prefill_size", "breakable_cuda_graph_max_tokens", "cuda_graph_max_bs", "dp_size", "nnodes",

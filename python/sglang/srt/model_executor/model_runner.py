@@ -66,6 +66,7 @@ class ModelRunnerConfig:
     # DP attention (the process groups are set up before the runner: distributed/parallel_state.py)
     dp_size: int = 1
     dp_idle_policy: str = "replay"
+    moe_dispatcher: str = "gather"  # layers/moe/ep_dispatch.py: "gather" (all-gather / reduce-scatter) | "deepep"
 
     @staticmethod
     def from_server_args(args) -> "ModelRunnerConfig":
@@ -141,6 +142,9 @@ class ModelRunner:
     def _shard_experts_for_dp(self, cfg: ModelRunnerConfig) -> None:
         from sglang.srt.distributed.parallel_state import get_dp_groups
 
+        from sglang.srt.layers.moe.ep_dispatch import create_moe_dispatcher
+
+        self.moe_dispatcher = create_moe_dispatcher(cfg.moe_dispatcher)  # fails first if it cannot run
         self.dp_groups = get_dp_groups()
         if self.dp_groups is None or self.dp_groups.dp_size != cfg.dp_size:
             raise RuntimeError("DP attention: call init_dp_groups() before building the ModelRunner")
@@ -154,7 +158,7 @@ class ModelRunner:
         if self.dp_groups is None:
             return None
         g = self.dp_groups
-        return DPMoEContext(g.device_group, g.dp_rank, g.dp_size, pad_tokens)
+        return DPMoEContext(g.device_group, g.dp_rank, g.dp_size, pad_tokens, self.moe_dispatcher)
 
     def _load_model(self, cfg: ModelRunnerConfig) -> DeepseekV4ForCausalLM:
         model = DeepseekV4ForCausalLM(self.config, self.dtype, max_positions=self.max_context_len + 1)
