@@ -137,3 +137,15 @@ def test_kv_pool_follows_the_static_fraction_and_is_capped_by_use():
         // per_token // 128 * 128
     huge = plan_memory(mini, s, 139 * GiB)
     assert huge.kv_pool_tokens == 8192 * 64  # never more than the running requests can use
+
+
+def test_breakable_graph_pool_does_not_grow_with_the_context_length():
+    flash = get_preset("dsv4-flash")
+    # One 1M-token request: with bf16 KV (every raw token kept) it alone needs ~50 GiB; FP8 fits.
+    bcg_only = dataclasses.replace(SERVING, dp_size=2, decode_graph_max_bs=0, max_running_requests=8,
+                                   kv_cache_dtype="fp8_e4m3", mem_fraction_static=0.9)
+    short = plan_memory(flash, dataclasses.replace(bcg_only, context_length=8192), H200_USABLE_BYTES)
+    long = plan_memory(flash, dataclasses.replace(bcg_only, context_length=1048576), H200_USABLE_BYTES)
+    assert short.graph_pool == long.graph_pool < 4 * GiB
+    # The eager break's candidate lists do follow the sequences they serve (4096 tokens at 1M).
+    assert long.activation_reserve - short.activation_reserve > 4 * GiB

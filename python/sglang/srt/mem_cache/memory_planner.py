@@ -160,25 +160,39 @@ def rope_table_bytes(config, context_length: int) -> int:
 # ---- activations and graphs -----------------------------------------------------------------
 
 
-def step_activation_bytes(config, num_tokens: int, dp_size: int, num_reqs: int, context_length: int,
-                          model_dtype: str = "bfloat16") -> int:
-    """Peak transient bytes of one forward over `num_tokens` tokens on one rank: the largest of
-    the MoE's working set (DP-gathered rows, fused_moe's per-pair buffers, the fp32 output) and the attention's (q, output, indexer logits over the candidate width), plus the
-    mHC residual streams and the logits of `num_reqs` rows. An estimate of the big tensors,
-    not an allocator trace: start-up logs the measured graph memory beside it."""
-    from sglang.srt.layers.attention.dsv4.widths import candidate_widths
-
+def segment_activation_bytes(config, num_tokens: int, dp_size: int, num_reqs: int,
+                             model_dtype: str = "bfloat16") -> int:
+    """Peak transient bytes of the graph-segment part of one forward over `num_tokens` tokens on
+    one rank: the larger of the MoE's working set (DP-gathered rows, fused_moe's per-pair
+    buffers, the fp32 output) and the attention's (q, output, indexer q), plus the mHC residual
+    streams and the logits of `num_reqs` rows. Nothing here depends on the context length. An
+    estimate of the big tensors, not an allocator trace: start-up logs measured memory beside it."""
     e = _elt(model_dtype)
     T, d, H, hd = num_tokens, config.hidden_size, config.num_attention_heads, config.head_dim
     gathered = T * dp_size
     # fused_moe: gathered input, fp32 output (and the reduce-scatter's), and per (row, top-k)
     # pair the activation `h` [I] and the partial output [d] in the model dtype
     moe = gathered * d * (e + 4 + 4) + gathered * config.num_experts_per_tok * (config.moe_intermediate_size + d) * e
-    c4_width, _c128_width = candidate_widths(config, context_length)
-    attn = T * H * hd * (2 * e + 4) + T * config.index_n_heads * config.index_head_dim * e + T * c4_width * 4 * 2
+    attn = T * H * hd * (2 * e + 4) + T * config.index_n_heads * (config.index_head_dim * e + 4)
     residual = 3 * T * config.hc_mult * d * 4  # X, the post-mix X', the mixed input (fp32)
     logits = num_reqs * config.vocab_size * 4 * 2
     return max(moe, attn) + residual + logits
+
+
+def attention_break_bytes(config, num_tokens: int, max_seq_len: int) -> int:
+    """Transient bytes of the attention break for `num_tokens` tokens of sequences up to
+    `max_seq_len`: the c4 / c128 candidate lists (int32 per token) and one bounded chunk of the
+    indexer's top-k working set (layers/attention/dsv4/widths.py). Under breakable graphs this is
+    eager, outside the graph pool; full decode graphs capture it. GPU plans: the Triton top-k."""
+    from sglang.srt.layers.attention.dsv4.widths import (
+        candidate_widths,
+        indexer_bytes_per_candidate,
+        indexer_chunk_tokens,
+    )
+
+    c4_width, c128_width = candidate_widths(max_seq_len)
+    chunk = min(num_tokens, indexer_chunk_tokens(config, c4_width, kernels=True))
+    return num_tokens * (c4_width + c128_width) * 4 + chunk * c4_width * indexer_bytes_per_candidate(config, True)
 
 
 # ---- the plan -------------------------------------------------------------------------------
@@ -251,11 +265,16 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
     state = per_request_state_bytes(config, s.context_length) * (s.max_running_requests + 1)
     rope = rope_table_bytes(config, s.context_length)
     per_token = kv_bytes_per_token(config, s.kv_cache_dtype, s.model_dtype)
-    act = lambda n, reqs: step_activation_bytes(config, n, s.dp_size, reqs, s.context_length, s.model_dtype)  # noqa: E731
+    seg = lambda n, reqs: segment_activation_bytes(config, n, s.dp_size, reqs, s.model_dtype)  # noqa: E731
     # A graph pool is as large as its largest capture (buckets share it, captured largest first).
-    graph = (act(s.bcg_max_tokens, s.max_running_requests) if s.bcg_max_tokens else 0) + (
-        act(s.decode_graph_max_bs, s.decode_graph_max_bs) if s.decode_graph_max_bs else 0)
-    reserve = act(max(s.chunked_prefill_size, s.bcg_max_tokens, 1), s.max_running_requests)
+    # Breakable graphs hold segments only; decode graphs hold the attention break too.
+    graph = (seg(s.bcg_max_tokens, s.max_running_requests) if s.bcg_max_tokens else 0) + (
+        seg(s.decode_graph_max_bs, s.decode_graph_max_bs)
+        + attention_break_bytes(config, s.decode_graph_max_bs, s.context_length) if s.decode_graph_max_bs else 0)
+    # Eager steps and the eager breaks of replays: segments of the largest step (when not
+    # replayed from the pool) and the break at the full context length.
+    step_tokens = max(s.chunked_prefill_size, s.bcg_max_tokens, 1)
+    reserve = seg(step_tokens, s.max_running_requests) + attention_break_bytes(config, step_tokens, s.context_length)
 
     static_budget = int(free_memory * s.mem_fraction_static)
     fixed = weights_gpu + state + rope
