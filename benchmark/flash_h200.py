@@ -2,11 +2,12 @@
 capture), with as many layers as fit (--num-layers, about 20 in the release format).
 
   python benchmark/flash_h200.py --plan-only            # the paper plan, CPU is enough
-  python benchmark/flash_h200.py --num-layers 20        # on the H200: needs issue 11 merged
+  python benchmark/flash_h200.py --num-layers 20        # on the H200
 
-Start-up needs `--load-format dummy` to build release-format (FP8 + FP4) random weights on the
-device (issue 11); before that, dummy weights are bf16 and 20 Flash layers (~280 GB) do not
-fit: the planner says so before anything is allocated. Prints one JSON line per result.
+Start-up builds the model in the release format (FP8 linears, FP4 experts) on the device and
+fills it with `--load-format dummy` random weights tensor by tensor (expert by expert), so no
+bf16 copy of a layer ever exists; a plan that does not fit stops before anything is allocated.
+Prints one JSON line per result.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def main(argv=None) -> None:
     p.add_argument("--breakable-cuda-graph-max-tokens", type=int, default=4096)
     p.add_argument("--cuda-graph-max-bs", type=int, default=64)
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16) | fp8_e4m3 (issue 11)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                   help="auto (bf16 rows) | fp8_e4m3 (584-byte rows)")
     p.add_argument("--plan-only", action="store_true", help="print the plan for an H200 and stop (no GPU)")
     a = p.parse_args(argv)
 
@@ -85,7 +87,7 @@ def main(argv=None) -> None:
         max_running_requests=a.max_running_requests, chunked_prefill_size=a.chunked_prefill_size,
         enable_breakable_cuda_graph=True, breakable_cuda_graph_max_tokens=a.breakable_cuda_graph_max_tokens,
         cuda_graph_max_bs=a.cuda_graph_max_bs, mem_fraction_static=a.mem_fraction_static,
-        **({"kv_cache_dtype": a.kv_cache_dtype} if a.kv_cache_dtype != "auto" else {}),
+        kv_cache_dtype=a.kv_cache_dtype,
     ).resolve(cuda_available=True)  # raises MemoryPlanError with the shortfall if it cannot fit
     start = time.perf_counter()
     runner = ModelRunner(args)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # DeepSeek-V4-Flash dims on one H200 with as many layers as fit (default 20): memory plan,
 # start-up (capture time, graph memory), bench_one_batch, and the 128K-token prompt.
-# Needs issue 11 merged (release-format `--load-format dummy`: FP8 linears, FP4 experts on the
-# device); without it, start-up stops at the memory plan with the shortfall in GiB.
+# Weights are release-format `--load-format dummy` (FP8 linears, FP4 experts drawn on the device);
+# a plan that does not fit stops start-up with the shortfall in GiB.
 # Usage (repo root, on the GPU machine): OUT=/some/dir NUM_LAYERS=20 bash benchmark/run_flash_h200.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/flash_h200}; mkdir -p "$OUT"

@@ -15,9 +15,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run the long `slow` variants")
+
+
 def pytest_collection_modifyitems(config, items):
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # Only long twins of fast tests carry `slow`: skipping them hides no required check.
+    run_slow = config.getoption("--run-slow") or os.environ.get("SGLANG_TEST_SLOW") == "1"
     for item in items:
+        if item.get_closest_marker("slow") and not run_slow:
+            item.add_marker(pytest.mark.skip(reason="long variant: pass --run-slow"))
         if item.get_closest_marker("gpu") and num_gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if item.get_closest_marker("multi_gpu") and num_gpus < 2:

@@ -5,6 +5,10 @@
 
 Requests go straight to the engine's scheduler (streaming every token) so the first token of
 each request is timestamped when its step returns. ignore_eos keeps output lengths exact.
+
+A warm-up pass of the same prompt lengths runs first (untimed: Triton JIT compiles for every
+batch shape the scheduler produces must not land in a timing), then `--repeats` timed runs of
+the whole workload; the result is the median run, with every run and the spread beside it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ class BenchArgs:
     random_input_len: int = 64
     random_output_len: int = 16
     dataset_seed: int = 1
-    warmup_prompts: int = 1
+    warmup_prompts: int = 256
+    repeats: int = 3
     result_file: str = ""
 
 
@@ -40,7 +45,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-output-len", type=int, default=BenchArgs.random_output_len)
     parser.add_argument("--dataset-seed", type=int, default=BenchArgs.dataset_seed, help="seed of the prompts")
     parser.add_argument("--warmup-prompts", type=int, default=BenchArgs.warmup_prompts,
-                        help="short requests served (and not measured) before the run")
+                        help="requests of the benchmark's lengths served (untimed) before the runs, "
+                             "at most --num-prompts")
+    parser.add_argument("--repeats", type=int, default=BenchArgs.repeats,
+                        help="timed runs of the whole workload; the median run is reported")
     parser.add_argument("--result-file", type=str, default="", help="append one JSON line with the results")
 
 
@@ -120,25 +128,33 @@ def run_benchmark(server_args: ServerArgs, bench_args: BenchArgs) -> dict:
         dp = engine.model_runner is None  # DP attention: the ranks live in their own processes
         vocab = sched.vocab_size if dp else engine.model_runner.config.vocab_size
         if bench_args.warmup_prompts:
-            warm = random_prompts(bench_args.warmup_prompts, min(bench_args.random_input_len, 16), vocab,
-                                  bench_args.dataset_seed + 1)
-            run_requests(sched, warm, 2, "warmup-")
-        before = _stats(sched)
+            n_warm = min(bench_args.warmup_prompts, bench_args.num_prompts)
+            warm = random_prompts(n_warm, bench_args.random_input_len, vocab, bench_args.dataset_seed + 1)
+            run_requests(sched, warm, bench_args.random_output_len, "warmup-")
         prompts = random_prompts(bench_args.num_prompts, bench_args.random_input_len, vocab, bench_args.dataset_seed)
-        start = time.perf_counter()
-        recs = run_requests(sched, prompts, bench_args.random_output_len, "bench-")
-        elapsed = time.perf_counter() - start
-        after = _stats(sched)
-        result = summarize(recs, bench_args.random_input_len, elapsed)
-        # scheduler counters of this run only (the runner's own stats are reported as they are)
-        result["forwards"] = {k[len("num_forwards_"):]: after[k] - before[k] for k in after
-                              if k.startswith("num_forwards_")}
-        result["num_retracted_reqs"] = after["num_retracted_reqs"] - before["num_retracted_reqs"]
-        result["runner_stats"] = after if dp else engine.model_runner.get_stats()
-        if dp:  # share of extend/mixed DP steps (idle-rank steps included) that replayed BCG
-            bcg = after.get("dp_bcg_steps", 0) - before.get("dp_bcg_steps", 0)
-            ext = after.get("dp_extend_steps", 0) - before.get("dp_extend_steps", 0)
-            result["dp_bcg_replayed_fraction"] = bcg / max(1, ext)
+        runs = []
+        for rep in range(max(1, bench_args.repeats)):
+            before = _stats(sched)
+            start = time.perf_counter()
+            recs = run_requests(sched, prompts, bench_args.random_output_len, f"bench{rep}-")
+            elapsed = time.perf_counter() - start
+            after = _stats(sched)
+            run = summarize(recs, bench_args.random_input_len, elapsed)
+            # scheduler counters of this run only
+            run["forwards"] = {k[len("num_forwards_"):]: after[k] - before[k] for k in after
+                               if k.startswith("num_forwards_")}
+            run["num_retracted_reqs"] = after["num_retracted_reqs"] - before["num_retracted_reqs"]
+            if dp:  # share of extend/mixed DP steps (idle-rank steps included) that replayed BCG
+                bcg = after.get("dp_bcg_steps", 0) - before.get("dp_bcg_steps", 0)
+                ext = after.get("dp_extend_steps", 0) - before.get("dp_extend_steps", 0)
+                run["dp_bcg_replayed_fraction"] = bcg / max(1, ext)
+            runs.append(run)
+        result = dict(sorted(runs, key=lambda r: r["request_throughput"])[len(runs) // 2])
+        result["runs"] = [{k: r[k] for k in ("request_throughput", "output_throughput", "duration_s", "ttft_ms",
+                                              "tpot_ms")} for r in runs]
+        tput = [r["request_throughput"] for r in runs]
+        result["throughput_spread"] = (max(tput) - min(tput)) / result["request_throughput"]
+        result["runner_stats"] = _stats(sched) if dp else engine.model_runner.get_stats()
         result["config"] = {
             **dataclasses.asdict(bench_args),
             **{k: getattr(engine.server_args, k) for k in (
@@ -161,8 +177,10 @@ def _stats(sched) -> dict:
 
 def format_result(r: dict) -> str:
     lines = [
-        f"completed requests:       {r['completed']} ({r['failed']} failed) in {r['duration_s']:.2f} s",
-        f"request throughput:       {r['request_throughput']:.2f} req/s",
+        f"completed requests:       {r['completed']} ({r['failed']} failed) in {r['duration_s']:.2f} s "
+        f"(median of {len(r['runs'])} runs)",
+        f"request throughput:       {r['request_throughput']:.2f} req/s (runs: "
+        + ", ".join(f"{x['request_throughput']:.2f}" for x in r["runs"]) + f"; spread {r['throughput_spread']:.1%})",
         f"input token throughput:   {r['input_throughput']:.1f} tok/s",
         f"output token throughput:  {r['output_throughput']:.1f} tok/s",
         "TTFT ms p50/p90/p99:      {p50:.1f} / {p90:.1f} / {p99:.1f}".format(**r["ttft_ms"]),

@@ -6,6 +6,10 @@ eager: the whole step launched from Python. bcg: breakable-graph replay (metadat
 padding, segments replayed, attention eager, logits head eager). ideal: one full CUDA graph
 captured for that exact batch, attention included (GPU work only, the no-break bound).
 Reports ms per step, eager/bcg and bcg/ideal, breaks per step, capture time, graph memory.
+
+Every mode is warmed up before it is timed (Triton JIT compiles and autotuning must not land
+in a timing), then timed in `--repeats` runs of `--iters` steps; the table gives the median
+run and the JSON every run, so the spread is visible.
 """
 
 from __future__ import annotations
@@ -44,16 +48,34 @@ def make_batch(runner, mode: str, n: int, prefix: int, max_chunk: int, n_decode:
     return fb, slots
 
 
-def timed(fn, device, iters: int) -> float:
-    fn()
+def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
+
+
+def timed(fn, device, iters: int, repeats: int, warmup: int) -> list:
+    """ms per step of each of `repeats` runs of `iters` steps, after `warmup` untimed steps."""
+    for _ in range(warmup):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e3
+    _sync(device)
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(device)
+        runs.append((time.perf_counter() - start) / iters * 1e3)
+    return runs
+
+
+def median(xs: list) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+def spread(xs: list) -> float:
+    """(max - min) / median of the runs: the run-to-run noise of one figure."""
+    return (max(xs) - min(xs)) / median(xs)
 
 
 def ideal_graph(runner, fb):
@@ -89,10 +111,15 @@ def main(argv=None):
     p.add_argument("--max-chunk", type=int, default=1024)
     p.add_argument("--decode-rows", type=int, default=32)
     p.add_argument("--context-length", type=int, default=8192)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=10, help="steps per timed run")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per mode (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode before timing")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--disable-segment-kernels", action="store_true",
                    help="the model's torch code inside graph segments (default on CUDA: dsv4_kernels' Triton)")
+    p.add_argument("--quant-numerics", default="release", choices=["weight_only", "release"],
+                   help="for release-format models (*-fp8 presets, FP8/FP4 checkpoints)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     p.add_argument("--result-file", default=None)
     a = p.parse_args(argv)
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
@@ -104,13 +131,15 @@ def main(argv=None):
         max_num_reqs=n_reqs, max_total_tokens=n_reqs * (a.prefix + a.max_chunk + 128),
         enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=sorted(set(a.num_tokens)),
         disable_cuda_graph=True, attention_backend=a.attention_backend,
-        disable_segment_kernels=a.disable_segment_kernels,
+        disable_segment_kernels=a.disable_segment_kernels, quant_numerics=a.quant_numerics,
+        kv_cache_dtype=a.kv_cache_dtype,
     )
     runner = ModelRunner(cfg)
     bcg = runner.bcg_runner
     dev = runner.device
     rows = []
-    header = f"{'mode':6} {'tokens':>6} {'eager ms':>9} {'bcg ms':>8} {'ideal ms':>9} {'eager/bcg':>9} {'bcg/ideal':>9} {'breaks':>6}"
+    header = (f"{'mode':6} {'tokens':>6} {'eager ms':>9} {'bcg ms':>8} {'ideal ms':>9} {'eager/bcg':>9} "
+              f"{'bcg/ideal':>9} {'breaks':>6} {'spread e/b/i':>17}")
     print(f"model {a.model_path} on {dev} ({dtype}); BCG capture {bcg.capture_seconds:.1f}s for "
           f"{len(bcg.capture_num_tokens)} buckets, graph memory {bcg.graph_memory_bytes / 2**20:.0f} MiB")
     print(header)
@@ -118,19 +147,23 @@ def main(argv=None):
         for n in a.num_tokens:
             n_dec = min(a.decode_rows, n // 2) if mode == "mixed" else 0
             fb, slots = make_batch(runner, mode, n, a.prefix, a.max_chunk, n_dec)
+            t = dict(iters=a.iters, repeats=a.repeats, warmup=a.warmup)
             with torch.inference_mode():
-                eager = timed(lambda: runner.forward_eager(fb), dev, a.iters)
+                eager_runs = timed(lambda: runner.forward_eager(fb), dev, **t)
                 assert bcg.can_run(fb), bcg.fallback_reason(fb)
-                replay = timed(lambda: bcg.replay(fb), dev, a.iters)
+                bcg_runs = timed(lambda: bcg.replay(fb), dev, **t)
                 graph, replay_ideal = ideal_graph(runner, fb)
-                ideal = timed(replay_ideal, dev, a.iters)
+                ideal_runs = timed(replay_ideal, dev, **t)
                 graph.release()
+            eager, replay, ideal = median(eager_runs), median(bcg_runs), median(ideal_runs)
             breaks = bcg.graphs[bcg.bucket_for(n)].num_breaks
             row = dict(mode=mode, tokens=n, eager_ms=eager, bcg_ms=replay, ideal_ms=ideal,
-                       eager_over_bcg=eager / replay, bcg_over_ideal=replay / ideal, breaks=breaks)
+                       eager_over_bcg=eager / replay, bcg_over_ideal=replay / ideal, breaks=breaks,
+                       eager_runs_ms=eager_runs, bcg_runs_ms=bcg_runs, ideal_runs_ms=ideal_runs)
             rows.append(row)
+            noise = "/".join(f"{spread(r):.0%}" for r in (eager_runs, bcg_runs, ideal_runs))
             print(f"{mode:6} {n:6d} {eager:9.2f} {replay:8.2f} {ideal:9.2f} {eager / replay:9.2f} "
-                  f"{replay / ideal:9.2f} {breaks:6d}", flush=True)
+                  f"{replay / ideal:9.2f} {breaks:6d} {noise:>17}", flush=True)
             for s in slots:
                 runner.req_to_token_pool.free_req(s)
     if a.result_file:

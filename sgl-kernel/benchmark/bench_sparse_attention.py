@@ -1,5 +1,6 @@
 """sparse_attn_with_sink at dsv4-flash-slice decode shapes (H=64, D=512, window 128, c4 top-k
-512): achieved bandwidth over gathered KV rows + q + out, for the default and a config sweep."""
+512): achieved bandwidth over gathered KV rows + q + out, for the default and a config sweep,
+and the default config reading an FP8 KV cache (584-byte rows, dequantized on load)."""
 
 import torch
 
@@ -23,8 +24,12 @@ def main():
     from dsv4_kernels import ops, reference
     from dsv4_kernels.sparse_attention import SparseAttnConfig, sparse_attn_with_sink
 
+    from dsv4_kernels.kv_fp8 import FP8KVLayout
+
     kv_a = torch.randn(POOL_ROWS, D, device="cuda", dtype=torch.bfloat16)
     kv_b = torch.randn(POOL_ROWS, D, device="cuda", dtype=torch.bfloat16)
+    layout = FP8KVLayout(D, 64)
+    kv_a8, kv_b8 = layout.pack(kv_a), layout.pack(kv_b)  # the same keys as FP8 rows
     sink = torch.randn(H, device="cuda")
     scale = D ** -0.5
     print(f"== sparse_attn_with_sink H={H} D={D} Wa={WA} Wb={WB} (decode: every entry valid)")
@@ -44,6 +49,16 @@ def main():
             err = (out.float() - expected).abs().max().item()
             assert err < 3e-2, f"mismatch {err}"
         report(f"T={T:<5} default", time_ms(lambda: ops.sparse_attn_with_sink(*args)), nbytes, flops)
+        args8 = (q, kv_a8, idx_a, len_a, kv_b8, idx_b, len_b, sink, scale, out)
+        if T <= 64:
+            expected = reference.sparse_attn_with_sink(*args8[:-1], torch.empty(T, H, D, device="cuda"),
+                                                       kv_layout=layout)
+            ops.sparse_attn_with_sink(*args8, kv_layout=layout)
+            err = (out.float() - expected).abs().max().item()
+            assert err < 3e-2, f"fp8 kv mismatch {err}"
+        nbytes8 = T * (WA + WB) * layout.row_bytes + 2 * q.numel() * 2
+        report(f"T={T:<5} default, fp8 kv cache", time_ms(lambda: ops.sparse_attn_with_sink(*args8, kv_layout=layout)),
+               nbytes8, flops)
         best = None
         for bh, bn, nw, ns, keys_as_m in SWEEP:
             for splits in (1, 2, 4, 8, 16) if T <= 64 else (1, 2) if T <= 256 else (1,):

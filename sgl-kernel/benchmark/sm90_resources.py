@@ -47,22 +47,29 @@ def main():
     attn_ptrs = dict(q_ptr="*bf16", kv_a_ptr="*bf16", idx_a_ptr="*i32", len_a_ptr="*i32",
                      kv_b_ptr="*bf16", idx_b_ptr="*i32", len_b_ptr="*i32", sink_ptr="*fp32",
                      out_ptr="*bf16", part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32")
-    for splits in (1, 4):
-        compile_report(f"sparse_attn splits={splits} {cfg.block_h}x{cfg.block_n} w{cfg.num_warps}",
-                       sa._sparse_attn_kernel, attn_ptrs,
+    for splits, fp8 in ((1, False), (4, False), (1, True), (4, True)):  # fp8: 584-byte KV rows
+        ptrs = dict(attn_ptrs, kv_a_ptr="*u8", kv_b_ptr="*u8", rope_a_ptr="*bf16", rope_b_ptr="*bf16") \
+            if fp8 else dict(attn_ptrs, rope_a_ptr="*bf16", rope_b_ptr="*bf16")
+        compile_report(f"sparse_attn splits={splits} {cfg.block_h}x{cfg.block_n} w{cfg.num_warps}"
+                       f"{' fp8 kv' if fp8 else ''}",
+                       sa._sparse_attn_kernel, ptrs,
                        dict(HAS_B=True, NUM_SPLITS=splits, BLOCK_H=cfg.block_h,
                             BLOCK_N=cfg.block_n, BLOCK_D=512, DOT_PREC="tf32",
-                            KEYS_AS_M=cfg.keys_as_m),
+                            KEYS_AS_M=cfg.keys_as_m, KV_FP8=fp8, FP8_BLOCK=64, DEQ_BF16=True),
                        cfg.num_warps, cfg.num_stages, dict(qk_scale="fp32"))
     compile_report("sparse_attn merge splits=4 (D chunk 128)", sa._merge_splits_kernel,
                    dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
                         sink_ptr="*fp32", out_ptr="*bf16"),
                    dict(NUM_SPLITS=4, BLOCK_H=16, BLOCK_D=128), 4)
-    compile_report("norm_rope_row (cache write, D=512)", cache_write._norm_rope_row_kernel,
-                   dict(x_ptr="*bf16", weight_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32",
-                        pos_ptr="*i64", out_ptr="*bf16", pool_ptr="*bf16", loc_ptr="*i32"),
-                   dict(HAS_NORM=True, HAS_WEIGHT=True, INVERSE=False, HAS_OUT=True,
-                        HAS_POOL=True, BLOCK_HALF=256), 4, scalar_types=dict(eps="fp32"))
+    for mode in ("bf16", "round", "fp8 rows"):  # KV pool: as is, nope FP8-rounded, FP8 rows
+        compile_report(f"norm_rope_row (cache write, D=512, {mode})", cache_write._norm_rope_row_kernel,
+                       dict(x_ptr="*bf16", weight_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32",
+                            pos_ptr="*i64", out_ptr="*bf16", pool_ptr="*u8" if mode == "fp8 rows" else "*bf16",
+                            loc_ptr="*i32", rope_pool_ptr="*bf16"),
+                       dict(HAS_NORM=True, HAS_WEIGHT=True, INVERSE=False, HAS_OUT=True,
+                            HAS_POOL=True, BLOCK_HALF=256, NOPE_FP8=mode != "bf16",
+                            FP8_ROWS=mode == "fp8 rows", NUM_SCALES=7, PAIRS_PER_BLOCK=32), 4,
+                       scalar_types=dict(eps="fp32", amax_floor="fp32", inv_qmax="fp32"))
     for ratio, block_c, warps in ((4, 256, 4), (128, 32, 8)):
         compile_report(f"compressor_pool r={ratio}", compressor._compressor_pool_kernel,
                        dict(kv_state_ptr="*fp32", score_state_ptr="*fp32", kv_new_ptr="*fp32",

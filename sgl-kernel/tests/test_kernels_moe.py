@@ -103,6 +103,20 @@ def test_align_groups_every_assignment_once_in_single_expert_blocks(device):
             assert (flat[rows] == e).all()
 
 
+@pytest.mark.parametrize("E,T,topk,block_m", [(8, 37, 3, 16), (256, 1, 6, 16), (5, 16, 2, 64)])
+def test_one_kernel_align_equals_the_torch_align(device, monkeypatch, E, T, topk, block_m):
+    require_triton()
+    from dsv4_kernels import moe
+
+    assert T * topk <= moe.ALIGN_ONE_KERNEL_MAX_M  # small batches take the one-kernel path
+    ids = torch.randint(-2, E + 2, (T, topk), dtype=torch.int32, device=device)
+    ids[0, 0] = E - 1
+    fast = moe.moe_align(ids, E, block_m)
+    monkeypatch.setattr(moe, "ALIGN_ONE_KERNEL_MAX_M", 0)
+    slow = moe.moe_align(ids, E, block_m)
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+
+
 @pytest.mark.parametrize("swiglu_limit", [0.0, 0.7])
 def test_triton_fused_moe_matches_reference(device, swiglu_limit):
     require_triton()

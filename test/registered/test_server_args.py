@@ -151,3 +151,27 @@ def test_segment_kernel_flags():
     tiny = dict(max_total_tokens=1024, max_num_reqs=2, context_length=256)
     assert not ModelRunner(ModelRunnerConfig(**tiny)).attn_backend.segment_kernels
     assert ModelRunner(ModelRunnerConfig(**tiny, enable_segment_kernels=True)).attn_backend.segment_kernels
+
+
+def test_release_format_flags():
+    """--quant-numerics and --kv-cache-dtype: parsed, validated, resolved against the model
+    (release numerics only for release-format weights) and handed to the model runner."""
+    from sglang.srt.model_executor.model_runner import ModelRunnerConfig
+
+    a = ServerArgs()
+    assert (a.quant_numerics, a.kv_cache_dtype) == ("release", "auto")
+    a = prepare_server_args(["--quant-numerics", "weight_only", "--kv-cache-dtype", "fp8_e4m3",
+                             "--model-path", "dsv4-tiny-fp8", "--load-format", "dummy"])
+    assert (a.quant_numerics, a.kv_cache_dtype, a.model_path, a.load_format) == (
+        "weight_only", "fp8_e4m3", "dsv4-tiny-fp8", "dummy")
+    r = a.resolve(cuda_available=False)
+    cfg = ModelRunnerConfig.from_server_args(r)
+    assert (cfg.quant_numerics, cfg.kv_cache_dtype, cfg.load_format) == ("weight_only", "fp8_e4m3", "dummy")
+    assert ServerArgs(model_path="dsv4-tiny-fp8").resolve(cuda_available=False).quant_numerics == "release"
+    assert ServerArgs(model_path="dsv4-tiny").resolve(cuda_available=False).quant_numerics == "weight_only"
+    with pytest.raises(ValueError, match="--quant-numerics must be one of weight_only, release"):
+        ServerArgs(quant_numerics="fp8")
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, fp8_e4m3"):
+        ServerArgs(kv_cache_dtype="fp8_e5m2")
+    with pytest.raises(SystemExit):  # argparse refuses it too, with the choices
+        prepare_server_args(["--kv-cache-dtype", "int8"])

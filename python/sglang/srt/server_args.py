@@ -16,6 +16,8 @@ from typing import List, Optional, Sequence, Tuple
 DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")  # auto: dummy for presets, safetensors for dirs
+QUANT_NUMERICS = ("weight_only", "release")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model dtype
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULE_POLICIES = ("fcfs",)
 LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
@@ -43,10 +45,14 @@ class ServerArgs:
     dtype: str = "auto"
     device: str = "auto"
     random_seed: int = 0
+    quant_numerics: str = "release"
+    kv_cache_dtype: str = "auto"
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
     served_model_name: Optional[str] = None
+    max_request_bytes: int = 32 * 1024 * 1024
+    shutdown_timeout: float = 20.0
     # memory and scheduling (None = auto)
     context_length: Optional[int] = None
     page_size: int = 128
@@ -154,11 +160,15 @@ class ServerArgs:
                 f"--breakable-cuda-graph-tokens has {max(self.breakable_cuda_graph_tokens)}, "
                 f"above --breakable-cuda-graph-max-tokens {bcg_max}"
             )
+        from sglang.srt.layers.quantization import QuantMode
+
         return dataclasses.replace(
             self,
             device=device,
             dtype=dtype,
             load_format=load_format,
+            # release numerics are the release format's: a bf16 model has nothing to round
+            quant_numerics=QuantMode.resolve_numerics(model_config, self.quant_numerics),
             tokenizer_path=self.tokenizer_path,
             served_model_name=self.served_model_name or self.model_path,
             context_length=context_length,
@@ -181,7 +191,7 @@ class ServerArgs:
 
         settings = PlanSettings(
             weight_format=loaded_weight_format(model_config, dtype), model_dtype=dtype,
-            kv_cache_dtype=getattr(self, "kv_cache_dtype", "auto"),  # the flag comes with the FP8 KV cache
+            kv_cache_dtype=self.kv_cache_dtype,
             dp_size=self.dp_size if self.enable_dp_attention else 1, page_size=self.page_size,
             context_length=context_length, max_running_requests=max_running,
             chunked_prefill_size=max(self.chunked_prefill_size or _DEFAULT_CHUNKED_PREFILL_SIZE[pick], 1),
@@ -220,6 +230,7 @@ def _validate(a: ServerArgs) -> None:
     """Checks of single values and of cross-field rules the user states explicitly."""
     for name, choices in (
         ("dtype", DTYPES), ("device", DEVICES), ("load_format", LOAD_FORMATS),
+        ("quant_numerics", QUANT_NUMERICS), ("kv_cache_dtype", KV_CACHE_DTYPES),
         ("attention_backend", ATTENTION_BACKENDS), ("schedule_policy", SCHEDULE_POLICIES),
         ("load_balance_method", LOAD_BALANCE_METHODS), ("dp_idle_policy", DP_IDLE_POLICIES),
         ("log_level", LOG_LEVELS), ("moe_dispatcher", MOE_DISPATCHERS),
@@ -269,6 +280,10 @@ def _validate(a: ServerArgs) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
     if a.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {a.stream_interval}")
+    if a.max_request_bytes < 1024:
+        raise ValueError(f"--max-request-bytes must be at least 1024, got {a.max_request_bytes}")
+    if a.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {a.shutdown_timeout}")
     if a.watchdog_timeout <= 0:
         raise ValueError(f"--watchdog-timeout must be positive, got {a.watchdog_timeout}")
 
@@ -300,13 +315,20 @@ _HELP = {
                               "Default: on exactly when the attention backend resolves to triton",
     "disable_segment_kernels": "keep the model's own torch code inside graph segments on CUDA (the Triton "
                                "attention core still runs if --attention-backend is triton)",
-    "model_path": "preset name (dsv4-tiny, dsv4-mini, dsv4-flash-slice, dsv4-flash) or a directory with config.json "
-                  "and *.safetensors [+ tokenizer.json]",
+    "model_path": "preset name (dsv4-tiny, dsv4-mini, dsv4-flash-slice, dsv4-flash, or a release-format "
+                  "*-fp8 variant of the first three) or a directory with config.json and *.safetensors "
+                  "[+ tokenizer.json]",
     "tokenizer_path": "tokenizer.json or a directory holding one (default: the model directory's, else bytes)",
-    "load_format": "auto: dummy (seeded random weights) for presets, safetensors for directories",
+    "load_format": "auto: dummy (seeded random weights, in the release format for dsv4-flash and the *-fp8 "
+                   "presets) for presets, safetensors for directories",
     "num_layers": "run only the model's first N layers at full dims (compress-ratio pattern and MTP "
                   "entry kept), for when the whole model does not fit; needs --load-format dummy",
     "dtype": "auto: bfloat16 on CUDA, float32 on CPU",
+    "quant_numerics": "release-format weights (FP8 linears, FP4 experts): release reproduces the release's "
+                      "rounding (activations to FP8 per 128, KV nope dims to FP8 per 64, indexer q/k Hadamard + "
+                      "FP4 per 32); weight_only runs the quantized weights on unrounded activations. A bf16 model "
+                      "has nothing to round: it always runs weight_only",
+    "kv_cache_dtype": "auto: the model dtype; fp8_e4m3: KV nope dims stored as e4m3 with per-64 scales",
     "device": "auto: cuda when available, else cpu",
     "context_length": "default: min(max_position_embeddings, 4096)",
     "page_size": "tokens per KV page (a multiple of 128)",
@@ -331,18 +353,22 @@ _HELP = {
     "node_rank": "this node's index; node 0 runs the HTTP server, the others only their DP ranks",
     "dist_init_addr": "host:port of node 0 for the torch.distributed rendezvous; node 0's DP "
                       "controller also listens on port+1",
+    "max_request_bytes": "largest HTTP request body; larger ones get 413 before they are buffered",
+    "shutdown_timeout": "seconds in-flight requests may take to finish after SIGTERM; streams still "
+                        "open then end with an error event",
     "stream_interval": "stream every N tokens (always on finish)",
     "watchdog_timeout": "seconds a forward may take before the server is considered hung",
 }
 _CHOICES = {
     "load_format": LOAD_FORMATS, "dtype": DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS,
+    "quant_numerics": QUANT_NUMERICS, "kv_cache_dtype": KV_CACHE_DTYPES,
     "schedule_policy": SCHEDULE_POLICIES, "load_balance_method": LOAD_BALANCE_METHODS,
     "dp_idle_policy": DP_IDLE_POLICIES, "log_level": LOG_LEVELS, "moe_dispatcher": MOE_DISPATCHERS,
 }
 _INT_FIELDS = {"num_layers", "random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
                "chunked_prefill_size", "breakable_cuda_graph_max_tokens", "cuda_graph_max_bs", "dp_size", "nnodes",
-               "node_rank", "stream_interval"}
-_FLOAT_FIELDS = {"mem_fraction_static", "watchdog_timeout"}
+               "node_rank", "stream_interval", "max_request_bytes"}
+_FLOAT_FIELDS = {"mem_fraction_static", "watchdog_timeout", "shutdown_timeout"}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -2,19 +2,89 @@
 
 One program per row (a token, or a token's head). Even and odd elements are loaded as two
 vectors so a GPT-J pair (x[2k], x[2k+1]) sits at the same lane of both.
+
+The KV write can round the nope dims to FP8 per 64 (release numerics) into a float pool, or
+store FP8 rows (kv_fp8.py) into a uint8 pool. The e4m3 encoding is integer arithmetic on the
+fp32 bits (round to nearest even), not a cast: the interpreter's fp8 cast does not round to
+nearest even, and bit-exact agreement with the torch reference is the contract.
 """
 
+import torch
 import triton
 import triton.language as tl
+
+from .kv_fp8 import KV_FP8_BLOCK, FP8KVLayout
+from .quant_reference import AMAX_FLOOR, E4M3_MAX
+
+# fp32(1 / 448), the factor pow2_scale multiplies amax by (as a float32 kernel argument)
+INV_E4M3_MAX = float(torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32))
+
+
+@triton.jit
+def _pow2_scale_exp(amax, amax_floor, inv_qmax):
+    """quant_reference.pow2_scale as its exponent field: 2^(e - 127) is the smallest power of
+    two >= max(amax, floor) * fp32(1 / qmax)."""
+    s = tl.maximum(amax, amax_floor) * inv_qmax
+    bits = s.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _e4m3_code(v):
+    """fp32 -> e4m3fn byte (as int32), round to nearest even, saturating at +-448: the same
+    byte as torch's cast of v.clamp(-448, 448) (a negative value that rounds to 0 keeps its sign)."""
+    vbits = v.to(tl.int32, bitcast=True)
+    sign = (vbits >> 24) & 0x80
+    a = tl.minimum(tl.abs(v), 448.0)
+    abits = a.to(tl.int32, bitcast=True)
+    exp = (abits >> 23) - 127
+    # normal e4m3 (|a| >= 2^-6): keep 3 mantissa bits of the fp32 bits, ties to even; a carry
+    # out of the mantissa bumps the exponent, as it should
+    low = abits & 0xFFFFF
+    keep = abits >> 20
+    up = (low > 0x80000) | ((low == 0x80000) & ((keep & 1) == 1))
+    r = keep + up.to(tl.int32)  # (fp32 exponent << 3) | 3 mantissa bits
+    normal = r - (120 << 3)  # e4m3 exponent bias 7 vs fp32's 127
+    # subnormal e4m3 (|a| < 2^-6): a / 2^-9 rounded to an integer 0..8 (8 is 2^-6, code 8)
+    mant = (abits & 0x7FFFFF) | 0x800000  # a = mant * 2^(exp - 23)
+    shift = tl.minimum(14 - exp, 30)  # a / 2^-9 = mant >> shift (>= 25 gives 0 anyway)
+    sub_low = mant & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    sub = (mant >> shift) + ((sub_low > half) | ((sub_low == half) & (((mant >> shift) & 1) == 1))).to(tl.int32)
+    return sign | tl.where(exp >= -6, normal, sub)
+
+
+@triton.jit
+def _e4m3_value(code):
+    return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _encode_e4m3_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n).to(tl.float32)
+    tl.store(out_ptr + i, _e4m3_code(x).to(tl.uint8), mask=i < n)
+
+
+def encode_e4m3(x):
+    """uint8 e4m3 bytes of a contiguous float tensor through the write kernel's encoder (the
+    tests hold it to torch's cast, ties and subnormals included)."""
+    out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    if x.numel():
+        _encode_e4m3_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    return out
 
 
 @triton.jit
 def _norm_rope_row_kernel(
     x_ptr, stride_xt, stride_xh, weight_ptr, cos_ptr, sin_ptr, stride_cs, stride_cs_k, pos_ptr,
     out_ptr, stride_ot, stride_oh, pool_ptr, stride_pool, loc_ptr,
+    rope_pool_ptr, stride_rope, scale_offset, amax_floor, inv_qmax,
     H, D, rope_dim, eps,
     HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, INVERSE: tl.constexpr,
     HAS_OUT: tl.constexpr, HAS_POOL: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    NOPE_FP8: tl.constexpr, FP8_ROWS: tl.constexpr, NUM_SCALES: tl.constexpr,
+    PAIRS_PER_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = (pid // H).to(tl.int64)
@@ -56,43 +126,93 @@ def _norm_rope_row_kernel(
         # the compare: the interpreter rejects a scalar-bool & vector-bool mask.)
         pmask = k_mask & ((k * 0 + loc) >= 0)
         prow = pool_ptr + loc * stride_pool
-        tl.store(prow + 2 * k, y0.to(pool_ptr.dtype.element_ty), mask=pmask)
-        tl.store(prow + 2 * k + 1, y1.to(pool_ptr.dtype.element_ty), mask=pmask)
+        if NOPE_FP8:
+            # Nope pairs k < first_rope_pair; 64 dims = 32 pairs per scale block. A static loop
+            # over the few blocks: masked amax, then the block's exponent on its lanes.
+            nope = k < first_rope_pair
+            blk = k // (PAIRS_PER_BLOCK)
+            a = tl.where(nope & k_mask, tl.maximum(tl.abs(y0), tl.abs(y1)), 0.0)
+            exp = tl.zeros([BLOCK_HALF], tl.int32)
+            for b in tl.static_range(NUM_SCALES):
+                amax_b = tl.max(tl.where(blk == b, a, 0.0), 0)
+                exp = tl.where(blk == b, _pow2_scale_exp(amax_b, amax_floor, inv_qmax), exp)
+            exp = tl.where(nope, exp, 127)  # scale 1 outside the nope blocks (unused)
+            scale = (exp << 23).to(tl.float32, bitcast=True)
+            # times the exact reciprocal power of two (= torch's x / scale; a GPU fp32 division
+            # need not be correctly rounded)
+            inv_scale = ((254 - exp) << 23).to(tl.float32, bitcast=True)
+            c0 = _e4m3_code(y0 * inv_scale)
+            c1 = _e4m3_code(y1 * inv_scale)
+            if FP8_ROWS:
+                nmask = pmask & nope
+                tl.store(prow + 2 * k, c0.to(tl.uint8), mask=nmask)
+                tl.store(prow + 2 * k + 1, c1.to(tl.uint8), mask=nmask)
+                # one scale byte per block, from the block's first lane
+                first = nmask & (k % (PAIRS_PER_BLOCK) == 0)
+                tl.store(prow + scale_offset + blk, exp.to(tl.uint8), mask=first)
+                # rope dims through the pool's rope view (kv_fp8.FP8KVLayout.rope: model dtype)
+                rmask = pmask & (k >= first_rope_pair)
+                rrow = rope_pool_ptr + loc * stride_rope
+                j = 2 * (k - first_rope_pair)
+                tl.store(rrow + j, y0.to(rope_pool_ptr.dtype.element_ty), mask=rmask)
+                tl.store(rrow + j + 1, y1.to(rope_pool_ptr.dtype.element_ty), mask=rmask)
+            else:
+                y0 = tl.where(nope, _e4m3_value(c0) * scale, y0)
+                y1 = tl.where(nope, _e4m3_value(c1) * scale, y1)
+        if not FP8_ROWS:
+            tl.store(prow + 2 * k, y0.to(pool_ptr.dtype.element_ty), mask=pmask)
+            tl.store(prow + 2 * k + 1, y1.to(pool_ptr.dtype.element_ty), mask=pmask)
 
 
-def _launch(x3, weight, eps, cos, sin, positions, rope_dim, out3, pool, out_loc, *, norm, inverse):
-    """x3/out3 are [T, H, D] views; pool/out_loc optional."""
+def _launch(x3, weight, eps, cos, sin, positions, rope_dim, out3, pool, out_loc, *, norm, inverse,
+            nope_fp8=False):
+    """x3/out3 are [T, H, D] views; pool/out_loc optional. A uint8 pool holds FP8 KV rows."""
     T, H, D = x3.shape
     assert D % 2 == 0 and rope_dim % 2 == 0 and rope_dim <= D
     # cos/sin may be two tables or the two halves of one [max_pos, rope_dim/2, 2] table.
     assert x3.stride(-1) == 1 and cos.stride() == sin.stride()
-    if T == 0:
-        return
     has_out = out3 is not None
     has_pool = pool is not None
+    layout = None
     if has_pool:
-        assert pool.stride(-1) == 1 and pool.shape[-1] == D
+        assert pool.stride(-1) == 1
+        if pool.dtype == torch.uint8:
+            layout = FP8KVLayout.of_rows(pool, D, rope_dim)
+            layout.check_rows(pool, "rmsnorm_rope_store pool")
+            nope_fp8 = True
+        else:
+            assert pool.shape[-1] == D
+        if nope_fp8 and layout is None:
+            FP8KVLayout(D, rope_dim)  # validates the nope / rope split
     if has_out:
         assert out3.stride(-1) == 1
-    block_half = triton.next_power_of_2(D // 2)
+    if T == 0:
+        return
+    block_half = max(triton.next_power_of_2(D // 2), KV_FP8_BLOCK // 2)
+    rope_pool = layout.rope(pool) if layout is not None else x3
     _norm_rope_row_kernel[(T * H,)](
         x3, x3.stride(0), x3.stride(1), weight if weight is not None else x3,
         cos, sin, cos.stride(0), cos.stride(1), positions,
         out3 if has_out else x3, out3.stride(0) if has_out else 0, out3.stride(1) if has_out else 0,
         pool if has_pool else x3, pool.stride(0) if has_pool else 0,
         out_loc if has_pool else positions,
+        rope_pool, rope_pool.stride(0), layout.scale_offset if layout else 0,
+        AMAX_FLOOR, INV_E4M3_MAX,
         H, D, rope_dim, float(eps),
         HAS_NORM=norm, HAS_WEIGHT=weight is not None, INVERSE=inverse,
         HAS_OUT=has_out, HAS_POOL=has_pool, BLOCK_HALF=block_half,
+        NOPE_FP8=bool(has_pool and nope_fp8), FP8_ROWS=layout is not None,
+        NUM_SCALES=(D - rope_dim) // KV_FP8_BLOCK if nope_fp8 else 0,
+        PAIRS_PER_BLOCK=KV_FP8_BLOCK // 2,
         num_warps=4 if D >= 512 else 1,
     )
 
 
 def rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc,
-                       kv_out=None):
+                       kv_out=None, nope_fp8=False):
     _launch(kv[:, None, :], norm_weight, eps, cos, sin, positions, rope_dim,
             kv_out[:, None, :] if kv_out is not None else None, pool, out_loc,
-            norm=True, inverse=False)
+            norm=True, inverse=False, nope_fp8=nope_fp8)
     return kv_out
 
 

@@ -9,6 +9,8 @@ the down projection (DeepSeek's order; it differs from weighting after W2 in bf1
 experts) or must not count (an expert listed twice for a token).
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -17,6 +19,40 @@ from ._dot import dot_precision
 
 BLOCK_M = 64
 SUM_BLOCK_D = 1024
+ALIGN_ONE_KERNEL_MAX_M = 128  # moe_align in one small kernel up to this many assignments
+
+
+@triton.jit
+def _align_small_kernel(
+    ids_ptr, sorted_ptr, block_expert_ptr, M, E, CAP, MAX_BLOCKS,
+    BLOCK_M: tl.constexpr, MP: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """moe_align's result for M <= MP assignments in one program (decode batches: the torch
+    version is ~25 tiny launches, tens of microseconds, about as long as the experts' GEMMs).
+    Same layout: expert x's assignments in their original order from group_start[x]."""
+    i = tl.arange(0, MP)
+    valid = i < M
+    e = tl.load(ids_ptr + i, mask=valid, other=-1).to(tl.int32)
+    group = tl.where(valid & (e >= 0) & (e < E), e, E)
+    ex = tl.arange(0, EP)
+    onehot = group[:, None] == ex[None, :]  # [MP, EP]; skipped assignments match no column
+    counts = tl.sum(onehot.to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    group_start = padded_end - padded
+    # Rank within the expert: earlier assignments of the same expert (a stable sort's order).
+    same = (group[:, None] == group[None, :]) & (i[None, :] < i[:, None])
+    rank = tl.sum(same.to(tl.int32), axis=1)
+    dest = tl.sum(tl.where(onehot, group_start[None, :], 0), axis=1) + rank
+    for p0 in range(0, CAP, CHUNK):  # padding slots hold the sentinel M
+        p = p0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + p, tl.zeros([CHUNK], tl.int32) + M, mask=p < CAP)
+    tl.debug_barrier()  # the sentinel fill lands before the scatter (other threads' slots)
+    tl.store(sorted_ptr + dest, i, mask=group < E)
+    for b0 in range(0, MAX_BLOCKS, CHUNK):  # block b: experts whose padded group ends <= b*BM
+        b = b0 + tl.arange(0, CHUNK)
+        done = (padded_end[None, :] <= (b * BLOCK_M)[:, None]) & (ex[None, :] < E)
+        tl.store(block_expert_ptr + b, tl.sum(done.to(tl.int32), axis=1), mask=b < MAX_BLOCKS)
 
 
 def moe_align(ids, num_experts: int, block_m: int = BLOCK_M):
@@ -31,6 +67,15 @@ def moe_align(ids, num_experts: int, block_m: int = BLOCK_M):
     device = ids.device
     max_blocks = triton.cdiv(M, block_m) + min(num_experts, M)
     capacity = max_blocks * block_m
+    if 0 < M <= ALIGN_ONE_KERNEL_MAX_M and (ids.is_cuda or os.environ.get("TRITON_INTERPRET")
+                                            == "1"):
+        sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+        block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+        _align_small_kernel[(1,)](
+            ids.reshape(-1).contiguous(), sorted_ids, block_expert, M, num_experts, capacity,
+            max_blocks, BLOCK_M=block_m, MP=max(16, triton.next_power_of_2(M)),
+            EP=max(16, triton.next_power_of_2(num_experts)), CHUNK=128, num_warps=16)
+        return sorted_ids, block_expert
     flat = ids.reshape(-1).long()
     # Skipped assignments form one extra group (index E) that sorts after every real expert.
     group = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)

@@ -10,7 +10,7 @@ import importlib
 
 import torch
 
-from . import reference
+from . import quant_reference, reference
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,20 +31,25 @@ def _kernels(name: str):
     return importlib.import_module(f"{__package__}.{name}")  # cached: called on every step
 
 
-def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out):
+def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
+                          kv_layout=None):
     """out [T, H, D] = sink-softmax attention of q [T, H, D] over the valid rows of kv_a (idx_a
-    [T, Wa], first len_a entries, -1 skipped) and of kv_b (may be None). Returns out."""
+    [T, Wa], first len_a entries, -1 skipped) and of kv_b (may be None). With kv_layout
+    (kv_fp8.FP8KVLayout) both pools hold FP8 KV rows, dequantized on load. Returns out."""
     impl = _kernels("sparse_attention") if _use_triton(q) else reference
-    return impl.sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out)
+    return impl.sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
+                                      kv_layout=kv_layout)
 
 
 def rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc,
-                       kv_out=None):
+                       kv_out=None, nope_fp8=False):
     """RMSNorm(kv [T, D]) * weight -> RoPE on the last rope_dim dims -> pool[out_loc[t]]
-    (skipped where out_loc == -1) and kv_out [T, D] if given. Returns kv_out."""
+    (skipped where out_loc == -1) and kv_out [T, D] (unrounded) if given. Returns kv_out.
+    nope_fp8: the nope dims are FP8-rounded per 64 before a float pool stores them; a uint8
+    pool holds FP8 KV rows (kv_fp8.py) and always quantizes."""
     impl = _kernels("cache_write") if _use_triton(kv) else reference
     return impl.rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool,
-                                   out_loc, kv_out)
+                                   out_loc, kv_out, nope_fp8=nope_fp8)
 
 
 def q_rms_rope(q, cos, sin, positions, rope_dim, eps):
@@ -129,3 +134,34 @@ def hc_post(f, residual, post, comb, out=None):
     (residual.dtype; out may be residual itself). Returns out."""
     impl = _kernels("mhc") if _use_triton(residual) else reference
     return impl.hc_post(f, residual, post, comb, out)
+
+
+# ----------------------------------------------------------------------------------------
+# Release weight format: FP8 block-scaled linears, FP4 routed experts (quant_reference.py
+# holds the formulas; these are the entry points the model calls)
+# ----------------------------------------------------------------------------------------
+quantize_fp8_blocks = quant_reference.quantize_fp8_blocks
+fp8_round_blocks = quant_reference.fp8_round_blocks
+fp4_round_blocks = quant_reference.fp4_round_blocks
+hadamard_rotate = quant_reference.hadamard_rotate
+
+
+def fp8_block_linear(x, weight, weight_scale, act_quant: bool):
+    """x [..., K] @ dequant(weight e4m3 [N, K], weight_scale fp32 [ceil(N/128), ceil(K/128)])^T
+    -> x.dtype [..., N]; act_quant: x quantized per 128 along K first (release numerics)."""
+    if _use_triton(x):
+        return _kernels("fp8_gemm").fp8_block_linear(x, weight, weight_scale, act_quant)
+    return quant_reference.fp8_block_linear_ref(x, weight, weight_scale, act_quant)
+
+
+def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, out,
+                  act_quant: bool):
+    """out fp32 [T, d] <- the FP4 routed experts' sum (quant_reference.fp4_moe_ref's contract:
+    packed e2m1 int8 [E, out, in/2] + e8m0 uint8 scales [E, out, in/32]; ids outside [0, E)
+    skipped; weight applied before W2). Returns out."""
+    if _use_triton(x):
+        return _kernels("fp4_moe").fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale,
+                                                 ids, weights, limit, out, act_quant)
+    out.copy_(quant_reference.fp4_moe_ref(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids,
+                                           weights, limit, act_quant))
+    return out

@@ -10,30 +10,48 @@ from typing import Optional, Tuple
 
 import torch
 
+from .kv_fp8 import FP8KVLayout, round_nope_fp8
+
 # ----------------------------------------------------------------------------------------
 # Sparse attention with a per-head sink
 # ----------------------------------------------------------------------------------------
 
 
-def _gather_keys(kv, idx, length):
-    """Rows of kv for each token's index list, and which of them count ([T, W, D], [T, W])."""
+def _gather_keys(kv, idx, length, kv_layout=None):
+    """Rows of kv for each token's index list, and which of them count ([T, W, D], [T, W]).
+    With kv_layout, kv holds FP8 KV rows (kv_fp8.py), dequantized as they are gathered."""
     cols = torch.arange(idx.shape[1], device=idx.device)
     valid = (cols[None, :] < length[:, None].long()) & (idx >= 0)
+    if kv_layout is not None:
+        return kv_layout.unpack(kv[idx.long().clamp(min=0)]), valid
     rows = kv.float()[idx.long().clamp(min=0)]
     return rows, valid
 
 
+def check_kv_layout(kv, kv_layout, what: str) -> None:
+    """An FP8 row pool needs its layout and a float pool must not get one (clear errors)."""
+    if kv_layout is None:
+        if kv.dtype == torch.uint8:
+            raise ValueError(f"{what}: uint8 KV rows need kv_layout (an FP8KVLayout)")
+    else:
+        kv_layout.check_rows(kv, what)
+
+
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
-                          token_chunk: int = 64):
+                          token_chunk: int = 64, kv_layout=None):
     """out[t,h] = softmax over the union of valid a- and b-entries, the sink only in the
-    denominator. Tokens are processed in chunks so the gathered rows stay small."""
+    denominator. Tokens are processed in chunks so the gathered rows stay small. kv_layout
+    (kv_fp8.FP8KVLayout): kv_a / kv_b are FP8 KV rows, read dequantized."""
+    check_kv_layout(kv_a, kv_layout, "sparse_attn_with_sink kv_a")
+    if kv_b is not None:
+        check_kv_layout(kv_b, kv_layout, "sparse_attn_with_sink kv_b")
     T = q.shape[0]
     sink = sink.float()
     for start in range(0, T, token_chunk):
         sl = slice(start, min(start + token_chunk, T))
-        keys, valid = _gather_keys(kv_a, idx_a[sl], len_a[sl])
+        keys, valid = _gather_keys(kv_a, idx_a[sl], len_a[sl], kv_layout)
         if kv_b is not None:
-            keys_b, valid_b = _gather_keys(kv_b, idx_b[sl], len_b[sl])
+            keys_b, valid_b = _gather_keys(kv_b, idx_b[sl], len_b[sl], kv_layout)
             keys = torch.cat([keys, keys_b], dim=1)
             valid = torch.cat([valid, valid_b], dim=1)
         scores = torch.einsum("thd,tjd->thj", q[sl].float(), keys) * scale
@@ -95,10 +113,22 @@ def scatter_rows_(dst, loc, rows, keep=None):
     dst.index_copy_(0, target, values.view((-1,) + tuple(dst.shape[1:])))
 
 
+def kv_cache_rows(y, pool, rope_dim: int, nope_fp8: bool):
+    """Rows y [T, D] as `pool` stores them: packed FP8 rows for a uint8 pool
+    (kv_fp8.FP8KVLayout.of_rows), the nope dims FP8-rounded per 64 for a float pool with
+    nope_fp8, else y itself."""
+    if pool.dtype == torch.uint8:
+        return FP8KVLayout.of_rows(pool, y.shape[-1], rope_dim).pack(y)
+    return round_nope_fp8(y, rope_dim) if nope_fp8 else y
+
+
 def rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc,
-                       kv_out=None):
+                       kv_out=None, nope_fp8: bool = False):
+    """pool[out_loc[t]] = RoPE(RMSNorm(kv[t]) * weight), in the pool's format (kv_cache_rows:
+    nope_fp8 rounds a float pool's nope dims; a uint8 pool holds FP8 rows). kv_out gets the
+    unrounded rows."""
     y = apply_rope(rms_norm(kv, norm_weight, eps), cos, sin, positions, rope_dim)
-    scatter_rows_(pool, out_loc, y)
+    scatter_rows_(pool, out_loc, kv_cache_rows(y, pool, rope_dim, nope_fp8))
     if kv_out is not None:
         kv_out.copy_(y.to(kv_out.dtype))
     return kv_out

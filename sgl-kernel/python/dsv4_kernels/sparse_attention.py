@@ -3,6 +3,10 @@
 One shared KV latent (K == V). Heads are the M side of both dots, so a tile of gathered KV
 rows is loaded once per head block. For few tokens the key lists are split across programs
 (flash-decoding) and a second kernel merges the partial softmax states together with the sink.
+
+With an FP8 KV cache (kv_fp8.py rows) each gathered row is dequantized on load: e4m3 nope
+codes times their block's power-of-two scale, rope dims from the row's model-dtype part. The
+result is exact in bf16, so the dots see the same keys as the reference's fp32 unpack.
 """
 
 import functools
@@ -13,6 +17,8 @@ import triton
 import triton.language as tl
 
 from ._dot import dot_precision
+from .kv_fp8 import KV_FP8_BLOCK
+from .reference import check_kv_layout
 
 LOG2E = 1.4426950408889634
 
@@ -47,10 +53,43 @@ def pick_num_splits(num_programs: int, num_sms: int) -> int:
 
 
 @triton.jit
-def _attend_list(q, m_i, l_i, acc, kv_ptr, stride_kv, idx_row_ptr, length, split,
-                 qk_scale, offs_d, d_mask,
+def _load_keys(kv_ptr, stride_kv, rope_ptr, stride_rope, slot, valid, offs_d, d_mask, nope_dim,
+               scale_offset, KV_FP8: tl.constexpr, FP8_BLOCK: tl.constexpr, DEQ_BF16: tl.constexpr):
+    """The gathered rows [BLOCK_N, BLOCK_D]: as stored, or FP8 rows dequantized (to bf16 with
+    DEQ_BF16, exact: an e4m3 value times a power of two; that halves the registers of the
+    dequantized tile against fp32; else to fp32)."""
+    slot = slot.to(tl.int64)
+    if KV_FP8:
+        rows = kv_ptr + slot[:, None] * stride_kv
+        nope = offs_d < nope_dim
+        nmask = valid[:, None] & nope[None, :]
+        codes = tl.load(rows + offs_d[None, :], mask=nmask, other=0)
+        sbyte = tl.load(rows + scale_offset + offs_d[None, :] // FP8_BLOCK, mask=nmask, other=127)
+        rmask = valid[:, None] & ((offs_d >= nope_dim) & d_mask)[None, :]
+        k_rope = tl.load(rope_ptr + slot[:, None] * stride_rope + (offs_d - nope_dim)[None, :],
+                         mask=rmask, other=0.0)
+        # (one return per function: Triton refuses returns of different types, even in
+        # branches a constexpr prunes)
+        if DEQ_BF16:  # the power-of-two scale is exact in bf16
+            scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True).to(tl.bfloat16)
+            k_nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16) * scale
+            k = tl.where(nope[None, :], k_nope, k_rope.to(tl.bfloat16))
+        else:
+            scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            k_nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+            k = tl.where(nope[None, :], k_nope, k_rope.to(tl.float32))
+    else:
+        k = tl.load(kv_ptr + slot[:, None] * stride_kv + offs_d[None, :],
+                    mask=valid[:, None] & d_mask[None, :], other=0.0)
+    return k
+
+
+@triton.jit
+def _attend_list(q, m_i, l_i, acc, kv_ptr, stride_kv, rope_ptr, stride_rope, idx_row_ptr, length,
+                 split, qk_scale, offs_d, d_mask, nope_dim, scale_offset,
                  NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-                 KEYS_AS_M: tl.constexpr):
+                 KEYS_AS_M: tl.constexpr, KV_FP8: tl.constexpr, FP8_BLOCK: tl.constexpr,
+                 DEQ_BF16: tl.constexpr):
     """Online softmax over this split's share of one index list (the first `length` entries)."""
     chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -59,8 +98,8 @@ def _attend_list(q, m_i, l_i, acc, kv_ptr, stride_kv, idx_row_ptr, length, split
         offs_n = n0 + tl.arange(0, BLOCK_N)
         slot = tl.load(idx_row_ptr + offs_n, mask=offs_n < end, other=-1)
         valid = slot >= 0
-        k = tl.load(kv_ptr + slot.to(tl.int64)[:, None] * stride_kv + offs_d[None, :],
-                    mask=valid[:, None] & d_mask[None, :], other=0.0)
+        k = _load_keys(kv_ptr, stride_kv, rope_ptr, stride_rope, slot, valid, offs_d, d_mask,
+                       nope_dim, scale_offset, KV_FP8, FP8_BLOCK, DEQ_BF16).to(q.dtype)
         if KEYS_AS_M:
             # Keys as the M side: q^T becomes the B operand, which Hopper's wgmma reads from
             # shared memory, so the [heads, D] q tile does not occupy registers.
@@ -81,11 +120,12 @@ def _attend_list(q, m_i, l_i, acc, kv_ptr, stride_kv, idx_row_ptr, length, split
 def _sparse_attn_kernel(
     q_ptr, kv_a_ptr, idx_a_ptr, len_a_ptr, kv_b_ptr, idx_b_ptr, len_b_ptr, sink_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    rope_a_ptr, stride_rope_a, rope_b_ptr, stride_rope_b, nope_dim, scale_offset,
     qk_scale, H, D, WA, WB,
     stride_qt, stride_qh, stride_kva, stride_ia, stride_kvb, stride_ib, stride_ot, stride_oh,
     HAS_B: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-    KEYS_AS_M: tl.constexpr,
+    KEYS_AS_M: tl.constexpr, KV_FP8: tl.constexpr, FP8_BLOCK: tl.constexpr, DEQ_BF16: tl.constexpr,
 ):
     # Axis 0 is (token, head block) with the head block fastest, so the programs of one token
     # run together and share the gathered rows through L2 (and T is not capped at 65535).
@@ -114,14 +154,16 @@ def _sparse_attn_kernel(
 
     # A length past the list width (a caller bug) is clamped rather than read out of bounds.
     len_a = tl.minimum(tl.load(len_a_ptr + t), WA)
-    m_i, l_i, acc = _attend_list(q, m_i, l_i, acc, kv_a_ptr, stride_kva, idx_a_ptr + t * stride_ia,
-                                 len_a, split, qk_scale, offs_d, d_mask,
-                                 NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M)
+    m_i, l_i, acc = _attend_list(q, m_i, l_i, acc, kv_a_ptr, stride_kva, rope_a_ptr, stride_rope_a,
+                                 idx_a_ptr + t * stride_ia, len_a, split, qk_scale, offs_d, d_mask,
+                                 nope_dim, scale_offset,
+                                 NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M, KV_FP8, FP8_BLOCK, DEQ_BF16)
     if HAS_B:
         len_b = tl.minimum(tl.load(len_b_ptr + t), WB)
-        m_i, l_i, acc = _attend_list(q, m_i, l_i, acc, kv_b_ptr, stride_kvb, idx_b_ptr + t * stride_ib,
-                                     len_b, split, qk_scale, offs_d, d_mask,
-                                     NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M)
+        m_i, l_i, acc = _attend_list(q, m_i, l_i, acc, kv_b_ptr, stride_kvb, rope_b_ptr, stride_rope_b,
+                                     idx_b_ptr + t * stride_ib, len_b, split, qk_scale, offs_d, d_mask,
+                                     nope_dim, scale_offset,
+                                     NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M, KV_FP8, FP8_BLOCK, DEQ_BF16)
 
     hd_mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -180,18 +222,27 @@ def measured_config(num_tokens: int) -> SparseAttnConfig:
 
 
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
-                          config: SparseAttnConfig | None = None):
+                          config: SparseAttnConfig | None = None, kv_layout=None):
+    """kv_layout (kv_fp8.FP8KVLayout): kv_a / kv_b are uint8 FP8 KV rows of that layout."""
     T, H, D = q.shape
     config = config or measured_config(T)
+    check_kv_layout(kv_a, kv_layout, "sparse_attn_with_sink kv_a")
+    if kv_b is not None:
+        check_kv_layout(kv_b, kv_layout, "sparse_attn_with_sink kv_b")
+    fp8 = kv_layout is not None
     assert q.stride(-1) == 1 and kv_a.stride(-1) == 1 and out.stride(-1) == 1
-    assert idx_a.stride(-1) == 1 and kv_a.dtype == q.dtype
+    assert idx_a.stride(-1) == 1 and (fp8 or kv_a.dtype == q.dtype)
+    assert not fp8 or kv_layout.head_dim == D
     if T == 0:
         return out
     has_b = kv_b is not None
     if has_b:
-        assert kv_b.stride(-1) == 1 and idx_b.stride(-1) == 1 and kv_b.dtype == q.dtype
+        assert kv_b.stride(-1) == 1 and idx_b.stride(-1) == 1 and (fp8 or kv_b.dtype == q.dtype)
     else:
         kv_b, idx_b, len_b = kv_a, idx_a, len_a  # never read
+    # FP8 rows: the rope parts as views in the rope dtype (never read for float pools)
+    rope_a = kv_layout.rope(kv_a) if fp8 else kv_a
+    rope_b = kv_layout.rope(kv_b) if fp8 else kv_b
 
     block_h = max(16, min(config.block_h, triton.next_power_of_2(H)))
     block_d = triton.next_power_of_2(D)
@@ -208,11 +259,14 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
 
     _sparse_attn_kernel[(T * num_hb, splits)](
         q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, out, part_acc, part_m, part_l,
+        rope_a, rope_a.stride(0), rope_b, rope_b.stride(0),
+        kv_layout.nope_dim if fp8 else D, kv_layout.scale_offset if fp8 else 0,
         float(scale) * LOG2E, H, D, idx_a.shape[1], idx_b.shape[1],
         q.stride(0), q.stride(1), kv_a.stride(0), idx_a.stride(0), kv_b.stride(0), idx_b.stride(0),
         out.stride(0), out.stride(1),
         HAS_B=has_b, NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=config.block_n,
         BLOCK_D=block_d, DOT_PREC=dot_precision(q.dtype), KEYS_AS_M=config.keys_as_m,
+        KV_FP8=fp8, FP8_BLOCK=KV_FP8_BLOCK, DEQ_BF16=q.dtype == torch.bfloat16,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:

@@ -274,3 +274,29 @@ def test_model_runner_builds_only_the_first_layers():
     runner = ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", num_layers=2, max_total_tokens=1024, max_num_reqs=2))
     assert len(runner.model.layers) == 2 and runner.config.compress_ratios == [0, 4]
     assert len(runner.kv_pool.raw) == 2 and sorted(runner.kv_pool.compressed) == [1]
+
+
+def test_flash_builds_in_the_release_format_at_its_expert_shard():
+    """dsv4-flash (--num-layers 2) as the runner builds it for --load-format dummy at DP rank 1
+    of 2: FP8 linears, FP4 experts allocated at the shard size from the start, the MTP layer's
+    too; the server resolves it to dummy weights and release numerics. Meta device: shapes only."""
+    import torch
+
+    from sglang.srt.layers.moe.experts import Fp4RoutedExperts
+    from sglang.srt.layers.quantization.fp8_linear import Fp8BlockLinear
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from sglang.srt.server_args import ServerArgs
+
+    r = ServerArgs(model_path="dsv4-flash", num_layers=2).resolve(cuda_available=False)
+    assert (r.load_format, r.quant_numerics) == ("dummy", "release")
+    config = load_model_config("dsv4-flash", num_layers=2)
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config, torch.bfloat16, max_positions=256, expert_range=(128, 256))
+    layers = list(model.layers) + list(model.mtp)
+    assert len(layers) == 3  # two decoder layers + the MTP layer
+    for layer in layers:
+        experts = layer.ffn.experts
+        assert isinstance(experts, Fp4RoutedExperts) and experts.first_expert == 128
+        assert tuple(experts.w1.shape) == (128, 2048, 2048) and experts.w1.dtype == torch.int8  # 4096 / 2 bytes
+        assert tuple(experts.w2_scale.shape) == (128, 4096, 2048 // 32)
+        assert isinstance(layer.attn.wq_b, Fp8BlockLinear) and layer.attn.wq_b.weight.dtype == torch.float8_e4m3fn

@@ -487,3 +487,27 @@ def test_scheduler_refuses_unresolved_server_args():
     args = ServerArgs(device="cpu")
     with pytest.raises(ValueError, match="resolve"):
         Scheduler(args, None)
+
+
+@pytest.mark.parametrize("stop", ["日本", "€", "a😀b", "ÿ"])
+def test_a_multibyte_stop_string_split_across_steps_stops_at_the_token_completing_it(stop):
+    """Byte-level tokens: each character of the stop string spans 2-4 tokens, so the tail the
+    scheduler decodes must cover its bytes, not its characters (a window of len(stop) ids
+    would never see it whole)."""
+    from sglang.srt.managers.schedule_batch import Req, check_finished
+    from sglang.srt.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(512)
+    prefix, suffix = tok.encode("x é 中 "), tok.encode("tail")
+    stop_ids = tok.encode(stop)
+    assert len(stop_ids) > len(stop)  # multi-byte: more tokens than characters
+    req = Req(rid="r", origin_input_ids=[1, 2], sampling_params=SamplingParams(stop=[stop], max_new_tokens=100))
+    reasons = []
+    for t in prefix + stop_ids + suffix:  # one token per step
+        req.output_ids.append(t)
+        reasons.append(check_finished(req, frozenset(), 4096, tok.decode))
+        if reasons[-1] is not None:
+            break
+    assert reasons[-1] == {"type": "stop", "matched": stop}
+    assert len(reasons) == len(prefix) + len(stop_ids)  # the very token that completes it
+    assert all(r is None for r in reasons[:-1])

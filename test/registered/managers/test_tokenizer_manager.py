@@ -40,6 +40,7 @@ def test_every_entry_point_checks_a_prompt_the_same_way():
 
     assert check_prompt_ids((3, 4), 10, 8, 6) == [3, 4]
     for ids, message in (([], "non-empty"), ([3, True], "outside the vocabulary"), ([3, 10], "outside"),
+                         ([None], "token id None"), ([1, "2"], "token id str"),
                          ([1] * 8, "context length is 8"), ([1] * 7, "KV cache holds only 6")):
         with pytest.raises(ValueError, match=message):
             check_prompt_ids(ids, 10, 8, 6)

@@ -15,7 +15,6 @@ from sglang.srt.mem_cache.memory_planner import (
     MemoryPlanError,
     PlanSettings,
     kv_bytes_per_token,
-    kv_entry_bytes,
     min_gpus_to_fit,
     per_request_state_bytes,
     plan_memory,
@@ -83,10 +82,21 @@ def test_kv_bytes_match_the_pool_as_built():
 
 
 def test_fp8_kv_entries_are_584_bytes():
-    assert kv_entry_bytes(512, 64, "fp8_e4m3") == 584  # 448 e4m3 + 7 scales padded to 8 + 64 bf16 rope
-    assert kv_entry_bytes(512, 64, "bfloat16") == 1024
+    from dsv4_kernels.kv_fp8 import kv_row_bytes
+
+    from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
+
+    # the planner counts the pool's rows: 448 e4m3 + 64 bf16 rope + 7 scales padded to 8
+    assert kv_row_bytes(512, 64, "fp8_e4m3", torch.bfloat16) == 584
+    assert kv_row_bytes(512, 64, "auto", torch.bfloat16) == 1024
     flash = get_preset("dsv4-flash")
     assert kv_bytes_per_token(flash, "fp8_e4m3") < 0.6 * kv_bytes_per_token(flash, "auto")
+    # and that count, rounded up to a whole byte, is what an FP8 pool holds per slot
+    # (dsv4-mini: head 512 = 448 nope + 64 rope; 2/128 of a c128 row makes it fractional)
+    mini, slots = get_preset("dsv4-mini"), 128 * 8
+    pool = DSV4KVPool(mini, slots, 2, torch.bfloat16, "cpu", kv_cache_dtype="fp8_e4m3")
+    kv = sum(t.numel() * t.element_size() for t in [*pool.raw, *pool.compressed.values(), *pool.indexer_keys.values()])
+    assert kv_bytes_per_token(mini, "fp8_e4m3") - 1 < kv / slots < kv_bytes_per_token(mini, "fp8_e4m3")
 
 
 def test_flash_needs_two_h200():
@@ -108,8 +118,8 @@ def test_pro_needs_eight_or_more(pro):
     with pytest.raises(MemoryPlanError, match=r"weights need 2\d\d\.\d GiB per GPU at --dp-size 4"):
         plan_memory(pro, dataclasses.replace(SERVING, dp_size=4), H200_USABLE_BYTES)
     assert min_gpus_to_fit(pro, LEAN) == 8
-    # At the default static fraction (0.8) the weights alone (131 GiB per GPU) exceed it at 8.
-    with pytest.raises(MemoryPlanError, match=r"not enough memory for the KV cache: .*\(weights 13\d\.\d"):
+    # At the default static fraction (0.8) the weights alone (128 GiB per GPU) exceed it at 8.
+    with pytest.raises(MemoryPlanError, match=r"not enough memory for the KV cache: .*\(weights 12\d\.\d"):
         plan_memory(pro, dataclasses.replace(SERVING, dp_size=8), H200_USABLE_BYTES)
     assert min_gpus_to_fit(get_preset("dsv4-flash"), LEAN) == 2
 

@@ -486,8 +486,48 @@ def test_without_debug_a_moved_argument_is_not_checked():
     graph = create_breakable_graph("cpu")
     with graph.capture():
         attention(q, kv, out, 1.0)
-    out.set_(torch.empty(8, 4))
-    graph.replay()  # silently writes the new storage: what debug mode exists to catch
+    old_storage = out.detach().clone()
+    out.set_(torch.full((8, 4), float("nan")))
+    graph.replay()  # no error: the break silently writes the new storage (debug mode's job)
+    expected = torch.softmax(q @ kv.T, dim=-1) @ kv
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(old_storage, expected)
+
+
+# ---- split ops captured inline (full graphs) ----------------------------------------
+
+_live = {"scale": torch.tensor([2.0])}
+
+
+def _scale_by_live_state(x: torch.Tensor, output: torch.Tensor) -> None:
+    # Reads state outside its arguments, as the attention op reads backend.forward_metadata.
+    output.copy_(x * _live["scale"])
+
+
+scale_by_live_state = register_split_op("test_bcg_scale_by_live_state", _scale_by_live_state, ("output",))
+
+
+def test_an_inline_split_op_replays_the_tensors_it_captured_not_the_live_state():
+    from sglang.srt.model_executor.breakable_cuda_graph.break_op import break_ops_inline
+
+    _live["scale"] = torch.tensor([2.0])
+    x, out = torch.ones(3), torch.empty(3)
+    graph = create_breakable_graph("cpu")
+    with break_ops_inline(), graph.capture():
+        scale_by_live_state(x + 0, out)
+        y = out + 1
+    # One segment holding the op's own aten ops, not the op: its Python never runs again.
+    assert graph.segment_op_names(0) == ["aten.add.Tensor", "aten.mul.Tensor", "aten.copy_.default",
+                                         "aten.add.Tensor"]
+    x.fill_(3.0)
+    graph.replay()
+    torch.testing.assert_close(y, torch.full((3,), 7.0))
+    # New storage for the live state (as a rebuilt metadata object has): a CUDA graph keeps
+    # reading the captured tensor, and so does the emulator.
+    _live["scale"] = torch.tensor([5.0])
+    graph.replay()
+    torch.testing.assert_close(y, torch.full((3,), 7.0))
+    _live["scale"] = torch.tensor([2.0])
 
 
 # ---- misc ---------------------------------------------------------------------------

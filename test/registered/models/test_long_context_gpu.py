@@ -3,8 +3,8 @@ chunk replays, the last logits match the same chunks run eagerly, and the graph 
 same as at an 8K context. Prints time, throughput and peak memory for docs/benchmarks.md (-s).
 
 Model: dsv4-mini with its maximum position raised to 256K (default), or any preset through
-DSV4_LONG_MODEL / DSV4_LONG_NUM_LAYERS, e.g. Flash dims once issue 11's release-format dummy
-weights are in:  DSV4_LONG_MODEL=dsv4-flash DSV4_LONG_NUM_LAYERS=20 pytest -m gpu -s <this file>
+DSV4_LONG_MODEL / DSV4_LONG_NUM_LAYERS, e.g. Flash dims with release-format dummy weights
+(FP8 linears, FP4 experts):  DSV4_LONG_MODEL=dsv4-flash DSV4_LONG_NUM_LAYERS=20 pytest -m gpu -s <this file>
 """
 
 from __future__ import annotations

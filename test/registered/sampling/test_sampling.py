@@ -113,6 +113,14 @@ def test_top_k_top_p_and_min_p_filter_the_tail():
     assert torch.allclose(f, probs, atol=0.03)
 
 
+def test_a_top_k_past_the_vocabulary_keeps_the_whole_vocabulary():
+    # Any JSON integer can arrive; 2**63 once overflowed the int64 tensor and killed the scheduler.
+    row = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().tolist()
+    for top_k in (4, 1000, 2**63, 10**30):
+        f = _frequencies(row, 2000, top_k=top_k)
+        assert (f > 0).all(), top_k
+
+
 def test_temperature_sharpens_below_one_and_flattens_above():
     row = [2.0, 1.0, 0.0]
     expected = {t: torch.softmax(torch.tensor(row) / t, 0)[0].item() for t in (0.5, 1.0, 2.0)}

@@ -4,6 +4,7 @@ from sglang.srt.configs.deepseek_v4 import (
     ConfigError,
     DeepseekV4Config,
     estimate_num_parameters,
+    estimate_weight_bytes,
     load_model_config,
 )
 
@@ -23,6 +24,7 @@ __all__ = [
     "DeepseekV4Config",
     "PRESETS",
     "estimate_num_parameters",
+    "estimate_weight_bytes",
     "get_preset",
     "load_model_config",
 ]

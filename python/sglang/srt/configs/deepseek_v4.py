@@ -139,11 +139,27 @@ class DeepseekV4Config:
         return int(self.rope_scaling["original_max_position_embeddings"]) if self.rope_scaling else 0
 
     @property
-    def fp8_weight_block_size(self) -> tuple[int, ...] | None:
-        q = self.quantization_config
-        if not q or q.get("quant_method") != "fp8" or "weight_block_size" not in q:
-            return None
-        return tuple(q["weight_block_size"])
+    def fp8_linears(self) -> bool:
+        """Projection weights stored FP8 e4m3 with 128x128 power-of-two block scales."""
+        return self.quantization_config is not None
+
+    @property
+    def fp4_experts(self) -> bool:
+        """Routed experts stored as packed FP4 e2m1 with a ue8m0 scale per 32 inputs."""
+        return self.expert_dtype == "fp4"
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.fp8_linears or self.fp4_experts
+
+    @property
+    def fp8_weight_block_size(self) -> tuple[int, int] | None:
+        return (FP8_BLOCK, FP8_BLOCK) if self.fp8_linears else None
+
+    @property
+    def fp8_scale_fmt(self) -> str | None:
+        """"ue8m0" (F8_E8M0 scale tensors) or None (fp32 scales)."""
+        return (self.quantization_config or {}).get("scale_fmt")
 
 
 # ---- validation ---------------------------------------------------------------------------
@@ -225,6 +241,7 @@ def _validate(c: DeepseekV4Config) -> None:
             raise ConfigError(f"{name}: expected an object or null, got {getattr(c, name)!r}")
     if c.expert_dtype is not None and not isinstance(c.expert_dtype, str):
         raise ConfigError(f"expert_dtype: expected a string or null, got {c.expert_dtype!r}")
+    _validate_quantization(c)
     if not isinstance(c.architectures, list) or not all(isinstance(a, str) for a in c.architectures):
         raise ConfigError(f"architectures: expected a list of strings, got {c.architectures!r}")
     if not isinstance(c.extra, dict):
@@ -285,6 +302,44 @@ def _validate(c: DeepseekV4Config) -> None:
         raise ConfigError(f"eos_token_id: expected a token id or a list of them, got {c.eos_token_id!r}")
     if max(c.bos_token_id, *eos) >= c.vocab_size:
         raise ConfigError(f"vocab_size: {c.vocab_size} must exceed every bos/eos token id (max {max(c.bos_token_id, *eos)})")
+
+
+# The release's quantization_config: each key with the values this runtime implements.
+_QUANT_KEYS = {"quant_method": ("fp8",), "fmt": ("e4m3",), "activation_scheme": ("dynamic",),
+               "scale_fmt": ("ue8m0", None)}
+FP8_BLOCK = 128  # weight blocks are 128x128; activations are quantized per 128 along K
+FP4_BLOCK = 32  # one ue8m0 scale per 32 FP4 expert inputs
+EXPERT_DTYPES = (None, "bf16", "bfloat16", "fp4")
+
+
+def _validate_quantization(c: DeepseekV4Config) -> None:
+    """The release format, and nothing that would parse but then be applied differently."""
+    q = c.quantization_config
+    if c.expert_dtype not in EXPERT_DTYPES:
+        raise ConfigError(f"expert_dtype: must be one of {EXPERT_DTYPES}, got {c.expert_dtype!r}")
+    if q is not None:
+        if "quant_method" not in q:
+            raise ConfigError("quantization_config: missing 'quant_method' (the release uses 'fp8')")
+        for key, allowed in _QUANT_KEYS.items():
+            v = q.get(key, allowed[-1] if None in allowed else allowed[0])
+            if v not in allowed:
+                shown = ", ".join(repr(a) for a in allowed if a is not None)
+                raise ConfigError(f"quantization_config: {key} {v!r} is not supported (supported: {shown}"
+                                  f"{'; absent means fp32 scales' if None in allowed else ''})")
+        block = q.get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
+        if list(block) != [FP8_BLOCK, FP8_BLOCK]:
+            raise ConfigError(f"quantization_config: weight_block_size must be [128, 128], got {block!r}")
+    # Activations are quantized per 128 along K of every FP8/FP4 GEMM (release numerics), and
+    # FP4 rows carry one scale per 32 inputs: the inner dims must be whole blocks.
+    inner = {}
+    if q is not None:
+        inner.update(hidden_size=c.hidden_size, q_lora_rank=c.q_lora_rank, moe_intermediate_size=c.moe_intermediate_size,
+                     **{"o_groups * o_lora_rank": c.o_groups * c.o_lora_rank})
+    if c.expert_dtype == "fp4":
+        inner.update(hidden_size=c.hidden_size, moe_intermediate_size=c.moe_intermediate_size)
+    for name, v in inner.items():
+        if v % FP8_BLOCK:
+            raise ConfigError(f"{name}: must be a multiple of {FP8_BLOCK} for release-format weights, got {v}")
 
 
 # ---- loading and size -----------------------------------------------------------------------
@@ -353,3 +408,17 @@ def estimate_num_parameters(c: DeepseekV4Config) -> int:
         total += c.vocab_size * c.num_experts_per_tok if c.is_hash_layer(layer_id) else E  # tid2eid | bias
         total += (E + c.n_shared_experts) * 3 * inter * d
     return total
+
+
+def estimate_weight_bytes(c: DeepseekV4Config, dtype_bytes: int) -> int:
+    """Weight bytes of the model as it holds them in a model dtype of `dtype_bytes` (2: bf16,
+    4: fp32): release-format weights at their quantized size (the loader keeps them so), MTP
+    layers and every routed expert included. The memory planner's count, so the two never
+    disagree (mem_cache/memory_planner.weight_bytes: the model built on the meta device)."""
+    from sglang.srt.mem_cache.memory_planner import loaded_weight_format, weight_bytes
+
+    dtypes = {2: "bfloat16", 4: "float32"}
+    if dtype_bytes not in dtypes:
+        raise ValueError(f"dtype_bytes must be 2 (bfloat16) or 4 (float32), got {dtype_bytes!r}")
+    dtype = dtypes[dtype_bytes]
+    return weight_bytes(c, loaded_weight_format(c, dtype), dtype).total

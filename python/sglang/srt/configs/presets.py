@@ -1,6 +1,7 @@
 """Built-in model shapes with random weights: tiny for CPU tests, mini for one GPU, a
-four-layer slice of DeepSeek-V4-Flash for per-layer timings, and DeepSeek-V4-Flash itself.
-Each call returns a fresh config.
+four-layer slice of DeepSeek-V4-Flash for per-layer timings, and DeepSeek-V4-Flash itself; the
+first three also in the release weight format (`<name>-fp8`: FP8 linears, FP4 experts), which
+dsv4-flash always has. Each call returns a fresh config.
 
 `python -m sglang.srt.configs.presets NAME --write-config DIR [--num-layers N]` writes a
 release-style config.json for a preset.
@@ -9,6 +10,7 @@ release-style config.json for a preset.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -126,14 +128,44 @@ def dsv4_flash_slice() -> DeepseekV4Config:
     )
 
 
-# The release's weight format, as DeepSeek-V4-Pro's config.json declares it.
-RELEASE_QUANTIZATION_CONFIG = {
-    "activation_scheme": "dynamic",
-    "fmt": "e4m3",
-    "quant_method": "fp8",
-    "scale_fmt": "ue8m0",
-    "weight_block_size": [128, 128],
-}
+def dsv4_tiny_fp8_dims() -> DeepseekV4Config:
+    """CPU tests of the release format: dsv4-tiny's structure at dims that are whole
+    quantization blocks (the conformance-tiny-fp8fp4 model's dims), still bf16 here."""
+    return _preset(
+        vocab_size=512,
+        hidden_size=256,
+        num_hidden_layers=4,
+        compress_ratios=[0, 4, 128, 4],
+        num_attention_heads=4,
+        head_dim=128,
+        qk_rope_head_dim=64,
+        q_lora_rank=128,
+        o_groups=2,
+        o_lora_rank=64,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        routed_scaling_factor=1.5,
+        sliding_window=8,
+        index_n_heads=16,
+        index_head_dim=128,
+        index_topk=4,
+        max_position_embeddings=4096,
+        rope_factor=4,
+        original_max_position_embeddings=256,
+    )
+
+
+# The release's quantization_config, as DeepSeek-V4's config.json has it.
+RELEASE_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                        "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+
+
+def release_format(config: DeepseekV4Config) -> DeepseekV4Config:
+    """The same model in the release's weight format: FP8 block-scaled linears, FP4 experts."""
+    return dataclasses.replace(config, quantization_config=dict(RELEASE_QUANTIZATION), expert_dtype="fp4")
+
+
 # config.json fields of the release this runtime does not read (kept in `extra`).
 _RELEASE_EXTRA = {
     "attention_bias": False,
@@ -161,8 +193,9 @@ def dsv4_flash() -> DeepseekV4Config:
     1048576) with Pro's YaRN (factor 16 over 65536, beta 32/1), rope_theta 1e4,
     compress_rope_theta 1.6e5, mHC 4 x 20 Sinkhorn iterations, eps 1e-6, vocab 129280 and its
     bos/eos ids, the fp8 e4m3 / ue8m0 [128, 128] quantization_config and `expert_dtype: fp4`.
-    The weights are random (`--load-format dummy`); the release format needs the FP8/FP4
-    loader path (issue 11) to stay quantized in memory.
+    The weights are random (`--load-format dummy`): built quantized on the device, tensor by
+    tensor and only this DP rank's experts (model_loader/random_init.py), as the release's
+    checkpoint would be loaded.
     """
     return _preset(
         vocab_size=129280,
@@ -190,7 +223,7 @@ def dsv4_flash() -> DeepseekV4Config:
         original_max_position_embeddings=65536,
         num_nextn_predict_layers=1,
         expert_dtype="fp4",
-        quantization_config=dict(RELEASE_QUANTIZATION_CONFIG, weight_block_size=[128, 128]),
+        quantization_config=dict(RELEASE_QUANTIZATION),
         extra=dict(_RELEASE_EXTRA),
     )
 
@@ -200,6 +233,10 @@ PRESETS: dict[str, Callable[[], DeepseekV4Config]] = {
     "dsv4-mini": dsv4_mini,
     "dsv4-flash-slice": dsv4_flash_slice,
     "dsv4-flash": dsv4_flash,
+    # Release-format variants (`-fp8`): --load-format dummy builds them quantized on the device.
+    "dsv4-tiny-fp8": lambda: release_format(dsv4_tiny_fp8_dims()),
+    "dsv4-mini-fp8": lambda: release_format(dsv4_mini()),
+    "dsv4-flash-slice-fp8": lambda: release_format(dsv4_flash_slice()),
 }
 
 

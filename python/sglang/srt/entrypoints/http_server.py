@@ -15,9 +15,11 @@ from aiohttp import web
 
 from sglang.srt.entrypoints import openai_api as oai
 from sglang.srt.entrypoints.openai_api import APIError
+from sglang.srt.entrypoints.request_body import OFF_LOOP_BYTES, BadBody, parse_json_off_loop, read_body
 from sglang.srt.managers.tokenizer_manager import (
     RequestError,
     SchedulerDiedError,
+    ShuttingDownError,
     TokenizerManager,
 )
 
@@ -25,11 +27,13 @@ logger = logging.getLogger(__name__)
 
 MANAGER = web.AppKey("manager", TokenizerManager)
 _NATIVE_KEYS = {"text", "input_ids", "sampling_params", "stream", "rid"}
+RETRY_AFTER_S = 5  # what a client is told to wait while the server drains for a restart
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error", code=None) -> web.Response:
+def error_response(status: int, message: str, type_: str = "invalid_request_error", code=None,
+                   headers=None) -> web.Response:
     body = {"error": {"message": message, "type": type_, "param": None, "code": code or status}}
-    return web.json_response(body, status=status)
+    return web.json_response(body, status=status, headers=headers)
 
 
 @web.middleware
@@ -39,8 +43,12 @@ async def error_middleware(request: web.Request, handler):
         return await handler(request)
     except APIError as e:
         return error_response(e.status, e.message, e.type, e.code)
+    except BadBody as e:
+        return error_response(e.status, str(e))
     except RequestError as e:
         return error_response(400, str(e))
+    except ShuttingDownError as e:
+        return error_response(503, str(e), "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
     except SchedulerDiedError as e:
         return error_response(503, str(e), "service_unavailable")
     except web.HTTPException as e:
@@ -54,14 +62,41 @@ async def error_middleware(request: web.Request, handler):
         return error_response(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error")
 
 
-async def read_json(request: web.Request) -> dict:
-    try:
-        body = json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"malformed JSON body: {e}") from None
+async def read_json(request: web.Request) -> tuple[dict, bool]:
+    """The body as a JSON object, and whether it is large (then `prepare` runs off the event
+    loop). A draining server refuses before reading."""
+    manager = request.app[MANAGER]
+    if manager.draining:
+        raise ShuttingDownError("the server is shutting down")
+    raw = await read_body(request, manager.server_args.max_request_bytes)
+    body = await parse_json_off_loop(raw)
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
-    return body
+    return body, len(raw) > OFF_LOOP_BYTES
+
+
+async def prepare(request: web.Request, build):
+    """`build(manager, body)` (tokenize, validate, build the request), for a large body in a
+    worker thread: tokenizing or checking megabytes, and even freeing millions of parsed
+    values, would otherwise stall every other client and /health."""
+    manager = request.app[MANAGER]
+    body, large = await read_json(request)
+    if not large:
+        return build(manager, body)
+
+    def run():
+        try:
+            return build(manager, body)
+        except Exception as e:  # noqa: BLE001 - handed to the loop, which raises it
+            e.__traceback__ = e.__context__ = None  # drop the frames that hold the big values
+            return e
+        finally:
+            body.clear()
+
+    result = await asyncio.to_thread(run)
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 # ---- streaming ---------------------------------------------------------------------------
@@ -83,7 +118,7 @@ async def _sse(request: web.Request, gen, chunks_of) -> web.StreamResponse:
                 if out.finished:
                     break
                 out = await anext(gen)
-        except (RequestError, SchedulerDiedError) as e:
+        except (RequestError, SchedulerDiedError, ShuttingDownError) as e:
             status, type_ = (400, "invalid_request_error") if isinstance(e, RequestError) else (503, "service_unavailable")
             err = {"error": {"message": str(e), "type": type_, "param": None, "code": status}}
             await resp.write(f"data: {json.dumps(err)}\n\n".encode())
@@ -115,9 +150,7 @@ def _meta_info(out) -> dict:
     }
 
 
-async def generate(request: web.Request) -> web.StreamResponse:
-    manager = request.app[MANAGER]
-    body = await read_json(request)
+def _native_request(manager: TokenizerManager, body: dict):
     unknown = sorted(set(body) - _NATIVE_KEYS)
     if unknown:
         raise APIError(f"unknown field(s): {', '.join(unknown)}")
@@ -127,9 +160,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if text is not None:
         if not isinstance(text, str):
             raise APIError("text must be a string (batched requests are not supported)")
+        if not text:
+            raise APIError("text is empty: the prompt needs at least one token")
         input_ids = manager.tokenize(text)
     stream = oai.get_bool(body, "stream", False)
-    req, skip = manager.build_request(input_ids, body.get("sampling_params"), stream, body.get("rid"))
+    return manager.build_request(input_ids, body.get("sampling_params"), stream, body.get("rid"))
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    manager = request.app[MANAGER]
+    req, skip = await prepare(request, _native_request)
+    stream = req.stream
     gen = manager.generate(req, skip)
     if not stream:
         text, ids, last = await _collect(gen)
@@ -148,39 +189,40 @@ async def generate(request: web.Request) -> web.StreamResponse:
 # ---- OpenAI-compatible ------------------------------------------------------------------
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    manager = request.app[MANAGER]
-    body = await read_json(request)
+def _openai_request(manager: TokenizerManager, body: dict, chat: bool):
+    """(request, skip_special_tokens, model, include_usage) of a completions or chat body."""
     model = oai.check_model(body, manager)
-    input_ids = oai.completion_prompt_ids(body, manager)
-    return await _openai_generate(request, manager, body, model, input_ids, chat=False)
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    manager = request.app[MANAGER]
-    body = await read_json(request)
-    model = oai.check_model(body, manager)
-    input_ids = oai.chat_prompt_ids(body, manager)
-    return await _openai_generate(request, manager, body, model, input_ids, chat=True)
-
-
-async def _openai_generate(request, manager, body, model, input_ids, chat: bool):
+    input_ids = oai.chat_prompt_ids(body, manager) if chat else oai.completion_prompt_ids(body, manager)
     sampling_params, skip = oai.sampling_params_of(body, chat)
     stream = oai.get_bool(body, "stream", False)
     include_usage = stream and oai.stream_include_usage(body)
     sampling_params["skip_special_tokens"] = skip
     req, skip = manager.build_request(input_ids, sampling_params, stream)
+    return req, skip, model, include_usage
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _openai_generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _openai_generate(request, chat=True)
+
+
+async def _openai_generate(request: web.Request, chat: bool):
+    manager = request.app[MANAGER]
+    req, skip, model, include_usage = await prepare(request, lambda m, body: _openai_request(m, body, chat))
     gen = manager.generate(req, skip)
     fmt = oai.ResponseFormatter(chat=chat, model=model, rid=req.rid, created=int(time.time()))
-    if not stream:
+    if not req.stream:
         text, _, last = await _collect(gen)
         return web.json_response(fmt.response(text, last))
     return await _sse(request, gen, lambda out: fmt.stream_events(out, include_usage))
 
 
-async def list_models(request: web.Request) -> web.Response:
+def _model_card(request: web.Request) -> dict:
     manager = request.app[MANAGER]
-    card = {
+    return {
         "id": manager.served_model_name,
         "object": "model",
         "created": int(request.app["started_at"]),
@@ -188,7 +230,18 @@ async def list_models(request: web.Request) -> web.Response:
         "root": manager.server_args.model_path,
         "max_model_len": manager.context_length,
     }
-    return web.json_response({"object": "list", "data": [card]})
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request)]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    model_id = request.match_info["model_id"]
+    card = _model_card(request)
+    if model_id not in (card["id"], card["root"]):
+        raise APIError(f"The model `{model_id}` does not exist.", status=404, code="model_not_found")
+    return web.json_response(card)
 
 
 # ---- status ------------------------------------------------------------------------------
@@ -199,6 +252,9 @@ async def health(request: web.Request) -> web.Response:
     manager = request.app[MANAGER]
     if manager.dead:
         return error_response(503, manager.death_message, "service_unavailable")
+    if manager.draining:
+        return error_response(503, "the server is shutting down", "service_unavailable",
+                              headers={"Retry-After": str(RETRY_AFTER_S)})
     return web.json_response({"status": "ok"})
 
 
@@ -216,14 +272,15 @@ async def get_model_info(request: web.Request) -> web.Response:
 
 
 def create_app(manager: TokenizerManager) -> web.Application:
-    # Long prompts sent as input_ids lists exceed aiohttp's 1 MiB default body limit.
-    app = web.Application(middlewares=[error_middleware], client_max_size=256 * 1024 * 1024)
+    # read_body enforces --max-request-bytes with a clear 413; this is aiohttp's own backstop.
+    app = web.Application(middlewares=[error_middleware], client_max_size=manager.server_args.max_request_bytes)
     app[MANAGER] = manager
     app["started_at"] = time.time()
     app.router.add_post("/generate", generate)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)
     app.router.add_get("/health", health)
     app.router.add_get("/get_server_info", get_server_info)
     app.router.add_get("/get_model_info", get_model_info)
@@ -231,7 +288,11 @@ def create_app(manager: TokenizerManager) -> web.Application:
 
 
 async def serve(manager: TokenizerManager, host: str, port: int, ready_message: str | None = None) -> int:
-    """Serve until SIGINT/SIGTERM (exit code 0) or until the scheduler process dies (1)."""
+    """Serve until SIGINT/SIGTERM (exit code 0) or until the scheduler process dies (1).
+
+    A signal drains: new requests (and /health) get 503 with Retry-After, in-flight requests
+    may finish for up to --shutdown-timeout seconds, and streams still open then end with an
+    error event and [DONE]; non-streaming ones get a 503."""
     loop = asyncio.get_running_loop()
     scheduler_died = manager.start_io(loop)
     stop = asyncio.Event()
@@ -253,6 +314,8 @@ async def serve(manager: TokenizerManager, host: str, port: int, ready_message: 
             logger.error("%s: shutting down the server", manager.death_message)
             await asyncio.sleep(0.5)  # let the in-flight error responses reach their clients
             return 1
+        left = await manager.drain(manager.server_args.shutdown_timeout)
+        logger.info("drained; %d request(s) still in flight were ended with an error", left)
         return 0
     finally:
         await runner.cleanup()

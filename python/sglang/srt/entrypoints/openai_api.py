@@ -61,7 +61,11 @@ def completion_prompt_ids(body: dict, manager) -> list[int]:
             raise APIError("only one prompt per request is supported")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        if not prompt:
+            raise APIError("prompt is empty: it needs at least one token")
         return manager.tokenize(prompt)
+    if prompt == []:
+        raise APIError("prompt is empty: it needs at least one token")
     if _is_int_list(prompt):
         return prompt
     raise APIError("prompt must be a string or a list of token ids")
@@ -74,9 +78,11 @@ def chat_prompt_ids(body: dict, manager) -> list[int]:
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError("each message must be an object with a string role")
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise APIError("tools must be a list")
+    # Accepting tools and answering without tool calls would look like a model that chose not
+    # to call them; refuse until tool calling (parsing the model's calls) exists.
+    for key in ("tools", "tool_choice", "functions", "function_call"):
+        if body.get(key) not in (None, [], "none"):
+            raise APIError(f"{key} is not supported: this server has no tool calling yet", code="unsupported_parameter")
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise APIError("chat_template_kwargs must be an object")
@@ -87,7 +93,7 @@ def chat_prompt_ids(body: dict, manager) -> list[int]:
     if response_format not in (None, {"type": "text"}):
         raise APIError("response_format is not supported")
     try:
-        prompt = encode_messages(messages, tools or None, thinking)
+        prompt = encode_messages(messages, None, thinking)
     except (ValueError, NotImplementedError, TypeError, KeyError) as e:
         raise APIError(f"cannot encode messages: {e}") from None
     return manager.tokenizer.encode(prompt, add_special_tokens=False)

@@ -63,7 +63,8 @@ def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], uniform
     dev = logits.device
     vocab = logits.shape[-1]
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-    top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+    # a top_k past the vocabulary means all of it (it may be any JSON integer)
+    top_ks = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev)
     top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
     min_ps = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
 

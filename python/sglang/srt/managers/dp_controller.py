@@ -30,15 +30,8 @@ from multiprocessing.connection import Connection, Listener
 from multiprocessing.connection import wait as wait_for
 from typing import Dict, List, Optional, Sequence
 
-from sglang.srt.managers.scheduler_process import (
-    SHUTDOWN,
-    WAKE,
-    RankHello,
-    RankSpec,
-    ReadyMsg,
-    StartupError,
-    run_scheduler_process,
-)
+from sglang.srt.managers.io_struct import SHUTDOWN, WAKE, RankHello, ReadyMsg, StartupError
+from sglang.srt.managers.scheduler_process import RankSpec, run_scheduler_process
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,6 @@
-"""What crosses the process boundary between the tokenizer/HTTP side and the scheduler.
+"""Every message that crosses a process boundary: requests and outputs between the
+tokenizer/HTTP side (or the Engine) and the schedulers, and the start-up and control messages
+between the DP controller and the scheduler processes.
 
 Plain picklable dataclasses: token ids only, no text (detokenization is the caller's job).
 Finish reasons are dicts so they serialize to JSON unchanged:
@@ -57,6 +59,44 @@ class ServerInfo:
     stats: dict[str, Any]
 
 
+# ---- process lifecycle: scheduler processes <-> the DP controller ---------------------------
+
+# Pipe control words (the parent to a scheduler process): stop, and wake from the idle wait.
+SHUTDOWN = "shutdown"
+# Sent by the DP controller to the other ranks with a request that reaches an idle server:
+# they wake from their idle wait at once instead of making the new request's rank wait for
+# them in the step's collective.
+WAKE = "wake"
+
+
+@dataclass
+class ReadyMsg:
+    server_args: object  # resolved here, where the device is: the server shows these
+    context_length: int
+    vocab_size: int
+    pid: int
+    stats: dict = field(default_factory=dict)
+    dp_rank: int = 0
+
+
+@dataclass
+class StartupError:
+    message: str  # the traceback
+    summary: str = ""  # "ExcType: message", for the one line a user reads first
+    dp_rank: int = 0
+
+
+@dataclass
+class RankHello:
+    """First message of a DP rank that connects back to node 0 over TCP."""
+
+    dp_rank: int
+    node_rank: int
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
 def visible_output_ids(output_ids: Sequence[int], finish_reason: Optional[dict]) -> list[int]:
     """Output ids without a matched stop token (the stop token ends the text, it is not text)."""
     ids = list(output_ids)
@@ -95,15 +135,18 @@ def check_prompt_ids(ids, vocab_size: int, context_length: int,
     the KV cache. Raises ValueError naming the problem; returns the ids as a list."""
     if not isinstance(ids, (list, tuple)) or not ids:
         raise ValueError("input_ids must be a non-empty list of token ids")
-    bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"input_ids must be integers in [0, {vocab_size}): token id {bad!r} is outside "
-                         "the vocabulary")
+    # Lengths first: a huge list is refused without a scan over every element.
     if len(ids) >= context_length:
         raise ValueError(f"the prompt has {len(ids)} tokens but the context length is {context_length} "
                          "(at least one position must remain for output)")
     if kv_capacity is not None and len(ids) > kv_capacity:
         raise ValueError(f"the prompt has {len(ids)} tokens but the KV cache holds only {kv_capacity} "
                          "(--max-total-tokens)")
+    none = object()  # not None: None is itself a bad token id
+    bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size), none)
+    if bad is not none:
+        shown = repr(bad) if isinstance(bad, (int, float, bool, type(None))) else type(bad).__name__
+        raise ValueError(f"input_ids must be integers in [0, {vocab_size}): token id {shown} is outside "
+                         "the vocabulary")
     return list(ids)
 

@@ -21,17 +21,14 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Optional
 
+from sglang.srt.managers.io_struct import SHUTDOWN, WAKE, RankHello, ReadyMsg, StartupError  # noqa: F401
+
 logger = logging.getLogger(__name__)
 
-SHUTDOWN = "shutdown"
-# Sent by the DP controller to the other ranks with a request that reaches an idle server:
-# they wake from their idle wait at once instead of making the new request's rank wait for
-# them in the step's collective.
-WAKE = "wake"
 # Idle wait on the input pipe: it wakes at once on a message or on EOF (parent gone), so this
 # only bounds how late a parent that died without closing the pipe is noticed.
 IDLE_POLL_S = 0.5
@@ -41,31 +38,6 @@ IDLE_POLL_S = 0.5
 # idle. WAKE ends the wait, so a new request does not pay for it; the longest wait bounds only
 # how late a shutdown is agreed and the rare request that reaches an idle rank without WAKE.
 DP_IDLE_WAIT_S = (0.005, 0.05)
-
-
-@dataclass
-class ReadyMsg:
-    server_args: object  # resolved here, where the device is: the server shows these
-    context_length: int
-    vocab_size: int
-    pid: int
-    stats: dict = field(default_factory=dict)
-    dp_rank: int = 0
-
-
-@dataclass
-class StartupError:
-    message: str  # the traceback
-    summary: str = ""  # "ExcType: message", for the one line a user reads first
-    dp_rank: int = 0
-
-
-@dataclass
-class RankHello:
-    """First message of a DP rank that connects back to node 0 over TCP."""
-
-    dp_rank: int
-    node_rank: int
 
 
 @dataclass(frozen=True)
@@ -119,7 +91,11 @@ def run_scheduler_process(server_args, req_conn: Optional[Connection], out_conn:
         scheduler, ready = _build(server_args, rank)
     except BaseException as e:  # noqa: BLE001 - the parent needs the text of any start-up failure
         logger.error("start-up failed: %s: %s", type(e).__name__, e)
-        out_conn.send(StartupError(traceback.format_exc(), f"{type(e).__name__}: {e}", rank.dp_rank))
+        # Expected failures (bad arguments or model files, a missing device) are one line; a
+        # traceback is for bugs.
+        expected = isinstance(e, (ValueError, NotImplementedError, FileNotFoundError))
+        detail = f"{type(e).__name__}: {e}" if expected else traceback.format_exc()
+        out_conn.send(StartupError(detail, f"{type(e).__name__}: {e}", rank.dp_rank))
         if rank.dp_size > 1:  # process-group destructors may wait on peers that are gone
             logging.shutdown()
             os._exit(1)

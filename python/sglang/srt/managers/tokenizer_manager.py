@@ -20,13 +20,13 @@ from sglang.srt.managers.dp_controller import DataParallelController, aggregate_
 from sglang.srt.managers.io_struct import (
     AbortReq,
     GenerateReqInput,
+    ReadyMsg,
     ServerInfo,
     ServerInfoReq,
     check_prompt_ids,
     kv_capacity_tokens,
     visible_output_ids,
 )
-from sglang.srt.managers.scheduler_process import ReadyMsg
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.tokenizer import IncrementalDetokenizer, get_tokenizer
 
@@ -43,6 +43,11 @@ class RequestError(ValueError):
 
 class SchedulerDiedError(RuntimeError):
     """A scheduler process is gone: HTTP 503, and the server exits."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The server drains after SIGTERM: HTTP 503 with Retry-After for new requests, and the end
+    of the streams still open when --shutdown-timeout runs out."""
 
 
 @dataclass
@@ -75,6 +80,7 @@ class TokenizerManager:
         self.rid_to_state: dict[str, _ReqState] = {}
         self.dead = False
         self.death_message = ""
+        self.draining = False  # set by drain(): no new requests
         self._closing = False
         self.controller: DataParallelController | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -112,6 +118,24 @@ class TokenizerManager:
         if self.controller is not None:
             self.controller.shutdown(SHUTDOWN_AFTER_DEATH_S if self.dead else timeout_s)
         self._send_queue.put(None)  # ends the sender thread
+
+    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
+        """Refuse new requests, wait up to `timeout_s` for the in-flight ones to finish, then end
+        the rest with ShuttingDownError and wait (briefly) for their handlers to let go. Returns
+        how many had to be ended."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.rid_to_state and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+        left = len(self.rid_to_state)
+        err = ShuttingDownError(f"the server shut down before this request finished (--shutdown-timeout {timeout_s:g} s)")
+        for state in self.rid_to_state.values():
+            state.queue.put_nowait(err)
+        deadline = loop.time() + 2.0
+        while self.rid_to_state and loop.time() < deadline:  # the handlers write their last event
+            await asyncio.sleep(poll_s)
+        return left
 
     @property
     def scheduler_pid(self) -> int | None:
@@ -218,14 +242,18 @@ class TokenizerManager:
             params.verify(self.vocab_size)
         except (TypeError, ValueError) as e:
             raise RequestError(str(e)) from None
-        room = self.context_length - len(ids)
-        if params.max_new_tokens > room:
+        # Refused before any work what could never finish: a request that outgrows the context
+        # or the whole KV pool would otherwise run and fail (or be cut) at the limit.
+        for limit, what in ((self.context_length, "the context length"),
+                            (self.kv_capacity, "the KV cache (--max-total-tokens)")):
+            if limit is None or params.max_new_tokens <= limit - len(ids):
+                continue
             if explicit_max:
                 raise RequestError(
                     f"the prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
-                    f"exceeds the context length ({self.context_length} tokens)"
+                    f"exceeds {what} ({limit} tokens)"
                 )
-            params.max_new_tokens = room  # an unset limit fills the context
+            params.max_new_tokens = limit - len(ids)  # an unset limit fills what there is
         if rid is not None and not isinstance(rid, str):
             raise RequestError("rid must be a string")
         rid = rid or uuid.uuid4().hex
@@ -242,6 +270,8 @@ class TokenizerManager:
         early (client gone, handler cancelled) aborts the request in the scheduler."""
         if self.dead:
             raise SchedulerDiedError(self.death_message)
+        if self.draining:
+            raise ShuttingDownError("the server is shutting down")
         rid = req.rid
         # The controller owns a rid until the scheduler's final output for it arrives, which can
         # be after its client has gone (an abort still in flight): reusing it before then would

@@ -4,6 +4,11 @@ and the per-request ring state the compressors need for incremental compression.
 All pools are indexed by slots derived from the one request->token page table
 (see req_to_token_pool.py). Every raw token is kept (simple; see docs/architecture.md for
 the memory cost at long context and the ring alternative we left for later).
+
+KV entries (raw and compressed) are rows of head_dim model-dtype values, or with
+kv_cache_dtype "fp8_e4m3" uint8 rows in dsv4_kernels.kv_fp8's layout (nope dims e4m3 with a
+power-of-two scale per 64, rope dims in the model dtype). Indexer keys always stay in the
+model dtype. `nope_fp8` tells every KV writer to round the nope dims as the release does.
 """
 
 from __future__ import annotations
@@ -12,8 +17,12 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
+from dsv4_kernels.kv_fp8 import FP8KVLayout, kv_row_bytes
+from dsv4_kernels.reference import kv_cache_rows
 
 from sglang.srt.configs.deepseek_v4 import DeepseekV4Config
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 @dataclass
@@ -31,12 +40,28 @@ class CompressorState:
 
 
 class DSV4KVPool:
+    """kv_cache_dtype "auto": KV rows in `dtype`; "fp8_e4m3": FP8 rows (`fp8_layout`).
+    round_nope_fp8 (release numerics): a float cache holds the nope dims FP8-rounded per 64,
+    exactly the values an FP8 cache would give back."""
+
     def __init__(self, config: DeepseekV4Config, num_slots: int, max_num_reqs: int,
-                 dtype: torch.dtype, device: torch.device | str, num_layers: Optional[int] = None):
+                 dtype: torch.dtype, device: torch.device | str, num_layers: Optional[int] = None,
+                 kv_cache_dtype: str = "auto", round_nope_fp8: bool = False):
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.config = config
         self.num_slots = num_slots
         self.dtype = dtype
         self.device = torch.device(device)
+        self.kv_cache_dtype = kv_cache_dtype
+        rope_dim = config.qk_rope_head_dim
+        self.fp8_layout: Optional[FP8KVLayout] = (
+            FP8KVLayout(config.head_dim, rope_dim, dtype) if kv_cache_dtype == "fp8_e4m3" else None)
+        if round_nope_fp8:
+            FP8KVLayout(config.head_dim, rope_dim)  # the same split must be valid
+        # What every KV writer passes as nope_fp8 (an FP8 cache rounds by construction).
+        self.nope_fp8 = round_nope_fp8 or self.fp8_layout is not None
+        self.rope_dim = rope_dim
         n_layers = config.num_hidden_layers if num_layers is None else num_layers
         D, Di = config.head_dim, config.index_head_dim
         self.raw: List[torch.Tensor] = []
@@ -48,14 +73,28 @@ class DSV4KVPool:
         for layer in range(n_layers):
             r = config.layer_compress_ratio(layer)
             # zeros, not empty: padded rows may read these and must stay finite
-            self.raw.append(torch.zeros(num_slots, D, dtype=dtype, device=device))
+            self.raw.append(self._kv_rows(num_slots))
             if r == 0:
                 continue
-            self.compressed[layer] = torch.zeros(num_slots // r, D, dtype=dtype, device=device)
+            self.compressed[layer] = self._kv_rows(num_slots // r)
             self.compressor_state[layer] = _new_state(r, D, rows, device)
             if r == 4:
                 self.indexer_keys[layer] = torch.zeros(num_slots // r, Di, dtype=dtype, device=device)
                 self.indexer_state[layer] = _new_state(r, Di, rows, device)
+
+    def _kv_rows(self, n: int) -> torch.Tensor:
+        if self.fp8_layout is not None:  # all-zero bytes read back as 0.0 (scale 2^-127)
+            return torch.zeros(n, self.fp8_layout.row_bytes, dtype=torch.uint8, device=self.device)
+        return torch.zeros(n, self.config.head_dim, dtype=self.dtype, device=self.device)
+
+    def encode_kv(self, rows: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+        """KV rows [T, head_dim] as `pool` (a raw or compressed pool of this object) stores
+        them: FP8 rows, nope-rounded, or as they are. Static shapes, no host sync."""
+        return kv_cache_rows(rows, pool, self.rope_dim, self.nope_fp8)
+
+    def decode_kv(self, pool: torch.Tensor) -> torch.Tensor:
+        """A KV pool's rows as values [N, head_dim] (fp32 for FP8 rows; for tests and tools)."""
+        return self.fp8_layout.unpack(pool) if self.fp8_layout is not None else pool
 
     def nbytes(self) -> int:
         ts = list(self.raw) + list(self.compressed.values()) + list(self.indexer_keys.values())
@@ -73,3 +112,18 @@ def _new_state(ratio: int, dim: int, rows: int, device) -> CompressorState:
         kv=torch.zeros(shape, dtype=torch.float32, device=device),
         score=torch.full(shape, float("-inf"), dtype=torch.float32, device=device),
     )
+
+
+def kv_bytes_per_token(config: DeepseekV4Config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> float:
+    """KV bytes one token costs across layers, mirroring DSV4KVPool's layout: a raw KV row on
+    every layer, plus 1/r of a compressed entry (and of an indexer key on ratio-4 layers)."""
+    row = kv_row_bytes(config.head_dim, config.qk_rope_head_dim, kv_cache_dtype, dtype)
+    total = 0.0
+    for layer in range(config.num_hidden_layers):
+        r = config.layer_compress_ratio(layer)
+        total += row
+        if r:
+            total += row / r
+        if r == 4:
+            total += config.index_head_dim * dtype.itemsize / 4
+    return total

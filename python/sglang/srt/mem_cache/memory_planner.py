@@ -8,20 +8,23 @@ raises `MemoryPlanError` naming the shortfall in GiB and the flag to change, so 
 refuses at start-up instead of running out of memory mid-serving. `min_gpus_to_fit` answers
 "how many GPUs does this model need" (tests: DeepSeek-V4-Flash 2 x H200, Pro 8).
 
-Weight bytes come from the model itself built on the meta device (every tensor's shape and
-the dtype the loader keeps it in), with the release format's storage applied by name:
-FP8 block-scaled linears 1 B per element + a scale per 128 x 128 block, FP4 routed experts
-0.5 B per element + 1 B per 32 elements. Activations and graph pools are estimates (the
-largest tensors of one step), to be checked against the measured numbers start-up logs.
+Weight bytes come from the model itself built on the meta device: every tensor's shape and
+the dtype it is held in. A release-format config builds the quantized modules the loader fills
+(layers/quantization: FP8 linears 1 B per element + an fp32 scale per 128 x 128 block; FP4
+routed experts 0.5 B per element + 1 B per 32), so their storage is counted as held, not
+re-derived. KV bytes per token are the pool's own count (dsv4_kv_pool.kv_bytes_per_token).
+Activations and graph pools are estimates (the largest tensors of one step), to be checked
+against the measured numbers start-up logs.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import re
 from dataclasses import dataclass, fields
 from typing import Dict, Optional
+
+from sglang.srt.mem_cache.dsv4_kv_pool import KV_CACHE_DTYPES  # what the pool can hold (auto: model dtype)
 
 GiB = 1024**3
 # An H200 has 141 GB of HBM; CUDA reports about 139.8 GiB total, of which about 139 GiB can
@@ -29,20 +32,12 @@ GiB = 1024**3
 H200_USABLE_BYTES = 139 * GiB
 
 WEIGHT_FORMATS = ("bfloat16", "float32", "release")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3")
-# Whether the loader keeps the release format quantized in memory. Until it does (issue 11),
-# an FP8/FP4 checkpoint is dequantized to the model dtype on load, and plans must say so.
-LOADER_KEEPS_RELEASE_FORMAT = False
+# Whether the loader keeps the release format quantized in memory: it does (issue 11: the
+# model holds Fp8BlockLinear / Fp4RoutedExperts, the streaming loader and --load-format dummy
+# fill them without a dequantized copy).
+LOADER_KEEPS_RELEASE_FORMAT = True
 
-# Linears the release stores as FP8 with 128 x 128 block scales (loader keeps both).
-_FP8_LINEAR = re.compile(
-    r"(attn\.(wq_a|wq_b|wkv|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]|(e_proj|h_proj))\.weight$"
-)
-# FP8 in the file but kept dequantized: the reference applies wo_a as a grouped einsum over a
-# dequantized weight (its convert.py dequantizes it), so it costs the model dtype.
-_ROUTED_EXPERT = re.compile(r"ffn\.experts\.w[123]$")
-FP8_SCALE_BYTES = 4  # fp32 per block: the larger of the two scale forms the loader accepts
-FP4_SCALE_BYTES_PER_32 = 1  # one ue8m0 scale per 32 inputs
+_ROUTED_EXPERT = re.compile(r"ffn\.experts\.w[123](_scale)?$")  # bf16 stacks, or FP4 bytes + scales
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +52,7 @@ class MemoryPlanError(ValueError):
 @dataclass(frozen=True)
 class WeightBytes:
     replicated: int  # held by every GPU (attention, shared experts, embeddings, MTP layer, ...)
-    routed_experts: int  # all routed experts of the main layers; a GPU holds 1/ep of them
+    routed_experts: int  # every routed expert (MTP layers too); a GPU holds 1/ep of them
 
     def per_gpu(self, ep_size: int) -> int:
         return self.replicated + -(-self.routed_experts // ep_size)
@@ -69,73 +64,55 @@ class WeightBytes:
 
 def loaded_weight_format(config, dtype: str) -> str:
     """The format weights take in memory once loaded: "release" when the checkpoint declares
-    FP8 + FP4 and the loader keeps them quantized, else the model dtype."""
-    release = config.fp8_weight_block_size is not None and config.expert_dtype == "fp4"
-    return "release" if release and LOADER_KEEPS_RELEASE_FORMAT else dtype
+    FP8 linears / FP4 experts and the loader keeps them quantized, else the model dtype."""
+    return "release" if config.is_quantized and LOADER_KEEPS_RELEASE_FORMAT else dtype
 
 
-def weight_bytes(config, weight_format: str) -> WeightBytes:
-    """Bytes of every parameter and buffer of the model (MTP layers included: the loader keeps
-    them), split into replicated and routed-expert parts (those of the MTP layers too: the
-    ModelRunner shards every layer's experts across DP ranks)."""
+def weight_bytes(config, weight_format: str, model_dtype: str = "bfloat16") -> WeightBytes:
+    """Bytes of every parameter and buffer of the model as it is held in memory (MTP layers
+    included: the loader keeps them), split into replicated and routed-expert parts (those of
+    the MTP layers too: DP ranks build every layer's experts at their shard). "release": the
+    config's quantized modules, the rest in model_dtype; "bfloat16" / "float32": every weight
+    in that dtype (a release-format config dequantized)."""
+    import dataclasses
+
     import torch
 
     from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
-    release = weight_format == "release"
-    dtype = torch.float32 if weight_format == "float32" else torch.bfloat16
+    if weight_format != "release":
+        model_dtype = weight_format
+        config = dataclasses.replace(config, quantization_config=None, expert_dtype=None, extra=dict(config.extra))
     with torch.device("meta"):  # shapes and dtypes only: no memory, well under a second for Pro
-        model = DeepseekV4ForCausalLM(config, dtype, max_positions=2)
+        model = DeepseekV4ForCausalLM(config, getattr(torch, model_dtype), max_positions=2)
     replicated = routed = 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        n = t.numel()
-        if release and _ROUTED_EXPERT.search(name):
-            nbytes = n // 2 + -(-n // 32) * FP4_SCALE_BYTES_PER_32
-        elif release and _FP8_LINEAR.search(name):
-            out_dim, in_dim = t.shape
-            nbytes = n + math.ceil(out_dim / 128) * math.ceil(in_dim / 128) * FP8_SCALE_BYTES
-        else:
-            nbytes = n * t.element_size()
         if _ROUTED_EXPERT.search(name):
-            routed += nbytes
+            routed += t.numel() * t.element_size()
         else:
-            replicated += nbytes
+            replicated += t.numel() * t.element_size()
     return WeightBytes(replicated, routed)
 
 
 # ---- KV cache and per-request state -------------------------------------------------------
 
 
-def kv_entry_bytes(dim: int, rope_dim: int, kv_cache_dtype: str) -> int:
-    """Bytes of one cached KV entry of `dim` channels. fp8_e4m3: nope dims as e4m3 with one
-    power-of-two scale per 64 (1 B each, padded to 8 B), rope dims bf16: 584 B at dim 512."""
-    if kv_cache_dtype == "fp8_e4m3":
-        nope = dim - rope_dim
-        return nope + -(-(-(-nope // 64)) // 8) * 8 + 2 * rope_dim
-    return dim * _elt(kv_cache_dtype)
-
-
 def _elt(dtype: str) -> int:
     return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
 
 
-def kv_bytes_per_token(config, kv_cache_dtype: str, model_dtype: str = "bfloat16") -> int:
-    """KV bytes one token costs across layers, mirroring DSV4KVPool's layout: a raw entry every
-    layer, 1/r of a compressed entry on ratio-r layers, and 1/4 of an indexer key (model dtype:
-    the FP8 cache mode covers attention KV only) on ratio-4 layers."""
-    kv = model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    entry = kv_entry_bytes(config.head_dim, config.qk_rope_head_dim, kv)
-    total = 0.0
-    for layer in range(config.num_hidden_layers):
-        r = config.layer_compress_ratio(layer)
-        total += entry
-        if r:
-            total += entry / r
-        if r == 4:
-            total += config.index_head_dim * _elt(model_dtype) / 4
-    return int(total) + 1
+def kv_bytes_per_token(config, kv_cache_dtype: str = "auto", model_dtype: str = "bfloat16") -> int:
+    """KV bytes one token costs across layers, whole bytes rounded up: DSV4KVPool's own count
+    (mem_cache/dsv4_kv_pool.kv_bytes_per_token: a raw row every layer, 1/r of a compressed row
+    on ratio-r layers, 1/4 of an indexer key in the model dtype on ratio-4 layers; FP8 rows in
+    dsv4_kernels.kv_fp8's layout, 584 B at head_dim 512 in bf16)."""
+    import torch
+
+    from sglang.srt.mem_cache.dsv4_kv_pool import kv_bytes_per_token as pool_kv_bytes_per_token
+
+    return int(pool_kv_bytes_per_token(config, getattr(torch, model_dtype), kv_cache_dtype)) + 1
 
 
 def per_request_state_bytes(config, context_length: int) -> int:
@@ -260,7 +237,7 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
     pool; the other `free * (1 - mem_fraction_static)` must hold the graph pool and the
     activation reserve. Raises MemoryPlanError naming the shortfall and the flag to change.
     """
-    w = weights if weights is not None else weight_bytes(config, s.weight_format)
+    w = weights if weights is not None else weight_bytes(config, s.weight_format, s.model_dtype)
     weights_gpu = w.per_gpu(s.dp_size)
     state = per_request_state_bytes(config, s.context_length) * (s.max_running_requests + 1)
     rope = rope_table_bytes(config, s.context_length)
@@ -330,7 +307,7 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
 def min_gpus_to_fit(config, s: PlanSettings, gpu_memory: int = H200_USABLE_BYTES,
                     candidates=(1, 2, 4, 8, 16, 32)) -> int:
     """The fewest GPUs (DP ranks, experts sharded across them) on which `plan_memory` fits."""
-    w = weight_bytes(config, s.weight_format)
+    w = weight_bytes(config, s.weight_format, s.model_dtype)
     for n in candidates:
         if config.n_routed_experts % n:
             continue

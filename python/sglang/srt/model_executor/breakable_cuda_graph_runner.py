@@ -67,6 +67,7 @@ class BreakableCudaGraphRunner:
         self.outputs: Dict[int, torch.Tensor] = {}
         self.attn_metadata_buffers: Dict[int, object] = {}
         self.num_replays = 0
+        self.replays_per_bucket: Counter = Counter()  # shows a batch replaying a needlessly large bucket
         self.fallbacks: Counter = Counter()
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
@@ -154,6 +155,7 @@ class BreakableCudaGraphRunner:
         with forward_context(static_fb, self.attn_backend, n, self.model_runner.dp_moe(bucket)):
             self.graphs[bucket].replay()
         self.num_replays += 1
+        self.replays_per_bucket[bucket] += 1
         return self.outputs[bucket]
 
     def forward_padded_eager(self, fb: ForwardBatch) -> torch.Tensor:
@@ -188,6 +190,7 @@ class BreakableCudaGraphRunner:
     def get_stats(self) -> dict:
         return {
             "bcg_replays": self.num_replays,
+            "bcg_replays_per_bucket": dict(sorted(self.replays_per_bucket.items())),
             "bcg_fallbacks": dict(self.fallbacks),
             "bcg_buckets": list(self.capture_num_tokens),
             "bcg_capture_seconds": round(self.capture_seconds, 3),

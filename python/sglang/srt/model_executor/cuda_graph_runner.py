@@ -50,6 +50,7 @@ class CudaGraphRunner:
         self.outputs: Dict[int, torch.Tensor] = {}
         self.metadata: Dict[int, object] = {}
         self.num_replays = 0
+        self.replays_per_bs: Counter = Counter()
         self.fallbacks: Counter = Counter()
         self.capture_seconds = 0.0
 
@@ -97,13 +98,15 @@ class CudaGraphRunner:
         with forward_context(static_fb, self.attn_backend, bs, self.model_runner.dp_moe(bs)):
             self.graphs[bs].replay()
         self.num_replays += 1
+        self.replays_per_bs[bs] += 1
         return self.outputs[bs]
 
     def replay(self, fb: ForwardBatch) -> LogitsOutput:
         return compute_logits(self.model, self.replay_hidden(fb), fb)
 
     def get_stats(self) -> dict:
-        return {"decode_graph_replays": self.num_replays, "decode_graph_fallbacks": dict(self.fallbacks),
+        return {"decode_graph_replays": self.num_replays,
+                "decode_graph_replays_per_bs": dict(sorted(self.replays_per_bs.items())), "decode_graph_fallbacks": dict(self.fallbacks),
                 "decode_graph_bs": list(self.capture_bs)}
 
     def release(self) -> None:

@@ -18,6 +18,7 @@ from sglang.srt.configs.deepseek_v4 import load_model_config
 from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
 from sglang.srt.layers.dp_attention import DPMoEContext, expert_shard
 from sglang.srt.layers.logits_processor import LogitsOutput, compute_logits
+from sglang.srt.layers.quantization import QuantMode
 from sglang.srt.managers.dp_sync import GraphConfig, PathKind
 from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
 from sglang.srt.mem_cache.memory_planner import report_startup_memory
@@ -41,6 +42,11 @@ class ModelRunnerConfig:
     model_path: str = "dsv4-tiny"
     load_format: str = "auto"  # "auto": checkpoint for directories, seeded random for presets
     num_layers: Optional[int] = None  # only the first N layers (configs/deepseek_v4.with_num_layers)
+    # "release": the release's activation/KV/indexer rounding on release-format weights;
+    # "weight_only": quantized weights on unrounded activations. The runner resolves it to
+    # "weight_only" for a model without quantized weights (runner_config holds the resolved value).
+    quant_numerics: str = "release"
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8_e4m3" (nope dims e4m3, per-64 scales)
     dtype: str = "float32"
     device: str = "cpu"
     random_seed: int = 0
@@ -98,16 +104,21 @@ class ModelRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         self.dtype = _DTYPES[cfg.dtype]
         self.config = load_model_config(cfg.model_path, cfg.num_layers)
+        if cfg.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, got {cfg.kv_cache_dtype!r}")
+        # A bf16 model has nothing to round: release numerics are the release format's.
+        cfg = dataclasses.replace(cfg, quant_numerics=QuantMode.resolve_numerics(self.config, cfg.quant_numerics))
+        self.runner_config = cfg
         self.max_context_len = min(cfg.context_length, self.config.max_position_embeddings)
         self.max_num_reqs = cfg.max_num_reqs
-        self.model = self._load_model(cfg)
         self.dp_groups = None
-        if cfg.dp_size > 1:
-            self._shard_experts_for_dp(cfg)
+        expert_range = self._expert_shard_for_dp(cfg) if cfg.dp_size > 1 else None
+        self.model = self._load_model(cfg, expert_range)
         num_pages = 1 + -(-cfg.max_total_tokens // cfg.page_size)  # + the padding page
         self.req_to_token_pool = ReqToTokenPool(cfg.max_num_reqs, self.max_context_len, num_pages,
                                                 cfg.page_size, self.device)
-        self.kv_pool = DSV4KVPool(self.config, num_pages * cfg.page_size, cfg.max_num_reqs, self.dtype, self.device)
+        self.kv_pool = DSV4KVPool(self.config, num_pages * cfg.page_size, cfg.max_num_reqs, self.dtype, self.device,
+                                  kv_cache_dtype=cfg.kv_cache_dtype, round_nope_fp8=cfg.quant_numerics == "release")
         kernels = resolve_attention_kernels(cfg.attention_backend, self.device)
         if cfg.enable_segment_kernels and cfg.disable_segment_kernels:
             raise ValueError("enable_segment_kernels and disable_segment_kernels contradict each other")
@@ -139,7 +150,9 @@ class ModelRunner:
             self.decode_graph_runner = decode
             self.graph_runners.append(decode)
 
-    def _shard_experts_for_dp(self, cfg: ModelRunnerConfig) -> None:
+    def _expert_shard_for_dp(self, cfg: ModelRunnerConfig):
+        """This DP rank's routed experts [start, end): the model is built at that size and the
+        loader reads only those experts' tensors."""
         from sglang.srt.distributed.parallel_state import get_dp_groups
 
         from sglang.srt.layers.moe.ep_dispatch import create_moe_dispatcher
@@ -148,10 +161,9 @@ class ModelRunner:
         self.dp_groups = get_dp_groups()
         if self.dp_groups is None or self.dp_groups.dp_size != cfg.dp_size:
             raise RuntimeError("DP attention: call init_dp_groups() before building the ModelRunner")
-        start, end = expert_shard(self.config.n_routed_experts, self.dp_groups.dp_rank, cfg.dp_size)
-        # MTP layers too: never run here, but loaded, and at Pro size their experts are 13 GB
-        for layer in list(self.model.layers) + list(self.model.mtp):
-            layer.ffn.experts.keep_shard_(start, end)
+        # MTP layers' experts are sharded too (the model builds them at this range): never
+        # run here, but loaded, and at Pro size their experts are 13 GB.
+        return expert_shard(self.config.n_routed_experts, self.dp_groups.dp_rank, cfg.dp_size)
 
     def dp_moe(self, pad_tokens: int):
         """The MoE's DP context for a step whose ranks each contribute `pad_tokens` rows."""
@@ -160,13 +172,17 @@ class ModelRunner:
         g = self.dp_groups
         return DPMoEContext(g.device_group, g.dp_rank, g.dp_size, pad_tokens, self.moe_dispatcher)
 
-    def _load_model(self, cfg: ModelRunnerConfig) -> DeepseekV4ForCausalLM:
-        model = DeepseekV4ForCausalLM(self.config, self.dtype, max_positions=self.max_context_len + 1)
+    def _load_model(self, cfg: ModelRunnerConfig, expert_range) -> DeepseekV4ForCausalLM:
+        """Built on the device at its final (sharded, quantized) size, then filled in place:
+        seeded random weights (dummy) or the checkpoint, streamed tensor by tensor."""
+        with torch.device(self.device):
+            model = DeepseekV4ForCausalLM(self.config, self.dtype, max_positions=self.max_context_len + 1,
+                                          quant_numerics=cfg.quant_numerics, expert_range=expert_range)
         from_dir = os.path.isdir(cfg.model_path)
         if cfg.load_format == "dummy" or (cfg.load_format == "auto" and not from_dir):
             init_random_weights(model, cfg.random_seed)
         else:
-            load_checkpoint(model, cfg.model_path, self.config.fp8_weight_block_size)
+            load_checkpoint(model, cfg.model_path)
         return model.to_device(self.device).eval()
 
     @torch.inference_mode()

@@ -20,6 +20,8 @@ from sglang.srt.layers.attention.dsv4.ops import scatter_rows_
 from sglang.srt.layers.layernorm import RMSNorm, rms_normalize
 from sglang.srt.layers.mhc import HyperConnection, HyperHead
 from sglang.srt.layers.moe.experts import DeepseekV4MoE
+from sglang.srt.layers.quantization import BF16, QuantMode
+from sglang.srt.layers.quantization.fp8_linear import dense_weight, make_linear
 from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_
 from sglang.srt.model_executor.breakable_cuda_graph import register_split_op
 from sglang.srt.model_executor.forward_context import get_forward_context, segment_kernel_ops
@@ -49,7 +51,7 @@ def rope_tables_for(config, max_positions: int) -> dict:
 
 
 class DeepseekV4Attention(nn.Module):
-    def __init__(self, config, layer_id: int, dtype: torch.dtype, rope: RotaryTable):
+    def __init__(self, config, layer_id: int, dtype: torch.dtype, rope: RotaryTable, quant: QuantMode = BF16):
         super().__init__()
         c = config
         self.layer_id = layer_id
@@ -57,7 +59,7 @@ class DeepseekV4Attention(nn.Module):
         self.n_heads, self.head_dim = c.num_attention_heads, c.head_dim
         self.n_groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
         self.eps = c.rms_norm_eps
-        lin = lambda i, o: nn.Linear(i, o, bias=False, dtype=dtype)  # noqa: E731
+        lin = lambda i, o: make_linear(i, o, dtype, quant)  # noqa: E731
         self.wq_a = lin(c.hidden_size, c.q_lora_rank)
         self.q_norm = RMSNorm(c.q_lora_rank, self.eps)
         self.wq_b = lin(c.q_lora_rank, self.n_heads * self.head_dim)
@@ -67,7 +69,7 @@ class DeepseekV4Attention(nn.Module):
         self.wo_b = lin(self.n_groups * self.o_lora_rank, c.hidden_size)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32), requires_grad=False)
         self.compressor = Compressor(c.hidden_size, self.head_dim, self.ratio, self.eps) if self.ratio else None
-        self.indexer = Indexer(c, dtype) if self.ratio == 4 else None
+        self.indexer = Indexer(c, dtype, quant) if self.ratio == 4 else None
         for p in self.parameters():
             p.requires_grad_(False)
         self.rope = rope
@@ -86,19 +88,23 @@ class DeepseekV4Attention(nn.Module):
         if kernels is not None:  # one launch each: per-head RMS + RoPE; norm + RoPE + cache write
             kernels.q_rms_rope(q, self.rope.cos, self.rope.sin, meta.positions, rd, self.eps)
             kernels.rmsnorm_rope_store(self.wkv(x), self.kv_norm.weight, self.eps, self.rope.cos, self.rope.sin,
-                                       meta.positions, rd, pool.raw[self.layer_id], meta.raw_out_loc)
+                                       meta.positions, rd, pool.raw[self.layer_id], meta.raw_out_loc,
+                                       nope_fp8=pool.nope_fp8)
         else:
             q = rms_normalize(q, self.eps).to(x.dtype)  # per-head, weight-free
             apply_rope_(q, cos, sin)
             kv = self.kv_norm(self.wkv(x))
             apply_rope_(kv, cos, sin)
-            scatter_rows_(pool.raw[self.layer_id], meta.raw_out_loc, kv, trash=0)
+            # in the pool's format: FP8 rows, or nope dims FP8-rounded (release numerics)
+            raw = pool.raw[self.layer_id]
+            scatter_rows_(raw, meta.raw_out_loc, pool.encode_kv(kv, raw), trash=0)
 
         trash_row = backend.padding_ring_row
         if self.ratio:
             state = pool.compressor_state[self.layer_id]
             self.compressor(x, meta.positions, meta.compressor(self.ratio), state,
-                            pool.compressed[self.layer_id], self.rope, trash_row * state.ring, kernels)
+                            pool.compressed[self.layer_id], self.rope, trash_row * state.ring, kernels,
+                            nope_fp8=pool.nope_fp8)
         index_q = index_weights = None
         if self.ratio == 4:
             istate = pool.indexer_state[self.layer_id]
@@ -113,18 +119,21 @@ class DeepseekV4Attention(nn.Module):
             apply_rope_(o, cos, sin, inverse=True)
 
         o = o.view(T, self.n_groups, self.n_heads * self.head_dim // self.n_groups)
-        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        # FP8 wo_a is applied as the release does: dequantized (exact, on the fly) in the
+        # grouped einsum, no activation rounding on its input.
+        wo_a = dense_weight(self.wo_a).view(self.n_groups, self.o_lora_rank, -1)
         o = torch.einsum("tgd,grd->tgr", o.float(), wo_a.float()).to(x.dtype)
         return self.wo_b(o.flatten(1))
 
 
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, dtype: torch.dtype, rope_tables: dict):
+    def __init__(self, config, layer_id: int, dtype: torch.dtype, rope_tables: dict, quant: QuantMode = BF16,
+                 expert_range=None):
         super().__init__()
         c = config
         rope = rope_tables["yarn" if c.layer_compress_ratio(layer_id) else "plain"]
-        self.attn = DeepseekV4Attention(c, layer_id, dtype, rope)
-        self.ffn = DeepseekV4MoE(c, layer_id, dtype)
+        self.attn = DeepseekV4Attention(c, layer_id, dtype, rope, quant)
+        self.ffn = DeepseekV4MoE(c, layer_id, dtype, quant, expert_range)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         hc = (c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
@@ -143,11 +152,12 @@ class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
     mix the next token's embedding into the hidden state, and its own head mixing. Loaded so
     checkpoints round-trip; never run (speculative decoding is out of scope)."""
 
-    def __init__(self, config, layer_id: int, dtype: torch.dtype, rope_tables: dict):
-        super().__init__(config, layer_id, dtype, rope_tables)
+    def __init__(self, config, layer_id: int, dtype: torch.dtype, rope_tables: dict, quant: QuantMode = BF16,
+                 expert_range=None):
+        super().__init__(config, layer_id, dtype, rope_tables, quant, expert_range)
         c = config
-        self.e_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False, dtype=dtype)
-        self.h_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False, dtype=dtype)
+        self.e_proj = make_linear(c.hidden_size, c.hidden_size, dtype, quant)
+        self.h_proj = make_linear(c.hidden_size, c.hidden_size, dtype, quant)
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -158,21 +168,29 @@ class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, config, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
+    def __init__(self, config, dtype: torch.dtype = torch.float32, max_positions: int | None = None,
+                 quant_numerics: str = "release", expert_range: tuple[int, int] | None = None):
+        """quant_numerics: "release" | "weight_only" (QuantMode; a bf16 config always runs
+        weight_only). expert_range: the routed experts [start, end) this rank holds (DP
+        attention), allocated at that size from the start; None: all."""
         super().__init__()
         c = config
         self.config = c
         self.dtype = dtype
-        self.rope_tables = rope_tables_for(c, min(c.max_position_embeddings, max_positions or c.max_position_embeddings))
+        self.quant = quant = QuantMode.from_config(c, quant_numerics)
+        self.expert_range = expert_range
+        with torch.device("cpu"):  # tables computed on the host whatever the build device (to_device moves them)
+            self.rope_tables = rope_tables_for(c, min(c.max_position_embeddings,
+                                                      max_positions or c.max_position_embeddings))
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(c, i, dtype, self.rope_tables)
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(c, i, dtype, self.rope_tables, quant, expert_range)
                                     for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=torch.float32)
         n_mtp = c.num_nextn_predict_layers if len(c.compress_ratios) > c.num_hidden_layers else 0
-        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(c, c.num_hidden_layers + k, dtype, self.rope_tables)
-                                 for k in range(n_mtp))
+        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(c, c.num_hidden_layers + k, dtype, self.rope_tables, quant,
+                                                    expert_range) for k in range(n_mtp))
         for p in self.parameters():
             p.requires_grad_(False)
 

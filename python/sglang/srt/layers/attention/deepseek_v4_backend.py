@@ -112,7 +112,8 @@ class DeepseekV4AttnBackend(AttentionBackend):
                 match_num_queries(a.window_len, n, 0), kv_b, idx_b, len_b, sink, self.scale)
         # Triton: one launch per layer; torch: the kernels' plain-torch reference
         impl = kernel_ops if self.kernels == "triton" else kernel_reference
-        impl.sparse_attn_with_sink(*args, out=output[:n])
+        # An FP8 KV cache (kv_pool.fp8_layout) is dequantized as its rows are gathered.
+        impl.sparse_attn_with_sink(*args, out=output[:n], kv_layout=self.kv_pool.fp8_layout)
 
     # ---- full decode CUDA graph hooks ------------------------------------------------------
     def init_forward_metadata_capture_cuda_graph(self, forward_batch) -> DSV4Metadata:

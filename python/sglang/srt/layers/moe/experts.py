@@ -12,13 +12,20 @@ inside a captured graph segment. Two paths with the same semantics:
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.layers.moe.ep_dispatch import dispatch_and_compute
+from sglang.srt.layers.quantization import BF16, QuantMode
+from sglang.srt.layers.quantization.fp8_linear import make_linear
 from sglang.srt.layers.moe.router import Gate
 from sglang.srt.model_executor.forward_context import get_forward_context, segment_kernel_ops
+
+
+FP4_BLOCK = 32  # one e8m0 scale per 32 inputs of an FP4 expert row
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -30,12 +37,12 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, dim: int, inter: int, limit: float, dtype: torch.dtype):
+    def __init__(self, dim: int, inter: int, limit: float, dtype: torch.dtype, quant: QuantMode = BF16):
         super().__init__()
         self.limit = limit
-        self.w1 = nn.Linear(dim, inter, bias=False, dtype=dtype)
-        self.w2 = nn.Linear(inter, dim, bias=False, dtype=dtype)
-        self.w3 = nn.Linear(dim, inter, bias=False, dtype=dtype)
+        self.w1 = make_linear(dim, inter, dtype, quant)
+        self.w2 = make_linear(inter, dim, dtype, quant)
+        self.w3 = make_linear(dim, inter, dtype, quant)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -44,16 +51,25 @@ class SharedExpert(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    def __init__(self, n_experts: int, dim: int, inter: int, limit: float, dtype: torch.dtype):
+    def __init__(self, n_experts: int, dim: int, inter: int, limit: float, dtype: torch.dtype,
+                 expert_range: Optional[Tuple[int, int]] = None):
+        """expert_range: the experts [start, end) this rank holds (DP attention), known before
+        any weight is allocated or loaded; None: all of them."""
         super().__init__()
         self.limit = limit
         self.n_total = n_experts  # routing ids index all experts, also when this rank holds a shard
-        self.first_expert = 0  # > 0 when DP attention shards the experts across ranks
+        start, end = expert_range or (0, n_experts)
+        if not 0 <= start < end <= n_experts:
+            raise ValueError(f"expert_range {expert_range} is not a non-empty range within [0, {n_experts})")
+        self.first_expert = start  # > 0 when DP attention shards the experts across ranks
         # Only hash-routed layers can list an expert twice for a token; top-k routing cannot.
         self.may_repeat_ids = True
-        self.w1 = nn.Parameter(torch.zeros(n_experts, inter, dim, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.zeros(n_experts, dim, inter, dtype=dtype), requires_grad=False)
-        self.w3 = nn.Parameter(torch.zeros(n_experts, inter, dim, dtype=dtype), requires_grad=False)
+        self._alloc(end - start, dim, inter, dtype)
+
+    def _alloc(self, n_local: int, dim: int, inter: int, dtype: torch.dtype) -> None:
+        self.w1 = nn.Parameter(torch.zeros(n_local, inter, dim, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.zeros(n_local, dim, inter, dtype=dtype), requires_grad=False)
+        self.w3 = nn.Parameter(torch.zeros(n_local, inter, dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, d], weights/ids [T, k] -> fp32 [T, d]."""
@@ -72,44 +88,88 @@ class RoutedExperts(nn.Module):
         act = clamped_swiglu(gate, up, self.limit) * dense.t().unsqueeze(-1)
         return torch.einsum("eti,edi->td", act.to(x.dtype), self.w2).float()
 
-    def _forward_grouped(self, x, weights, ids, kernels) -> torch.Tensor:
-        """The routed pairs only, through fused_moe, which skips ids outside [0, n_local) and
-        also scales by the weight before W2. Static shapes, no host sync: capturable."""
-        # Local expert ids: under DP attention another rank's experts fall outside
-        # [0, n_local) and are skipped, so they contribute exactly zero from this rank.
+    def _local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Routing ids as this rank's local expert ids, -1 (skipped) for duplicates."""
+        # Under DP attention another rank's experts fall outside [0, n_local) and are
+        # skipped, so they contribute exactly zero from this rank.
         local = ids - self.first_expert if self.first_expert else ids
         if self.may_repeat_ids and ids.shape[1] > 1:
             # An expert listed twice for a token (hash tables can do that) counts once, as in
-            # the dense path and the reference; fused_moe would sum both. Both occurrences carry
-            # the same gate score, so skipping every occurrence that has a later duplicate in
-            # its row keeps exactly one at the right weight.
+            # the dense path and the reference; the grouped GEMMs would sum both. Both
+            # occurrences carry the same gate score, so skipping every occurrence that has a
+            # later duplicate in its row keeps exactly one at the right weight.
             later_dup = (ids[:, :, None] == ids[:, None, :]).triu(1).any(-1)
             local = local.masked_fill(later_dup, -1)
+        return local
+
+    def _forward_grouped(self, x, weights, ids, kernels) -> torch.Tensor:
+        """The routed pairs only, through fused_moe, which skips ids outside [0, n_local) and
+        also scales by the weight before W2. Static shapes, no host sync: capturable."""
         out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        return kernels.fused_moe(x, self.w1, self.w3, self.w2, local, weights, self.limit, out)
+        return kernels.fused_moe(x, self.w1, self.w3, self.w2, self._local_ids(ids), weights, self.limit, out)
 
     @torch.no_grad()
     def keep_shard_(self, start: int, end: int) -> None:
-        """Keep experts [start, end) only (this DP rank's share)."""
+        """Keep experts [start, end) only (this DP rank's share) of a model built whole. The
+        runner builds sharded models directly (expert_range) instead; kept for layer tests."""
+        if self.first_expert or self.w1.shape[0] != self.n_total:
+            raise RuntimeError("keep_shard_ needs a model holding all experts")
         self.first_expert = start
-        for name in ("w1", "w2", "w3"):
-            full = getattr(self, name)
-            setattr(self, name, nn.Parameter(full[start:end].clone(), requires_grad=False))
+        for name, p in list(self.named_parameters(recurse=False)):
+            setattr(self, name, nn.Parameter(p[start:end].clone(), requires_grad=False))
+
+
+class Fp4RoutedExperts(RoutedExperts):
+    """Routed experts in the release format, kept packed: w1/w3 int8 [E_local, inter, d/2],
+    w2 int8 [E_local, d, inter/2] (two e2m1 codes per byte, element 2j in the low nibble) and
+    w*_scale uint8 raw e8m0 bytes [E_local, out, in/32]. Both paths are sgl-kernel's
+    fp4_fused_moe contract (the Triton kernel on CUDA, quant_reference.fp4_moe_ref otherwise),
+    with the same duplicate-id, weight-before-W2 and shard semantics as the bf16 experts."""
+
+    def __init__(self, n_experts: int, dim: int, inter: int, limit: float, act_quant: bool,
+                 expert_range: Optional[Tuple[int, int]] = None):
+        self.act_quant = act_quant
+        super().__init__(n_experts, dim, inter, limit, torch.int8, expert_range)
+
+    def _alloc(self, n_local: int, dim: int, inter: int, dtype: torch.dtype) -> None:
+        for name, (rows, cols) in (("w1", (inter, dim)), ("w2", (dim, inter)), ("w3", (inter, dim))):
+            if cols % FP4_BLOCK:
+                raise ValueError(f"FP4 experts: {name} input dim {cols} is not a multiple of {FP4_BLOCK}")
+            setattr(self, name, nn.Parameter(torch.zeros(n_local, rows, cols // 2, dtype=torch.int8),
+                                             requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(
+                torch.full((n_local, rows, cols // FP4_BLOCK), 127, dtype=torch.uint8), requires_grad=False))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, d], weights/ids [T, k] -> fp32 [T, d]."""
+        args = (x, self.w1, self.w1_scale, self.w3, self.w3_scale, self.w2, self.w2_scale, self._local_ids(ids),
+                weights, self.limit)
+        kernels = segment_kernel_ops()
+        if kernels is not None:
+            out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+            return kernels.fp4_fused_moe(*args, out, self.act_quant)
+        from dsv4_kernels.quant_reference import fp4_moe_ref
+
+        return fp4_moe_ref(*args, self.act_quant)
 
 
 class DeepseekV4MoE(nn.Module):
-    def __init__(self, config, layer_id: int, dtype: torch.dtype):
+    def __init__(self, config, layer_id: int, dtype: torch.dtype, quant: QuantMode = BF16,
+                 expert_range: Optional[Tuple[int, int]] = None):
         super().__init__()
         d, inter = config.hidden_size, config.moe_intermediate_size
         limit = config.swiglu_limit
         hash_vocab = config.vocab_size if config.is_hash_layer(layer_id) else None
         self.gate = Gate(d, config.n_routed_experts, config.num_experts_per_tok,
                          config.routed_scaling_factor, config.scoring_func, hash_vocab, dtype)
-        self.experts = RoutedExperts(config.n_routed_experts, d, inter, limit, dtype)
+        if quant.fp4_experts:
+            self.experts = Fp4RoutedExperts(config.n_routed_experts, d, inter, limit, quant.act_quant, expert_range)
+        else:
+            self.experts = RoutedExperts(config.n_routed_experts, d, inter, limit, dtype, expert_range)
         self.experts.may_repeat_ids = hash_vocab is not None
         shared_limit = limit if config.shared_expert_swiglu_limit else 0.0
         self.shared_experts = (
-            SharedExpert(d, inter * config.n_shared_experts, shared_limit, dtype)
+            SharedExpert(d, inter * config.n_shared_experts, shared_limit, dtype, quant)
             if config.n_shared_experts > 0 else None
         )
 

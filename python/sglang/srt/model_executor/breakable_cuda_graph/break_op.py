@@ -90,6 +90,8 @@ def eager_on_graph(fn: Optional[Callable] = None, *, name: Optional[str] = None)
 
 # name -> the callable register_split_op returned; tooling lists them via get_split_ops().
 _split_ops: dict[str, Callable] = {}
+# name -> the Python function behind the op, for recorders that must see what it dispatches.
+_split_op_impls: dict[str, Callable] = {}
 # Kept alive for the process: dropping a Library (or a CustomOpDef) deregisters its ops.
 _fallback_library: Optional[torch.library.Library] = None
 _custom_op_defs: dict[str, Any] = {}
@@ -106,6 +108,11 @@ def is_split_op(func: Any) -> bool:
     if schema is None or not schema.name.startswith(SPLIT_OPERATOR_PREFIX):
         return False
     return schema.name[len(SPLIT_OPERATOR_PREFIX) :] in _split_ops
+
+
+def split_op_impl(func: Any) -> Callable:
+    """The Python function registered behind the split op overload `func` (see is_split_op)."""
+    return _split_op_impls[func._schema.name[len(SPLIT_OPERATOR_PREFIX) :]]
 
 
 def _no_output_fake(*args, **kwargs) -> None:
@@ -167,4 +174,5 @@ def register_split_op(
     split_op.break_op_name = name
     split_op.op = overload
     _split_ops[name] = split_op
+    _split_op_impls[name] = fn
     return split_op

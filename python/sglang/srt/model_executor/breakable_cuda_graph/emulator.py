@@ -16,6 +16,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from sglang.srt.model_executor.breakable_cuda_graph.base import BreakableGraph
+from sglang.srt.model_executor.breakable_cuda_graph.break_op import is_split_op, split_op_impl
 from sglang.srt.model_executor.breakable_cuda_graph.guard import (
     SegmentDispatchGuard,
     SegmentHostReadGuard,
@@ -162,6 +163,13 @@ def _pin(value: Any) -> Any:
 
 class _RecordingMode(SegmentDispatchGuard):
     def _run(self, func, args: tuple, kwargs: dict) -> Any:
+        if is_split_op(func):  # reached only with break ops inline (a full graph)
+            # Record what the op's Python dispatches, not the op: replaying the op would run
+            # its Python again and read live state (say backend.forward_metadata), where a
+            # CUDA graph replays the kernels it captured on the tensors captured then.
+            with self:
+                split_op_impl(func)(*args, **kwargs)
+            return None
         out = func(*args, **kwargs)
         self._graph._record(func, args, kwargs, out)
         return out

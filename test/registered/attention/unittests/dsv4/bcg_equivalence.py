@@ -107,47 +107,81 @@ def run_equivalence(runners, buckets, batches_per_bucket: int, seed: int = 0, ma
             while len(live) > bcg.req_to_token_pool.max_num_reqs - 3:  # keep slots for new prefills
                 _free(runners, live, max(live, key=lambda r: r.length))
             batch = random_batch(rng, live, target, bcg.req_to_token_pool.max_num_reqs - 1, new_req)
-            outs = []
-            for k, m in enumerate(runners):
-                rtp = m.req_to_token_pool
-                for r, n in batch:
-                    rtp.ensure_capacity(r.slots[k], r.length + n)
-                toks = [[(r.slots[0] * 31 + r.length + j * 7) % 500 + 3 for j in range(n)] for r, n in batch]
-                has_decode = any(n == 1 and r.length > 0 for r, n in batch)
-                has_extend = any(not (n == 1 and r.length > 0) for r, n in batch)
-                mode = ForwardMode.MIXED if has_decode and has_extend else (
-                    ForwardMode.DECODE if has_decode else ForwardMode.EXTEND)
-                assert mode != ForwardMode.DECODE, "random_batch always has an extend row"
-                fb = build_forward_batch(mode, [r.slots[k] for r, _ in batch], [r.length for r, _ in batch],
-                                         toks, rtp.req_to_token, m.device)
-                if k == 0:
-                    assert graph_runner.can_run(fb), graph_runner.fallback_reason(fb)
-                    n_tok = fb.num_tokens
-                    outs.append(graph_runner.replay_hidden(fb)[:n_tok].clone())
-                elif k == 1:
-                    outs.append(padded_runner(fb)[:fb.num_tokens].clone())
-                else:
-                    with torch.inference_mode():
-                        m.attn_backend.init_forward_metadata(fb)
-                        from sglang.srt.model_executor.forward_context import forward_context
-                        with forward_context(fb, m.attn_backend):
-                            outs.append(m.model(fb.input_ids).clone())
-            report.modes[mode.name] = report.modes.get(mode.name, 0) + 1
-            report.tokens.append(fb.num_tokens)
-            for r, n in batch:
-                r.length += n
-            d_pad = (outs[0] - outs[1]).abs().max().item()
-            d_raw = (outs[0] - outs[2]).abs().max().item()
-            report.max_unpadded_diff = max(report.max_unpadded_diff, d_raw)
-            if d_pad != 0.0:
-                report.mismatches.append(Mismatch(step, "replay vs eager on the padded batch", d_pad))
-            if d_raw > atol_unpadded:
-                report.mismatches.append(Mismatch(step, "replay vs unpadded eager", d_raw))
+            _run_and_compare(runners, graph_runner, padded_runner, batch, report, step, atol_unpadded)
             report.batches += 1
             step += 1
             for r in [r for r in live if r.length > max_len]:
                 _free(runners, live, r)
     return report
+
+
+def run_long_prefills(runners, chunk: int, total_len: int, num_reqs: int = 2) -> Report:
+    """A deterministic schedule that reaches deep positions in few batches: `num_reqs`
+    requests prefilled `chunk` tokens per step (one of them staggered, so emissions fall at
+    different rows) up to `total_len`, each step with a decode row of an earlier request once
+    one exists. Every multiple of 128 crossed inside a replayed step emits a c128 block there
+    (and every multiple of 4 a c4 block)."""
+    bcg = runners[0]
+    graph_runner = bcg.bcg_runner
+    padded_runner = _padded_view(runners[1], graph_runner)
+    report = Report()
+    reqs = [Req([m.req_to_token_pool.alloc_req() for m in runners]) for _ in range(num_reqs)]
+    decoder = Req([m.req_to_token_pool.alloc_req() for m in runners])
+    step = 0
+    while min(r.length for r in reqs) < total_len:
+        batch = []
+        for i, r in enumerate(reqs):
+            n = min(chunk - 8 * i if r.length == 0 else chunk, total_len - r.length)
+            if n > 0:
+                batch.append((r, n))
+        batch.append((decoder, 5 if decoder.length == 0 else 1))
+        _run_and_compare(runners, graph_runner, padded_runner, batch, report, step, 1e-4)
+        report.batches += 1
+        step += 1
+    for r in reqs + [decoder]:
+        _free(runners, [r], r)
+    return report
+
+
+def _run_and_compare(runners, graph_runner, padded_runner, batch, report, step, atol_unpadded) -> None:
+    """One batch on the three runners (replay, padded eager, unpadded eager); mismatches into
+    `report`; every request's length advanced."""
+    outs = []
+    for k, m in enumerate(runners):
+        rtp = m.req_to_token_pool
+        for r, n in batch:
+            rtp.ensure_capacity(r.slots[k], r.length + n)
+        toks = [[(r.slots[0] * 31 + r.length + j * 7) % 500 + 3 for j in range(n)] for r, n in batch]
+        has_decode = any(n == 1 and r.length > 0 for r, n in batch)
+        has_extend = any(not (n == 1 and r.length > 0) for r, n in batch)
+        mode = ForwardMode.MIXED if has_decode and has_extend else (
+            ForwardMode.DECODE if has_decode else ForwardMode.EXTEND)
+        assert mode != ForwardMode.DECODE, "random_batch always has an extend row"
+        fb = build_forward_batch(mode, [r.slots[k] for r, _ in batch], [r.length for r, _ in batch],
+                                 toks, rtp.req_to_token, m.device)
+        if k == 0:
+            assert graph_runner.can_run(fb), graph_runner.fallback_reason(fb)
+            n_tok = fb.num_tokens
+            outs.append(graph_runner.replay_hidden(fb)[:n_tok].clone())
+        elif k == 1:
+            outs.append(padded_runner(fb)[:fb.num_tokens].clone())
+        else:
+            with torch.inference_mode():
+                m.attn_backend.init_forward_metadata(fb)
+                from sglang.srt.model_executor.forward_context import forward_context
+                with forward_context(fb, m.attn_backend):
+                    outs.append(m.model(fb.input_ids).clone())
+    report.modes[mode.name] = report.modes.get(mode.name, 0) + 1
+    report.tokens.append(fb.num_tokens)
+    for r, n in batch:
+        r.length += n
+    d_pad = (outs[0] - outs[1]).abs().max().item()
+    d_raw = (outs[0] - outs[2]).abs().max().item()
+    report.max_unpadded_diff = max(report.max_unpadded_diff, d_raw)
+    if d_pad != 0.0:
+        report.mismatches.append(Mismatch(step, "replay vs eager on the padded batch", d_pad))
+    if d_raw > atol_unpadded:
+        report.mismatches.append(Mismatch(step, "replay vs unpadded eager", d_raw))
 
 
 def _free(runners, live, r) -> None:

@@ -4,6 +4,7 @@ CPU emulator, including tests that show the harness catches the two classic bugs
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bcg_equivalence import make_runners, run_equivalence  # noqa: E402
+from bcg_equivalence import make_runners, run_equivalence, run_long_prefills  # noqa: E402
 
+from sglang.srt.configs.presets import get_preset  # noqa: E402
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend  # noqa: E402
 from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend  # noqa: E402
 from sglang.srt.layers.attention.dsv4 import field_classes as fc  # noqa: E402
@@ -142,6 +144,7 @@ def runners():
     return make_runners(BUCKETS)
 
 
+@pytest.mark.slow
 def test_replay_equals_eager_on_randomised_extend_and_mixed_batches(runners):
     report = run_equivalence(runners, BUCKETS, batches_per_bucket=200, seed=1)
     assert report.mismatches == [], report.mismatches[:5]
@@ -150,6 +153,48 @@ def test_replay_equals_eager_on_randomised_extend_and_mixed_batches(runners):
     for b in BUCKETS:  # token counts at the bucket size and just under it were exercised
         assert b in report.tokens and b - 1 in report.tokens
     assert runners[0].bcg_runner.num_replays >= report.batches
+
+
+def test_replay_equals_eager_past_positions_128_and_512_and_replays_the_smallest_fitting_bucket():
+    """The fast equivalence run: 5 replayed steps carry a request past positions 128
+    and 4 x 128 (c128 and c4 blocks emitted inside the replayed step, ring state read across
+    steps) next to a decode row; every step replays the smallest bucket that holds it."""
+    runners = make_runners(BUCKETS)
+    graph_runner = runners[0].bcg_runner
+    report = run_long_prefills(runners, chunk=120, total_len=530, num_reqs=1)
+    assert report.mismatches == [], report.mismatches[:5]
+    assert report.batches == 5 and report.modes == {"EXTEND": 1, "MIXED": report.batches - 1}
+    # A few random batches of every bucket's range, for the bucket choice.
+    mixed = run_equivalence(runners, BUCKETS, batches_per_bucket=2, seed=3)
+    assert mixed.mismatches == [], mixed.mismatches[:5]
+    expected = {}
+    for n in report.tokens + mixed.tokens:
+        bucket = min(b for b in BUCKETS if b >= n)
+        expected[bucket] = expected.get(bucket, 0) + 1
+    assert graph_runner.get_stats()["bcg_replays_per_bucket"] == expected
+    assert set(expected) == set(BUCKETS)
+
+
+def test_the_attention_break_op_gets_the_live_token_count_not_the_bucket(monkeypatch):
+    """Replaying a 16-token bucket for 7 live tokens: the break op hands the backend n = 7 (the
+    padding is neither attended nor paid for), while q keeps the bucket's 16 rows."""
+    from bcg_equivalence import TINY
+
+    runner = ModelRunner(ModelRunnerConfig(**TINY, enable_breakable_cuda_graph=True,
+                                           breakable_cuda_graph_tokens=[16]))
+    seen = []
+    real_forward = DeepseekV4AttnBackend.forward
+
+    def spy(self, q, sink, output, layer_id, num_tokens, *args, **kwargs):
+        seen.append((layer_id, q.shape[0], num_tokens))
+        return real_forward(self, q, sink, output, layer_id, num_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(DeepseekV4AttnBackend, "forward", spy)
+    fb = _batch(runner, [[5, 6, 7, 8], [9, 10, 11]])
+    assert runner.bcg_runner.can_run(fb)
+    runner.bcg_runner.replay_hidden(fb)
+    num_layers = runner.model.config.num_hidden_layers
+    assert seen == [(layer, 16, 7) for layer in range(num_layers)]
 
 
 def test_harness_catches_a_refresh_that_assigns_a_copy_field(monkeypatch):
@@ -205,16 +250,33 @@ def test_input_embeds_batches_replay_through_the_static_embeddings_buffer():
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-4)
 
 
-def test_segment_kernels_path_replays_and_matches_the_model_torch_path():
+@pytest.fixture(params=["model_dtype_kv", "fp8_kv"])
+def kv_cache_over(request, tmp_path):
+    """Runner overrides per KV cache kind. The FP8 cache needs whole 64-dim nope blocks:
+    dsv4-tiny with head_dim 80 (64 nope + 16 rope), random weights from its config file."""
+    if request.param == "model_dtype_kv":
+        return {}
+    cfg = get_preset("dsv4-tiny").to_dict()
+    cfg["head_dim"] = 80
+    path = tmp_path / "dsv4-tiny-head80.json"
+    path.write_text(json.dumps(cfg))
+    return dict(model_path=str(path), kv_cache_dtype="fp8_e4m3")
+
+
+def test_segment_kernels_path_replays_and_matches_the_model_torch_path(kv_cache_over):
     """--enable-segment-kernels routes the in-segment pieces through dsv4_kernels ops (their
-    torch references on CPU, Triton on CUDA): same results, and it replays from graphs too."""
+    torch references on CPU, Triton on CUDA): same results, and it replays from graphs too,
+    with the KV cache in the model dtype or in FP8 rows."""
     buckets = (16, 48)
-    runners = make_runners(buckets, enable_segment_kernels=True)
+    over = kv_cache_over
+    runners = make_runners(buckets, enable_segment_kernels=True, **over)
     assert all(r.attn_backend.segment_kernels for r in runners)
-    report = run_equivalence(runners, buckets, batches_per_bucket=12, seed=4)
+    assert all((r.kv_pool.fp8_layout is not None) == bool(over) for r in runners)
+    batches = 6 if over else 12  # the FP8 case only adds the cache format: fewer batches
+    report = run_equivalence(runners, buckets, batches_per_bucket=batches, seed=4)
     assert report.mismatches == [], report.mismatches[:3]
-    plain = make_runners(buckets)
-    plain_report = run_equivalence(plain, buckets, batches_per_bucket=12, seed=4)
+    plain = make_runners(buckets, **over)
+    plain_report = run_equivalence(plain, buckets, batches_per_bucket=batches, seed=4)
     assert plain_report.tokens == report.tokens
     assert report.max_unpadded_diff < 1e-4 and plain_report.max_unpadded_diff < 1e-4
 

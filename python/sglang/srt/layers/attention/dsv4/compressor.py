@@ -9,6 +9,7 @@ full-prefill entries exactly. Projections run in fp32 (the checkpoint stores the
 from __future__ import annotations
 
 import torch
+from dsv4_kernels.reference import kv_cache_rows
 from torch import nn
 
 from sglang.srt.layers.attention.dsv4.metadata import DSV4CompressorMetadata
@@ -32,7 +33,9 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: DSV4CompressorMetadata,
                 state: CompressorState, pool: torch.Tensor, rope: RotaryTable, trash_ring_row: int,
-                kernels=None) -> None:
+                kernels=None, nope_fp8: bool = False) -> None:
+        """Emitted entries go to `pool` in its format (DSV4KVPool): FP8 rows for a uint8 pool;
+        nope_fp8 (the pool's flag) FP8-rounds a float pool's nope dims, as the release does."""
         xf = x.float()
         kv = self.wkv(xf)
         score = self.wgate(xf) + self.ape[positions % self.ratio]
@@ -40,8 +43,9 @@ class Compressor(nn.Module):
             pooled = kv.new_empty(meta.gather_idx.shape[0], self.norm.weight.shape[0])
             kernels.compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled)
             kernels.compressor_state_update(state.kv, state.score, kv, score, meta.ring_write_loc)
-            kernels.compressor_norm_rope_store(pooled, self.norm.weight, self.norm.eps, rope.cos, rope.sin,
-                                               meta.positions, rope.rope_dim, pool, meta.out_loc)
+            # the KV cache-write kernel (what compressor_norm_rope_store runs), FP8-aware
+            kernels.rmsnorm_rope_store(pooled, self.norm.weight, self.norm.eps, rope.cos, rope.sin,
+                                       meta.positions, rope.rope_dim, pool, meta.out_loc, nope_fp8=nope_fp8)
             return
         pooled = compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio)
         # Ring update after pooling: this step's emissions read the previous contents.
@@ -51,4 +55,4 @@ class Compressor(nn.Module):
         entry = self.norm(pooled.to(x.dtype))
         cos, sin = rope.lookup(meta.positions.long())
         apply_rope_(entry, cos, sin)
-        scatter_rows_(pool, meta.out_loc, entry, trash=0)
+        scatter_rows_(pool, meta.out_loc, kv_cache_rows(entry, pool, rope.rope_dim, nope_fp8), trash=0)

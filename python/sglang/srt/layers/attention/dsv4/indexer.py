@@ -14,14 +14,25 @@ from torch import nn
 from sglang.srt.layers.attention.dsv4.compressor import Compressor
 from sglang.srt.layers.attention.dsv4.ops import indexer_topk
 from sglang.srt.layers.attention.dsv4.widths import indexer_chunk_tokens
+from sglang.srt.layers.quantization import BF16, QuantMode
+from sglang.srt.layers.quantization.fp8_linear import make_linear
 from sglang.srt.layers.rotary_embedding import apply_rope_
 
 
+def _rotate_round(t: torch.Tensor) -> torch.Tensor:
+    from dsv4_kernels.ops import fp4_round_blocks, hadamard_rotate
+
+    return fp4_round_blocks(hadamard_rotate(t)).to(t.dtype)
+
+
 class Indexer(nn.Module):
-    def __init__(self, config, dtype: torch.dtype):
+    def __init__(self, config, dtype: torch.dtype, quant: QuantMode = BF16):
         super().__init__()
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
-        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype)
+        # Release numerics: q and the compressed keys are Walsh-Hadamard rotated, then rounded
+        # to FP4 per 32, as the release's indexer kernels see them.
+        self.fp4_qk = quant.release_numerics
+        self.wq_b = make_linear(config.q_lora_rank, self.n_heads * self.head_dim, dtype, quant)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False, dtype=dtype)
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
         self.compressor = Compressor(config.hidden_size, self.head_dim, 4, config.rms_norm_eps)
@@ -31,17 +42,27 @@ class Indexer(nn.Module):
     def forward(self, x, qr, cos, sin, meta, state, key_pool, rope, trash_ring_row,
                 kernels=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The in-segment half: writes this step's indexer keys; returns (q_I [T, nH, D] with
-        RoPE, w [T, nH] fp32) for `select_topk` in the attention break."""
+        RoPE, w [T, nH] fp32) for `select_topk` in the attention break. Release numerics:
+        q_I and the written keys Hadamard-rotated and FP4-rounded (the rotation keeps dot
+        products; the rounding is the release's)."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         apply_rope_(q, cos, sin)
         self.compressor(x, meta.positions, meta.c4_compressor, state, key_pool, rope, trash_ring_row, kernels)
+        if self.fp4_qk:
+            q = _rotate_round(q)
+            # The keys this step emitted, in place and still inside the segment, before the
+            # break's select_topk reads them: each entry is written once, so each is rotated
+            # and rounded exactly once (padded emissions, -1, go to trash row 0).
+            loc = meta.c4_compressor.out_loc.long().clamp(min=0)
+            key_pool.index_copy_(0, loc, _rotate_round(key_pool.index_select(0, loc)))
         return q, self.weights_proj(x).float() * self.weight_scale
 
 
 def select_topk(config, q: torch.Tensor, w: torch.Tensor, key_pool: torch.Tensor, im, num_tokens: int,
                 kernels=None) -> None:
     """The eager half: im.topk_slots[:num_tokens] <- the top-k c4 slots of each live token over
-    im.cand_slots (the live batch's width), a bounded chunk of tokens at a time."""
+    im.cand_slots (the live batch's width), a bounded chunk of tokens at a time. q and the keys
+    arrive as the in-segment half left them (rotated and FP4-rounded in release numerics)."""
     step = indexer_chunk_tokens(config, im.cand_slots.shape[1], kernels is not None)
     for s in range(0, num_tokens, step):
         e = min(num_tokens, s + step)

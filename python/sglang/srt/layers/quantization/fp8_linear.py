@@ -1,0 +1,52 @@
+"""FP8 e4m3 block-scaled linear: the release's storage (weight e4m3 [N, K] + fp32 scale per
+128x128 block [ceil(N/128), ceil(K/128)], the checkpoint's ue8m0 bytes converted at load)
+kept quantized in memory; the GEMM is dsv4_kernels.ops.fp8_block_linear (Triton on CUDA,
+the torch reference elsewhere), graph-safe."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.quantization import QuantMode
+
+FP8_DTYPE = torch.float8_e4m3fn
+BLOCK = 128
+
+
+class Fp8BlockLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, act_quant: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.act_quant = act_quant  # release numerics: x rounded to FP8 per 128 along K first
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(-(-out_features // BLOCK), -(-in_features // BLOCK),
+                                                    dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from dsv4_kernels import ops
+
+        return ops.fp8_block_linear(x, self.weight, self.weight_scale, self.act_quant)
+
+    def dequantized(self) -> torch.Tensor:
+        """fp32 [N, K], exact (e4m3 times a power of two). Used for wo_a, which the release
+        applies dequantized in its grouped einsum; pure tensor ops, so capturable."""
+        from dsv4_kernels.quant_reference import dequantize_fp8_block
+
+        return dequantize_fp8_block(self.weight, self.weight_scale)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, act_quant={self.act_quant}"
+
+
+def make_linear(in_features: int, out_features: int, dtype: torch.dtype, quant: QuantMode) -> nn.Module:
+    """The projection the config asks for: FP8 block-scaled for a release-format model, a
+    plain bias-free nn.Linear in the model dtype otherwise."""
+    if quant.fp8_linears:
+        return Fp8BlockLinear(in_features, out_features, quant.act_quant)
+    return nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+
+
+def dense_weight(linear: nn.Module) -> torch.Tensor:
+    """A linear's weight as a dense tensor (dequantized fp32 for FP8; as stored otherwise)."""
+    return linear.dequantized() if isinstance(linear, Fp8BlockLinear) else linear.weight

@@ -1,0 +1,342 @@
+"""Release-format kernels on an H200, replayed from CUDA graphs with a cold L2:
+
+- FP8 block-scaled linear (ops.fp8_block_linear, act_quant on = release numerics, off =
+  weight-only) at DSV4-Flash shapes, with bf16 torch.mm on a bf16 copy of the weight beside it.
+  TFLOP/s vs the dense FP8 (1979) and bf16 (989) peaks; GB/s (weight + scales + x + out) vs
+  4.8 TB/s HBM.
+- FP4 MoE (fp4_moe.fp4_fused_moe, both decodes) at Flash's expert dims (hidden 4096, inter
+  2048, top-6 of 256, uniformly random ids): one rank's 128 experts (ids >= 128 skipped, as a
+  shard sees them) and all 256. GB/s counts the weight bytes actually touched (distinct local
+  experts hit x bytes per expert, scales included); TFLOP/s counts the local assignments'
+  three GEMMs.
+
+Every configuration is run once (compiled) before any is timed; each time is the median of
+REPS graph replays, with the 10th-90th percentile spread.
+
+    python sgl-kernel/benchmark/bench_quant.py --out quant.json [--quick]
+    python sgl-kernel/benchmark/bench_quant.py --compile-report   # sm_90 compile, no GPU
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import _flush_l2, require_cuda  # noqa: E402
+
+FP8_PEAK_TFLOPS = 1979.0
+BF16_PEAK_TFLOPS = 989.0
+HBM_GBPS = 4800.0
+REPS = 20
+
+# (name, K, N) of Flash's FP8 linears (x [M, K] -> [M, N]).
+GEMM_SHAPES = [("wq_a", 4096, 1024), ("wq_b", 1024, 64 * 512), ("wkv", 4096, 512),
+               ("wo_b", 8192, 4096), ("shared_w1_w3", 4096, 2048), ("shared_w2", 2048, 4096)]
+GEMM_M = [16, 64, 256, 1024, 2048, 4096, 8192]
+QUICK_SIZES = [16, 64, 2048, 8192]  # --quick: M and T
+# --quick also times this FP8 tile beside gemm_config's at M >= 2048 (fp8_release_64x128): two
+# such CTAs fit an SM, so one's per-block rescale can overlap the other's tensor-core work,
+# where gemm_config's 128 x 128 x 8 warps runs one CTA per SM. And fp8_release_tma: the same
+# GEMM with TMA tile loads (fp8_tma_experiment.py), when it runs and agrees.
+ALT_LARGE_TILE = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4)
+MOE_D, MOE_I, MOE_E, MOE_TOPK = 4096, 2048, 256, 6
+MOE_T = [1, 16, 64, 256, 1024, 4096, 8192]
+
+
+def _graph(fn):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def _time(fn, reps: int = REPS):
+    """(median, p10, p90) ms of graph replays of fn, L2 flushed before each."""
+    g = _graph(fn)
+    g.replay()
+    times = []
+    for _ in range(reps):
+        _flush_l2()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return statistics.median(times), times[len(times) // 10], times[(len(times) * 9) // 10]
+
+
+def _record(rows, kind, name, size, impl, timing, nbytes, flops, **extra):
+    ms, p10, p90 = timing
+    tflops = flops / ms / 1e9
+    gbps = nbytes / ms / 1e6
+    row = dict(kind=kind, name=name, size=size, impl=impl, ms=ms, ms_p10=p10, ms_p90=p90,
+               tflops=tflops, pct_fp8_peak=100 * tflops / FP8_PEAK_TFLOPS,
+               pct_bf16_peak=100 * tflops / BF16_PEAK_TFLOPS, gbps=gbps,
+               pct_hbm=100 * gbps / HBM_GBPS, bytes=nbytes, flops=flops, **extra)
+    rows.append(row)
+    print(f"{kind:<5} {name:<13} {size:>5} {impl:<16} {ms * 1e3:9.1f} us "
+          f"[{p10 * 1e3:8.1f}-{p90 * 1e3:8.1f}]  {tflops:7.1f} TFLOP/s "
+          f"({row['pct_fp8_peak']:5.1f}% fp8, {row['pct_bf16_peak']:5.1f}% bf16)  "
+          f"{gbps:7.0f} GB/s ({row['pct_hbm']:5.1f}% HBM)", flush=True)
+
+
+def bench_gemm(rows, ms_list, alt_tile=False):
+    from dsv4_kernels import fp8_gemm, ops
+    from dsv4_kernels import quant_reference as Q
+
+    cases = []
+    for name, K, N in GEMM_SHAPES:
+        q, s = Q.quantize_fp8_weight(torch.randn(N, K, device="cuda") / K ** 0.5)
+        wb = Q.dequantize_fp8_block(q, s).bfloat16()
+        for M in ms_list:
+            x = torch.randn(M, K, device="cuda").bfloat16()
+            fp8_bytes = N * K + s.numel() * 4 + M * K * 2 + M * N * 2
+            bf16_bytes = N * K * 2 + M * K * 2 + M * N * 2
+            flops = 2 * M * N * K
+            for impl, fn, nbytes in (
+                ("fp8_release", lambda x=x, q=q, s=s: ops.fp8_block_linear(x, q, s, True),
+                 fp8_bytes),
+                ("fp8_weight_only", lambda x=x, q=q, s=s: ops.fp8_block_linear(x, q, s, False),
+                 fp8_bytes),
+                ("bf16_torch_mm", lambda x=x, wb=wb: torch.mm(x, wb.t()), bf16_bytes),
+            ):
+                cases.append((name, M, impl, fn, nbytes, flops))
+            if alt_tile and M >= 2048:
+                alt = dict(fp8_gemm.gemm_config(M, N, K, True), **ALT_LARGE_TILE)
+                cases.append((name, M, "fp8_release_64x128",
+                              lambda x=x, q=q, s=s, c=alt: fp8_gemm.fp8_block_linear(x, q, s,
+                                                                                    True, c),
+                              fp8_bytes, flops))
+                tma = _tma_case(x, q, s)
+                if tma is not None:
+                    cases.append((name, M, "fp8_release_tma", tma, fp8_bytes, flops))
+    for case in cases:  # compile and warm every config before timing any
+        case[3]()
+    torch.cuda.synchronize()
+    for name, M, impl, fn, nbytes, flops in cases:
+        _record(rows, "gemm", name, M, impl, _time(fn), nbytes, flops)
+
+
+def _tma_case(x, q, s):
+    """fp8_tma_experiment's GEMM on these operands if it runs and agrees with
+    ops.fp8_block_linear (within the tests' bf16 tolerance), else None with the reason."""
+    from dsv4_kernels import ops
+    try:
+        from fp8_tma_experiment import fp8_linear_tma
+        got = fp8_linear_tma(x, q, s)
+        torch.testing.assert_close(got.float(), ops.fp8_block_linear(x, q, s, True).float(),
+                                   rtol=2 ** -7, atol=1e-3)
+    except Exception as exc:  # an experiment: report it, keep benchmarking the rest
+        print(f"fp8_release_tma M={x.shape[0]} skipped: {type(exc).__name__}: "
+              f"{str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+        return None
+    return lambda: fp8_linear_tma(x, q, s)
+
+
+def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
+    from dsv4_kernels import fp4_moe
+    from dsv4_kernels import quant_reference as Q
+
+    def experts(o, i):
+        # Quantize one expert at a time (a whole fp32 stack would be 6+ GB) and tile it.
+        packed = torch.empty(MOE_E, o, i // 2, dtype=torch.int8, device="cuda")
+        scale = torch.empty(MOE_E, o, i // 32, dtype=torch.uint8, device="cuda")
+        for e in range(0, MOE_E, 32):
+            p, sc = Q.quantize_fp4(torch.randn(32, o, i, device="cuda") * i ** -0.5)
+            packed[e:e + 32], scale[e:e + 32] = p, sc
+        return packed, scale
+
+    w1, s1 = experts(MOE_I, MOE_D)
+    w3, s3 = experts(MOE_I, MOE_D)
+    w2, s2 = experts(MOE_D, MOE_I)
+    expert_bytes = 3 * (MOE_I * MOE_D // 2 + MOE_I * MOE_D // 32)
+    cases = []
+    for e_local in locals_:
+        ws = tuple(t[:e_local] for t in (w1, s1, w3, s3, w2, s2))
+        for T in t_list:
+            x = torch.randn(T, MOE_D, device="cuda").bfloat16()
+            ids = torch.rand(T, MOE_E, device="cuda").argsort(dim=1)[:, :MOE_TOPK].int()
+            weights = torch.rand(T, MOE_TOPK, device="cuda")
+            out = torch.empty(T, MOE_D, device="cuda")
+            local = ids < e_local
+            hit = ids[local].unique().numel()
+            n_assign = int(local.sum())
+            nbytes = hit * expert_bytes
+            flops = 2 * n_assign * 3 * MOE_D * MOE_I
+            for variant, act_quant in (("bf16", True), ("fp8", True), ("bf16", False)):
+                impl = f"{variant}_{'release' if act_quant else 'weight_only'}"
+                fn = (lambda x=x, ws=ws, ids=ids, weights=weights, out=out, v=variant,
+                      a=act_quant: fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, out, a, v))
+                cases.append((f"moe_E{e_local}", T, impl, fn, nbytes, flops, hit))
+    for case in cases:
+        case[3]()
+    torch.cuda.synchronize()
+    for name, T, impl, fn, nbytes, flops, hit in cases:
+        _record(rows, "moe", name, T, impl, _time(fn), nbytes, flops, experts_hit=hit)
+    for name in sorted({c[0] for c in cases}):  # release numerics: which decode won, by T
+        for T in t_list:
+            ms = {r["impl"]: r["ms"] for r in rows
+                  if r["kind"] == "moe" and r["name"] == name and r["size"] == T}
+            won = min(("bf16", "fp8"), key=lambda v: ms[f"{v}_release"])
+            print(f"variant {name} T={T:<5} faster: {won:<4}  default_variant picks: "
+                  f"{fp4_moe.default_variant(T, MOE_TOPK)}", flush=True)
+
+
+def _sm90_report(name, fn, types, constexprs, num_warps, num_stages, not_aligned=()):
+    """Compile fn for sm_90 without a GPU (Triton's bundled ptxas) and print registers, spill
+    stack, shared memory and the MMA kind. Pointers and int args other than `not_aligned` get
+    the 16-divisibility the launcher would specialize on (without it nothing is pipelined)."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if sig[a] != "constexpr" and (sig[a].startswith("*") or
+                                           (sig[a] == "i32" and a not in not_aligned))}
+    kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        tool = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "cuobjdump"
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True).stdout
+    fields = dict(tok.split(":", 1) for line in usage.splitlines() if "REG:" in line
+                  for tok in line.split() if ":" in tok)
+    ptx = kernel.asm["ptx"]
+    mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "-"
+    print(f"{name:<46} regs {fields.get('REG', '?'):>4}  spill-stack {fields.get('STACK', '?'):>5}"
+          f"  smem {kernel.metadata.shared:>7}  mma {mma}", flush=True)
+
+
+def compile_report(only=None):
+    """Every kernel of bench_quant at each config the shape tables pick, compiled for sm_90
+    (only: "gemm" or "moe" for one half)."""
+    import triton.language as tl
+
+    from dsv4_kernels import fp4_moe, fp8_gemm as G
+
+    if only == "moe":
+        return _moe_compile_report()
+    _sm90_report("act_quant (8 blocks of 128)", G._act_quant_kernel,
+                 dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
+                 dict(BLOCKS=8, QB=128, ROUND_ONLY=False), 4, 2, ("M", "K"))
+    _sm90_report("act_round fp32 (8 blocks of 128)", G._act_quant_kernel,
+                 dict(x_ptr="*fp32", q_ptr="*fp32", s_ptr="*fp32"),
+                 dict(BLOCKS=8, QB=128, ROUND_ONLY=True), 4, 2, ("M", "K"))
+    _sm90_report("split_sum", G._split_sum_kernel, dict(ws_ptr="*fp32", out_ptr="*bf16"),
+                 dict(SPLIT=4, BLOCK=1024), 4, 2, ("MN",))
+    for M in GEMM_M:
+        for act_quant in (True, False):
+            c = G.gemm_config(M, 4096, 4096, act_quant)
+            out = "*fp32" if c["split"] > 1 else "*bf16"
+            tag = (f"M={M} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} "
+                   f"s{c['num_stages']} split={c['split']}")
+            tiles = dict(BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], GROUP_M=8)
+            if act_quant:
+                fuse = c["fuse_quant"]
+                _sm90_report(f"fp8 gemm {tag}{' fused quant' if fuse else ''}",
+                             G._fp8_gemm_kernel,
+                             dict(a_ptr="*bf16" if fuse else "*fp8e4nv", as_ptr="*fp32",
+                                  b_ptr="*fp8e4nv", bs_ptr="*fp32", c_ptr=out),
+                             dict(tiles, QUANT_A=fuse), c["num_warps"], c["num_stages"],
+                             ("M", "N", "K", "KB_PER_SPLIT"))
+            else:
+                _sm90_report(f"wo gemm {tag}", G._wo_gemm_kernel,
+                             dict(a_ptr="*bf16", b_ptr="*fp8e4nv", bs_ptr="*fp32", c_ptr=out),
+                             dict(tiles, BLOCK_K=c["BLOCK_K"], DOT_PREC="tf32"),
+                             c["num_warps"], c["num_stages"], ("M", "N", "K"))
+    if only != "gemm":
+        _moe_compile_report()
+
+
+def _moe_compile_report():
+    import triton.language as tl
+
+    from dsv4_kernels import fp4_moe
+    from dsv4_kernels import moe
+
+    _sm90_report("moe_align one kernel (M <= 128, E 256)", moe._align_small_kernel,
+                 dict(ids_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32"),
+                 dict(BLOCK_M=16, MP=128, EP=256, CHUNK=128), 16, 1,
+                 ("M", "E", "CAP", "MAX_BLOCKS"))
+
+    for T in (1, 64, 1024, 8192):
+        for variant, act_quant in (("bf16", False), ("bf16", True), ("fp8", True)):
+            c = fp4_moe.moe_config(T, MOE_TOPK, variant)
+            fp8 = variant == "fp8"
+            kw = dict(NUM_EXPERTS=MOE_E // 2, FP8_DOT=fp8, BLOCK_M=c["block_m"], DOT_PREC="tf32",
+                      X_DTYPE=tl.bfloat16, CHUNKS=4)
+            tag = (f"T={T} {variant} act_quant={act_quant} bm={c['block_m']} "
+                   f"bn={c['block_n_up']}/{c['block_n_down']} w{c['num_warps']} "
+                   f"s{c['num_stages']}")
+            _sm90_report(f"moe gate_up {tag}", fp4_moe._fp4_gate_up_kernel,
+                         dict(a_ptr="*fp8e4nv" if act_quant else "*bf16", as_ptr="*fp32",
+                              w1_ptr="*i8", w1s_ptr="*u8", w3_ptr="*i8", w3s_ptr="*u8",
+                              sorted_ids_ptr="*i32", block_expert_ptr="*i32",
+                              weights_ptr="*fp32", h_ptr="*bf16", limit="fp32"),
+                         dict(kw, HAS_LIMIT=True, ACT_QUANT=act_quant, BLOCK_N=c["block_n_up"]),
+                         c["num_warps"], c["num_stages"], ("M", "topk"))
+            _sm90_report(f"moe down {tag}", fp4_moe._fp4_down_kernel,
+                         dict(h_ptr="*fp8e4nv" if fp8 else "*bf16", hs_ptr="*fp32",
+                              w2_ptr="*i8", w2s_ptr="*u8", sorted_ids_ptr="*i32",
+                              block_expert_ptr="*i32", partial_ptr="*fp32"),
+                         dict(kw, BLOCK_N=c["block_n_down"]), c["num_warps"], c["num_stages"],
+                         ("M",))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"M/T in {QUICK_SIZES}, the 128-expert shard only, plus an alternative "
+                         "FP8 tile at M >= 2048 (under a minute)")
+    ap.add_argument("--only", choices=("gemm", "moe"), default=None)
+    ap.add_argument("--compile-report", action="store_true",
+                    help="no GPU needed: compile every kernel config for sm_90 and print "
+                         "registers / spills / shared memory")
+    args = ap.parse_args(argv)
+    if args.compile_report:
+        compile_report(args.only)
+        return 0
+    if not require_cuda():
+        return 0
+    torch.manual_seed(0)
+    rows, t0 = [], time.time()
+    if args.only in (None, "gemm"):
+        print("== FP8 block GEMM (bf16 x; Flash linears)")
+        bench_gemm(rows, QUICK_SIZES if args.quick else GEMM_M, alt_tile=args.quick)
+    if args.only in (None, "moe"):
+        print(f"== FP4 MoE d={MOE_D} I={MOE_I} top-{MOE_TOPK} of {MOE_E} (bf16 x)")
+        if args.quick:
+            bench_moe(rows, QUICK_SIZES, (MOE_E // 2,))
+        else:
+            bench_moe(rows, MOE_T)
+    print(f"done in {time.time() - t0:.0f} s")
+    if args.out:
+        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                    fp8_peak_tflops=FP8_PEAK_TFLOPS, bf16_peak_tflops=BF16_PEAK_TFLOPS,
+                    hbm_gbps=HBM_GBPS, reps=REPS)
+        Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

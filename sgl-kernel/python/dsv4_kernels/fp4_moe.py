@@ -1,0 +1,321 @@
+"""Triton FP4 MoE: the routed experts in the release format (packed e2m1 int8 [E, out, in/2],
+two codes per byte with element 2j in the low nibble, e8m0 uint8 scales [E, out, in/32]),
+decoded inside the GEMM kernels. quant_reference.fp4_moe_ref is the contract; the routing,
+alignment and top-k sum are moe.py's (moe_align, _sum_topk_kernel): same skipped-id and
+weight-order semantics as fused_moe.
+
+Hopper has no FP4 MMA, so two decodes, picked by `variant`:
+- "bf16": e2m1 x scale -> x's dtype (exact), tl.dot in that dtype. With act_quant, x and the
+  weighted activation are rounded to FP8 per 128 first and fed dequantized (exact), so the
+  products are those of the release.
+- "fp8": e2m1 -> e4m3 bits (exact, by table), tl.dot e4m3 x e4m3 per 32-wide K chunk (one
+  weight scale per chunk), the fp32 partial scaled by act scale x weight scale. Needs act_quant
+  (the activations must be e4m3 already).
+Both walk K 32 inputs at a time: per weight row 16 packed bytes (one vector load, nibbles split
+and interleaved in registers) and one scale byte, so a step costs two loads per row rather than
+one per element. Both accumulate in fp32 and give fp32 per-assignment partials, summed in a
+fixed order.
+
+Graph-safe: buffers sized by (T, topk, E) only, no host syncs, tiles fixed per shape.
+An e8m0 byte 0 or 1 (2^-127, 2^-126) decodes as 0 here in the bf16 variant, 0 alone in the
+fp8 one (the reference keeps the values): no real scale is that small.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dot import dot_precision
+from .fp8_gemm import QBLOCK, quantize_act, round_act
+from .moe import _sum_topk_kernel, moe_align
+
+SUM_BLOCK_D = 1024
+VARIANTS = ("bf16", "fp8")
+# Release numerics at T * topk <= this: the fp8 variant (default_variant).
+FP8_MAX_ASSIGNMENTS = 64 * 6
+
+
+@triton.jit
+def _load_codes(w_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn):
+    """[BN, 32] e2m1 codes of expert e, rows n, inputs k0..k0+31: 16 contiguous bytes per row
+    (one vector load), element 2j from byte j's low nibble, 2j+1 from its high one."""
+    j = k0 // 2 + tl.arange(0, 16)
+    byte = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + j[None, :],
+                   mask=n_mask[:, None], other=0).to(tl.int32) & 0xFF
+    return tl.interleave(byte & 0xF, byte >> 4)
+
+
+@triton.jit
+def _step_scales(s_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn, CHUNKS: tl.constexpr):
+    """[BN, CHUNKS] int32 e8m0 bytes (scale 2^(byte - 127)) of inputs k0 .. k0 + 32 * CHUNKS - 1
+    of each row, one contiguous CHUNKS-byte load per row (wide enough for the pipeliner's async
+    copies, where a byte per row and step was a load whose latency every step waited out)."""
+    c = k0 // 32 + tl.arange(0, CHUNKS)
+    return tl.load(s_ptr + e * stride_se + offs_n[:, None] * stride_sn + c[None, :],
+                   mask=n_mask[:, None], other=0).to(tl.int32) & 0xFF
+
+
+@triton.jit
+def _chunk_scale(scales, c: tl.constexpr, CHUNKS: tl.constexpr):
+    """Column c of [BN, CHUNKS] scales as [BN] (a masked sum: one row's CHUNKS values sit in
+    one thread, so no data moves between threads)."""
+    pick = tl.arange(0, CHUNKS)[None, :] == c
+    return tl.sum(tl.where(pick, scales, 0), axis=1)
+
+
+@triton.jit
+def _e2m1_scaled(code, sbyte):
+    """e2m1 codes [BN, 32] x 2^(sbyte - 127) per row ([BN] e8m0 bytes) -> fp32, exact, built
+    as bits: magnitude codes 2..7 (1, 1.5, 2, 3, 4, 6) are 0.5 * 2^(c >> 1) with mantissa bit
+    c & 1, i.e. fp32 bits (126 << 23) + (c << 22), and code 1 (0.5) is (126 << 23); the scale
+    adds (sbyte - 127) to the exponent. No int->float conversion or multiply (this decode is
+    the large-batch bottleneck). Bytes 0 and 1 (2^-127, 2^-126: no real scale) give 0."""
+    mag = code & 7
+    base = (sbyte - 1) << 23
+    bits = base[:, None] + ((mag - (mag == 1).to(tl.int32)) << 22)
+    bits = tl.where((mag == 0) | (sbyte < 2)[:, None], 0, bits) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_as_e4m3(code):
+    """e2m1 codes -> the same values as e4m3 (exact): as in _e2m1_scaled, magnitude codes 2..7
+    are 0x30 + (c << 2) (0.5 is 0x30, exponent 6 = 2^-1 at bias 7, mantissa bit 2), code 1 is
+    0x30, code 0 is 0; the sign moves from bit 3 to bit 7."""
+    mag = code & 7
+    bits = tl.where(mag == 0, 0, 0x30 + ((mag - (mag == 1).to(tl.int32)) << 2))
+    return (bits | ((code & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _expert_gemm(acc, acc3, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_asm, stride_ask,
+                 w_ptr, s_ptr, w3_ptr, s3_ptr, e, offs_n, n_mask, K, stride_we, stride_wn,
+                 stride_se, stride_sn, PAIR: tl.constexpr, ACT_QUANT: tl.constexpr,
+                 FP8_DOT: tl.constexpr, DOT_PREC: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                 CHUNKS: tl.constexpr):
+    """acc += A[a_rows] @ W_e^T over K, and with PAIR also acc3 += A[a_rows] @ W3_e^T (same
+    shapes and strides: the gate and up projections share each A tile, and their weight loads
+    are in flight together). A step covers CHUNKS x 32 inputs (CHUNKS in 1, 2, 4; 32 * CHUNKS
+    divides K and 128): one load of the step's weight scales and activation scales, then per
+    32-input chunk (one weight scale per row) a 16-byte code load per row and a dot. A is x's
+    dtype, or (ACT_QUANT) e4m3 + fp32 scales per 128, fed dequantized to OUT_DTYPE, or as e4m3
+    with FP8_DOT (the fp32 partial then scaled by act x weight scale)."""
+    for k0 in range(0, K, 32 * CHUNKS):
+        sb_step = _step_scales(s_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn, CHUNKS)
+        if PAIR:
+            sb3_step = _step_scales(s3_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn, CHUNKS)
+        if ACT_QUANT or FP8_DOT:  # one 128-block of the activation holds the whole step
+            sa = tl.load(as_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask,
+                         mask=row_mask, other=0.0)
+        for c in tl.static_range(CHUNKS):
+            kk = k0 + c * 32 + tl.arange(0, 32)
+            a = tl.load(a_ptr + a_rows[:, None] * stride_a + kk[None, :],
+                        mask=row_mask[:, None], other=0.0)
+            code = _load_codes(w_ptr, e, offs_n, n_mask, k0 + c * 32, stride_we, stride_wn)
+            sb = _chunk_scale(sb_step, c, CHUNKS)
+            if PAIR:
+                code3 = _load_codes(w3_ptr, e, offs_n, n_mask, k0 + c * 32, stride_we,
+                                    stride_wn)
+                sb3 = _chunk_scale(sb3_step, c, CHUNKS)
+            if FP8_DOT:
+                sbf = (sb << 23).to(tl.float32, bitcast=True)
+                acc += tl.dot(a, tl.trans(_e2m1_as_e4m3(code))) * (sa[:, None] * sbf[None, :])
+                if PAIR:
+                    sbf3 = (sb3 << 23).to(tl.float32, bitcast=True)
+                    acc3 += (tl.dot(a, tl.trans(_e2m1_as_e4m3(code3)))
+                             * (sa[:, None] * sbf3[None, :]))
+            else:
+                if ACT_QUANT:  # e4m3 x its pow2 scale: exact in bf16/fp32
+                    a = (a.to(tl.float32) * sa[:, None]).to(OUT_DTYPE)
+                b = _e2m1_scaled(code, sb).to(a.dtype)  # exact: e2m1 x a power of two
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+                if PAIR:
+                    b3 = _e2m1_scaled(code3, sb3).to(a.dtype)
+                    acc3 = tl.dot(a, tl.trans(b3), acc3, input_precision=DOT_PREC)
+    return acc, acc3
+
+
+@triton.jit
+def _fp4_gate_up_kernel(
+    a_ptr, as_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, sorted_ids_ptr, block_expert_ptr,
+    weights_ptr, h_ptr,
+    M, d, I, topk, stride_a, stride_asm, stride_ask, stride_we, stride_wn, stride_se, stride_sn,
+    stride_h, limit,
+    NUM_EXPERTS: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_QUANT: tl.constexpr,
+    FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr, CHUNKS: tl.constexpr,
+):
+    """h[row] = x's dtype(SwiGLU(x W1^T, x W3^T) * routing weight) for this block's rows. With
+    act_quant the host then rounds h to FP8 per 128 (its own small kernel: a tile here need not
+    span a whole 128-block, so small batches can use narrow tiles and more programs)."""
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    if e >= NUM_EXPERTS:  # a padding block past every expert's group
+        return
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(sorted_ids_ptr + rows)
+    row_mask = assign < M
+    token = (assign // topk).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc1, acc3 = _expert_gemm(acc1, acc3, a_ptr, as_ptr, token, row_mask, stride_a, stride_asm,
+                              stride_ask, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, e, offs_n, n_mask, d,
+                              stride_we, stride_wn, stride_se, stride_sn, True, ACT_QUANT,
+                              FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS)
+    if HAS_LIMIT:
+        acc1 = tl.minimum(acc1, limit)
+        acc3 = tl.minimum(tl.maximum(acc3, -limit), limit)
+    # Weighted in fp32, then rounded to x's dtype before the down GEMM (or its FP8 rounding).
+    w = tl.load(weights_ptr + assign, mask=row_mask, other=0.0).to(tl.float32)
+    h = acc1 / (1.0 + tl.exp(-acc1)) * acc3 * w[:, None]
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_n[None, :], h.to(X_DTYPE),
+             mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _fp4_down_kernel(
+    h_ptr, hs_ptr, w2_ptr, w2s_ptr, sorted_ids_ptr, block_expert_ptr, partial_ptr,
+    M, d, I, stride_h, stride_hsm, stride_hsk, stride_we, stride_wn, stride_se, stride_sn,
+    stride_p,
+    NUM_EXPERTS: tl.constexpr, FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr, CHUNKS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    if e >= NUM_EXPERTS:
+        return
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(sorted_ids_ptr + rows)
+    row_mask = assign < M
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < d
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # h is already rounded as the down GEMM needs it: FP8_DOT reads e4m3 + scales, otherwise
+    # x's dtype (ACT_QUANT=False: no second dequantization).
+    acc, _ = _expert_gemm(acc, acc, h_ptr, hs_ptr, rows.to(tl.int64), row_mask, stride_h,
+                          stride_hsm, stride_hsk, w2_ptr, w2s_ptr, w2_ptr, w2s_ptr, e, offs_n,
+                          n_mask, I, stride_we, stride_wn, stride_se, stride_sn, False, False,
+                          FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS)
+    tl.store(partial_ptr + assign.to(tl.int64)[:, None] * stride_p + offs_n[None, :], acc,
+             mask=row_mask[:, None] & n_mask[None, :])
+
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def moe_config(T: int, topk: int, variant: str = "bf16") -> dict:
+    """Tiles by assignment count (T * topk), no autotuning (graph capture).
+
+    Few assignments (decode, small batches) are bandwidth-bound: each expert hit has one
+    16-row block, so the programs are (experts hit) x (N tiles), and narrow N tiles put more
+    of them on the weights (T = 1, top-6: 6 x 2048/16 gate/up and 6 x 4096/32 down programs,
+    where 128-wide tiles gave 96 and 192; 2 warps, as a 16 x 16 tile leaves little to share). Many assignments are decode-bound (ALU): 128-row
+    tiles halve the e2m1 decodes per product against 64. Each step takes 128 inputs (4
+    chunks of 32) where K allows. num_stages is the software pipeline depth. The fp8 variant
+    keeps 64-row tiles there: its per-chunk fp32 partials on top of the two 128 x 64 gate/up
+    accumulators spill in an sm_90 compile (64 B of stack)."""
+    M = T * topk
+    if M <= 96:
+        return dict(block_m=16, block_n_up=16, block_n_down=32, num_warps=2, num_stages=4)
+    if M <= 1024:
+        return dict(block_m=16, block_n_up=64, block_n_down=64, num_warps=4, num_stages=4)
+    if M <= 8192 or variant == "fp8":
+        return dict(block_m=64, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3)
+    return dict(block_m=128, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3)
+
+
+def _chunks(K: int) -> int:
+    """32-input chunks per K step: the largest of 4, 2, 1 whose step divides K."""
+    return next(c for c in (4, 2, 1) if K % (32 * c) == 0)
+
+
+def default_variant(T: int, topk: int) -> str:
+    """The faster decode for release numerics at this batch (H200, bench_quant.py): e4m3
+    (fp8) while the MoE is bandwidth-bound (T <= 64 there), bf16 beyond, where the fp8
+    variant's per-32-input rescale of the fp32 partial costs more than the bf16 decode."""
+    return "fp8" if T * topk <= FP8_MAX_ASSIGNMENTS else "bf16"
+
+
+def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, out,
+                  act_quant: bool, variant: str | None = None, config: dict | None = None):
+    """out fp32 [T, d] <- quant_reference.fp4_moe_ref(...) (see the module docstring).
+    variant None: default_variant(T, topk) for bf16/fp16 x with act_quant, else "bf16" (fp32 x
+    stays on exact fp32 products: the FP8 tensor cores' in-block accumulation is not
+    fp32-exact)."""
+    if variant is None:
+        variant = (default_variant(*ids.shape) if act_quant and x.dtype != torch.float32
+                   else "bf16")
+    if variant not in VARIANTS:
+        raise ValueError(f"fp4_fused_moe: variant must be one of {VARIANTS}, got {variant!r}")
+    if variant == "fp8" and not act_quant:
+        raise ValueError("fp4_fused_moe: the fp8 variant multiplies e4m3 activations; it needs "
+                         "act_quant=True (use variant='bf16' for weight-only numerics)")
+    T, d = x.shape
+    E, I, half_d = w1.shape
+    if (half_d * 2 != d or w3.shape != w1.shape or w2.shape != (E, d, I // 2)
+            or w1.dtype not in (torch.int8, torch.uint8)):
+        raise ValueError(f"fp4_fused_moe: w1/w3 {tuple(w1.shape)} {w1.dtype}, w2 "
+                         f"{tuple(w2.shape)} do not fit x [T, {d}] (packed int8 [E, out, in/2])")
+    for s, want, name in ((w1_scale, (E, I, d // 32), "w1"), (w3_scale, (E, I, d // 32), "w3"),
+                          (w2_scale, (E, d, I // 32), "w2")):
+        if tuple(s.shape) != want or s.element_size() != 1:
+            raise ValueError(f"fp4_fused_moe: {name}_scale must be e8m0 bytes {want}, got "
+                             f"{s.dtype} {tuple(s.shape)}")
+    multiple = QBLOCK if act_quant else 32  # FP8 activation blocks / the FP4 scale blocks
+    if d % multiple or I % multiple:
+        raise ValueError(f"fp4_fused_moe: hidden {d} and inter {I} must be multiples of "
+                         f"{multiple}{' with act_quant' if act_quant else ''}")
+    assert x.stride(-1) == 1 and out.shape == (T, d) and out.stride(-1) == 1
+    assert all(t.is_contiguous() for t in (w1, w3, w2, w1_scale, w3_scale, w2_scale))
+    if T == 0:
+        return out
+    cfg = config or moe_config(T, ids.shape[1], variant)
+    bm = cfg["block_m"]
+    topk = ids.shape[1]
+    M = T * topk
+    fp8_dot = variant == "fp8"
+    sorted_ids, block_expert = moe_align(ids, E, bm)
+    max_blocks = block_expert.shape[0]
+    rows = sorted_ids.shape[0]
+    dev = x.device
+    if act_quant:
+        a, a_s = quantize_act(x)
+    else:
+        a = x
+        a_s = torch.empty(1, 1, dtype=torch.float32, device=dev)
+    h = torch.empty(rows, I, dtype=x.dtype, device=dev)
+    partial = torch.empty(M, d, dtype=torch.float32, device=dev)
+    weights_flat = weights.reshape(-1).float().contiguous()
+    ids_flat = ids.reshape(-1).contiguous()
+    xdt = _TL_DTYPE[x.dtype]
+    prec = dot_precision(x.dtype)
+    kw = dict(NUM_EXPERTS=E, FP8_DOT=fp8_dot, BLOCK_M=bm, DOT_PREC=prec, X_DTYPE=xdt,
+              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    bn = cfg["block_n_up"]
+    _fp4_gate_up_kernel[(max_blocks, triton.cdiv(I, bn))](
+        a, a_s, w1.view(torch.int8), w1_scale.view(torch.uint8), w3.view(torch.int8),
+        w3_scale.view(torch.uint8), sorted_ids, block_expert, weights_flat, h,
+        M, d, I, topk, a.stride(0), a_s.stride(0), a_s.stride(1), w1.stride(0), w1.stride(1),
+        w1_scale.stride(0), w1_scale.stride(1), h.stride(0), float(limit),
+        HAS_LIMIT=limit > 0, ACT_QUANT=act_quant, BLOCK_N=bn, CHUNKS=_chunks(d), **kw)
+    # The down GEMM's input: with act_quant, h rounded to FP8 per 128 (e4m3 + scales for the
+    # fp8 variant, the dequantized values in x's dtype for bf16; padding rows are rounded too,
+    # never read).
+    hs = a_s
+    if act_quant and fp8_dot:
+        h, hs = quantize_act(h)
+    elif act_quant:
+        h = round_act(h)
+    bn = cfg["block_n_down"]
+    _fp4_down_kernel[(max_blocks, triton.cdiv(d, bn))](
+        h, hs, w2.view(torch.int8), w2_scale.view(torch.uint8), sorted_ids, block_expert,
+        partial, M, d, I, h.stride(0), hs.stride(0), hs.stride(1), w2.stride(0), w2.stride(1),
+        w2_scale.stride(0), w2_scale.stride(1), partial.stride(0), BLOCK_N=bn,
+        CHUNKS=_chunks(I), **kw)
+    block_d = min(SUM_BLOCK_D, triton.next_power_of_2(d))
+    _sum_topk_kernel[(T, triton.cdiv(d, block_d))](
+        partial, ids_flat, out, d, topk, partial.stride(0), out.stride(0),
+        NUM_EXPERTS=E, BLOCK_D=block_d, num_warps=4)
+    return out

@@ -1,0 +1,312 @@
+"""Triton FP8 block-scaled linear: y = x @ dequant(W)^T with W e4m3 [N, K] and one fp32
+power-of-two scale per 128x128 block (quant_reference.fp8_block_linear_ref's contract).
+
+act_quant (release numerics): a small kernel quantizes x per 128 along K (e4m3 bytes + fp32
+pow2 scales, quant_reference.quantize_fp8_blocks bit for bit), then the GEMM multiplies e4m3 x
+e4m3 on the FP8 tensor cores one 128-wide K block at a time and adds the fp32 partial times
+(act scale x weight block scale) into an fp32 accumulator; at M <= 16 the quantization runs
+inside the GEMM instead. fp32 x is the exception: rounded to FP8 values in fp32 and multiplied
+by the weight-only kernel in fp32 (exact products, fp32 sums, like the reference).
+Weight-only: e4m3 tiles are converted to x's dtype with their block scale (exact) and
+multiplied with tl.dot, fp32 accumulation. Small M splits K across programs (fp32 workspace,
+summed by a second kernel in a fixed order: deterministic, no atomics).
+
+Graph-safe: no host syncs; the tiles, the split and the buffers depend only on shapes (a small
+table, `gemm_config`, instead of autotuning, which would launch many configs at capture).
+The fp32 -> e4m3 rounding is done with integer ops (`e4m3_bits`), not a cast: Triton's
+interpreter rounds that cast wrongly (-127.99 -> -64), and the bits are then the same on both.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dot import dot_precision
+
+QBLOCK = 128  # activation quantization block along K (pow2_scale floors amax at 1e-4, as
+# quant_reference.AMAX_FLOOR does)
+INV_E4M3_MAX = tl.constexpr(1.0 / 448.0)  # rounded to fp32 where used, as torch does
+
+
+@triton.jit
+def pow2_scale(amax, INV_QMAX: tl.constexpr):
+    """quant_reference.pow2_scale: the power of two >= max(amax, 1e-4) * fp32(1/qmax)."""
+    s = tl.maximum(amax, 1e-4) * INV_QMAX
+    bits = s.to(tl.int32, bitcast=True)
+    exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (exp << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2_recip(scale):
+    """1 / scale for a normal fp32 power of two, exactly (from its exponent bits): a multiply
+    by it is exact, where fp32 division on the GPU is an approximation."""
+    exp = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return ((254 - exp) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_bits(v):
+    """fp32 v with |v| <= 448 -> the uint8 bits of e4m3(v), round to nearest even."""
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)
+    rb = bits + 0x7FFFF + ((bits >> 20) & 1)  # RNE to 3 mantissa bits
+    normal = (((rb >> 23) - 120) << 3) | ((rb >> 20) & 7)  # rebias 127 -> 7
+    # Below 2^-6 e4m3 is subnormal (multiples of 2^-9): the fp32 add rounds to that grid.
+    sub = (((a + 24576.0) - 24576.0) * 512.0).to(tl.int32)
+    code = tl.where(a >= 0.015625, normal, sub)
+    return (code | ((v < 0).to(tl.int32) << 7)).to(tl.uint8)
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sk,
+    BLOCKS: tl.constexpr, QB: tl.constexpr, ROUND_ONLY: tl.constexpr,
+):
+    """Row m, K blocks [j*BLOCKS, (j+1)*BLOCKS): e4m3 bits and fp32 pow2 scales, or
+    (ROUND_ONLY) the dequantized values in q's dtype (exact: e4m3 x a power of two)."""
+    m = tl.program_id(0).to(tl.int64)
+    kb = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    offs = kb[:, None] * QB + tl.arange(0, QB)[None, :]
+    mask = offs < K
+    x = tl.load(x_ptr + m * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = pow2_scale(tl.max(tl.abs(x), axis=1), INV_E4M3_MAX)
+    v = tl.minimum(tl.maximum(x * pow2_recip(scale)[:, None], -448.0), 448.0)
+    if ROUND_ONLY:
+        r = e4m3_bits(v).to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+        tl.store(q_ptr + m * stride_q + offs, r.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(q_ptr + m * stride_q + offs, e4m3_bits(v), mask=mask)
+        tl.store(s_ptr + m * stride_sm + kb * stride_sk, scale, mask=kb * QB < K)
+
+
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped order: GROUP_M row tiles share each weight column tile while it sits in L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, KB_PER_SPLIT,
+    stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cs, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    QUANT_A: tl.constexpr,
+):
+    """c[split] = sum over this split's 128-blocks kb of (a_kb . b_kb) * as[m,kb] * bs[n/128,kb].
+    QUANT_A: a is x itself (bf16/fp16) and each 128-block is quantized here, as _act_quant_kernel
+    does (M <= 16: saves a launch; every N tile repeats the few rows' quantization).
+    BLOCK_N divides 128, so a tile has one weight scale per K block (a scalar load), and the
+    two scales fold into one per-row factor before they touch the [BM, BN] partial: a single
+    FMA per accumulator element per block, and fewer live registers."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    split = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, 128)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    num_kb = K // 128
+    bs_row = bs_ptr + ((pid_n * BLOCK_N) // 128) * stride_bsn
+    kb0 = split * KB_PER_SPLIT
+    kb1 = tl.minimum(kb0 + KB_PER_SPLIT, num_kb)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(kb0, kb1):
+        k = kb * 128 + offs_k
+        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :], mask=m_mask[:, None], other=0.0)
+        b = tl.load(b_ptr + cols[None, :] * stride_bn + k[:, None], mask=n_mask[None, :], other=0.0)
+        if QUANT_A:
+            xa = a.to(tl.float32)
+            sa = pow2_scale(tl.max(tl.abs(xa), axis=1), INV_E4M3_MAX)
+            va = tl.minimum(tl.maximum(xa * pow2_recip(sa)[:, None], -448.0), 448.0)
+            a = e4m3_bits(va).to(tl.float8e4nv, bitcast=True)
+        else:
+            # quantize_act stores the scales K-block-major: this load is coalesced.
+            sa = tl.load(as_ptr + rows * stride_asm + kb * stride_ask, mask=m_mask, other=0.0)
+        sb = tl.load(bs_row + kb)
+        # The 128-deep e4m3 dot is exact-product fp32; the scales are applied once per block
+        # (sa * sb: a product of powers of two, exact).
+        acc += tl.dot(a, b) * (sa * sb)[:, None]
+    c = c_ptr + split * stride_cs + rows[:, None] * stride_cm + cols[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _wo_gemm_kernel(
+    a_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, K_PER_SPLIT,
+    stride_am, stride_bn, stride_bsn, stride_cs, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Weight-only: c[split] = a . (b * bs) over this split's K range, b converted to a's dtype
+    (exact: an e4m3 value times a power of two). BLOCK_K and BLOCK_N divide 128, so one tile of
+    b has one scale (a scalar load)."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    split = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    bs_row = bs_ptr + ((pid_n * BLOCK_N) // 128) * stride_bsn
+    k_lo = split * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < k_hi
+        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptr + cols[None, :] * stride_bn + k[:, None],
+                    mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        sb = tl.load(bs_row + k0 // 128)
+        b = (b.to(tl.float32) * sb).to(a.dtype)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+    c = c_ptr + split * stride_cs + rows[:, None] * stride_cm + cols[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(ws_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(SPLIT):  # fixed order: deterministic
+        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter: an H200's count, so tests exercise the same splits
+
+
+def gemm_config(M: int, N: int, K: int, act_quant: bool, num_sms: int = 132) -> dict:
+    """Tiles by shape (no autotuning: graph capture must not launch candidate configs).
+
+    M <= 16: 16 x 64 tiles; M <= 64: 64 x 64; M <= 256: 64 x 128; larger: 128 x 128 (8 warps).
+    BLOCK_N always divides 128 (one weight scale per tile and K block). FP8 with M <= 16
+    quantizes the activations inside the GEMM (fuse_quant: one launch fewer); at M = 64 the
+    H200 showed the repeated per-N-tile quantization costing 2.5x the GEMM (wq_b: 65 us fused
+    vs 24 us weight-only), so from 17 rows on x is quantized once by its own kernel.
+    128 x 256 spills for FP8 (the per-block partial doubles the accumulator registers). K step:
+    128 for FP8 (one scale block per dot), 64 for weight-only. While the tiles leave SMs idle
+    (fewer than 2 waves' worth), K is split across programs up to 2 waves and at least 4 K
+    steps per split (bandwidth-bound small M: every SM must stream weights)."""
+    if M <= 16:
+        bm, bn, warps, stages = 16, 64, 4, 4
+    elif M <= 64:
+        bm, bn, warps, stages = 64, 64, 4, 4
+    elif M <= 256:
+        bm, bn, warps, stages = 64, 128, 4, 4
+    else:
+        bm, bn, warps, stages = 128, 128, 8, 4
+    bk = 128 if act_quant else 64
+    steps = triton.cdiv(K, bk)
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    split = 1
+    if tiles < 2 * num_sms:
+        split = max(1, min((2 * num_sms) // tiles, steps // 4))
+    steps_per_split = triton.cdiv(steps, split)
+    split = triton.cdiv(steps, steps_per_split)  # no empty splits
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                split=split, steps_per_split=steps_per_split, fuse_quant=act_quant and M <= 16)
+
+
+def quantize_act(x2: torch.Tensor):
+    """x [M, K] (K % 128 == 0) -> (e4m3 [M, K], fp32 scales [M, K/128]). The scales are a
+    transposed view (strides (1, M)): the GEMMs read one K block's scales for many rows at a
+    time, and these lie together. Consumers must use both strides."""
+    M, K = x2.shape
+    q = torch.empty(M, K, dtype=torch.uint8, device=x2.device)
+    s = torch.empty(K // QBLOCK, M, dtype=torch.float32, device=x2.device).t()
+    if M:
+        blocks = min(8, triton.next_power_of_2(K // QBLOCK))
+        _act_quant_kernel[(M, triton.cdiv(K // QBLOCK, blocks))](
+            x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), BLOCKS=blocks,
+            QB=QBLOCK, ROUND_ONLY=False, num_warps=4)
+    return q.view(torch.float8_e4m3fn), s
+
+
+def round_act(x2: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K % 128 == 0) -> quant_reference.fp8_round_blocks(x), x's dtype."""
+    M, K = x2.shape
+    r = torch.empty(M, K, dtype=x2.dtype, device=x2.device)
+    if M:
+        blocks = min(8, triton.next_power_of_2(K // QBLOCK))
+        _act_quant_kernel[(M, triton.cdiv(K // QBLOCK, blocks))](
+            x2, r, r, M, K, x2.stride(0), r.stride(0), 0, 0, BLOCKS=blocks, QB=QBLOCK,
+            ROUND_ONLY=True, num_warps=4)
+    return r
+
+
+def fp8_block_linear(x, weight, weight_scale, act_quant: bool, config: dict | None = None):
+    """x [..., K] -> x.dtype [..., N] (quant_reference.fp8_block_linear_ref's contract)."""
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"fp8_block_linear: x has K={x.shape[-1]}, weight {tuple(weight.shape)}")
+    if weight.dtype != torch.float8_e4m3fn or weight.stride(-1) != 1:
+        raise TypeError(f"fp8_block_linear: weight must be row-major float8_e4m3fn, got "
+                        f"{weight.dtype} strides {weight.stride()}")
+    if tuple(weight_scale.shape) != (triton.cdiv(N, 128), triton.cdiv(K, 128)):
+        raise ValueError(f"fp8_block_linear: weight_scale {tuple(weight_scale.shape)} for "
+                         f"weight {(N, K)}")
+    if act_quant and K % QBLOCK:
+        raise ValueError(f"fp8_block_linear: act_quant needs K % 128 == 0, got K={K}")
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.view(*x.shape[:-1], N)
+    # fp32 activations (tests, the fp32 conformance runs on CUDA) take the exact path even with
+    # act_quant: x rounded to FP8 values, then an fp32 GEMM. The FP8 tensor cores' accumulation
+    # within a 128-deep block is not fp32-exact, and release numerics amplify any difference.
+    fp8_dot = act_quant and x.dtype != torch.float32
+    cfg = config or gemm_config(M, N, K, fp8_dot, _num_sms(x.device))
+    if 128 % cfg["BLOCK_N"] or 128 % cfg["BLOCK_K"]:
+        raise ValueError(f"fp8_block_linear: BLOCK_N and BLOCK_K must divide 128, got {cfg}")
+    split = cfg["split"]
+    c = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split)
+    ws = weight_scale.float().contiguous()
+    common = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=8,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    stride_cs = c.stride(0) if split > 1 else 0
+    stride_cm = c.stride(-2)
+    if fp8_dot:
+        fuse = cfg.get("fuse_quant", False)
+        q, s = (x2, x2) if fuse else quantize_act(x2)  # fused: s is never read
+        _fp8_gemm_kernel[grid](
+            q, s, weight, ws, c, M, N, K, cfg["steps_per_split"], q.stride(0),
+            0 if fuse else s.stride(0), 0 if fuse else s.stride(1), weight.stride(0),
+            ws.stride(0), stride_cs, stride_cm,
+            QUANT_A=fuse, **common)
+    else:
+        if act_quant:
+            x2 = round_act(x2)
+        _wo_gemm_kernel[grid](
+            x2, weight, ws, c, M, N, K, cfg["steps_per_split"] * cfg["BLOCK_K"], x2.stride(0),
+            weight.stride(0), ws.stride(0), stride_cs, stride_cm, BLOCK_K=cfg["BLOCK_K"],
+            DOT_PREC=dot_precision(x.dtype), **common)
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(M * N, block),)](c, out, M * N, SPLIT=split, BLOCK=block,
+                                                        num_warps=4)
+    return out.view(*x.shape[:-1], N)

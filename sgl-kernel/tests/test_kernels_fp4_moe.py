@@ -1,0 +1,196 @@
+"""Triton FP4 MoE (fp4_moe.py, both decodes) against quant_reference.fp4_moe_ref.
+
+Tolerance: the decoded weights and (act_quant) the FP8-rounded activations are exact in both
+variants, so only the fp32 summation order differs from the reference (rtol 1e-5). One caveat
+makes act_quant fragile in principle: the down GEMM's input is rounded to FP8 after an fp32
+sum, so a sum that lands differently by one ulp right at a rounding midpoint flips one code;
+random data does not hit that at these sizes. bf16 runs on the GPU only (the interpreter's
+bf16 tl.dot is wrong).
+"""
+
+import pytest
+import torch
+
+from dsv4_kernels import ops
+from dsv4_kernels import quant_reference as Q
+from kernel_test_utils import require_triton
+
+
+def _experts(E, d, inter, device):
+    def q(o, i, gain):
+        p, s = Q.quantize_fp4(torch.randn(E, o, i) * gain)
+        return p.to(device), s.to(device)
+    (w1, s1), (w3, s3), (w2, s2) = q(inter, d, d ** -0.5), q(inter, d, d ** -0.5), \
+        q(d, inter, inter ** -0.5)
+    return w1, s1, w3, s3, w2, s2
+
+
+def _distinct_ids(T, topk, low, high, device):
+    """[T, topk] distinct per row in [low, high) (outside [0, E): another shard, or -1)."""
+    ids = torch.rand(T, high - low).argsort(dim=1)[:, :topk] + low
+    return ids.to(torch.int32).to(device)
+
+
+CASES = [  # (variant, act_quant)
+    ("bf16", False), ("bf16", True), ("fp8", True)]
+
+
+@pytest.mark.parametrize("variant,act_quant", CASES)
+@pytest.mark.parametrize("T", [1, 7])
+def test_fp4_moe_matches_reference_on_an_expert_shard(device, variant, act_quant, T):
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    E, d, inter, topk = 4, 128, 128, 3
+    ws = _experts(E, d, inter, device)
+    x = torch.randn(T, d, device=device)
+    # ids in [-1, E + 3): about half the assignments belong to another shard or are -1.
+    ids = _distinct_ids(T, topk, -1, E + 3, device)
+    weights = torch.rand(T, topk, device=device)
+    out = torch.full((T, d), float("nan"), device=device)
+    res = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 1.5, out, act_quant, variant)
+    ref = Q.fp4_moe_ref(x, *ws, ids, weights, 1.5, act_quant)
+    assert res is out
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant,act_quant", CASES)
+def test_skipped_rows_are_zero_and_weights_scale_before_w2(device, variant, act_quant):
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    E, d, inter = 2, 128, 128
+    ws = _experts(E, d, inter, device)
+    x = torch.randn(3, d, device=device) * 4
+    # Row 0: nothing local. Row 1: expert 1 twice, the duplicate marked -1 by the caller.
+    # Row 2: both experts, no SwiGLU clamp.
+    ids = torch.tensor([[-1, 9], [1, -1], [0, 1]], dtype=torch.int32, device=device)
+    weights = torch.tensor([[0.3, 0.7], [2.5, 2.5], [0.25, 0.5]], device=device)
+    out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 0.0, torch.empty(3, d, device=device),
+                                act_quant, variant)
+    assert out[0].eq(0).all()
+    torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 0.0, act_quant),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("table_T,variant,act_quant", [
+    (64, "bf16", False),    # 16-row, 64-wide tiles
+    (8192, "bf16", True),   # 128-row tiles, gate/up 64 wide, h rounded by its own kernel
+    (8192, "fp8", True),    # the fp8 variant keeps 64-row tiles there (as at mid batches)
+])
+def test_every_config_of_the_table_matches_the_reference(device, table_T, variant, act_quant):
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    E, d, inter, T, topk = 3, 128, 256, 5, 2
+    cfg = fp4_moe.moe_config(table_T, 6, variant)
+    ws = _experts(E, d, inter, device)
+    x = torch.randn(T, d, device=device)
+    ids = _distinct_ids(T, topk, -1, E + 1, device)
+    weights = torch.rand(T, topk, device=device)
+    out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 2.0, torch.empty(T, d, device=device),
+                                act_quant, variant, config=cfg)
+    torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 2.0, act_quant),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_default_variant_follows_the_batch():
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    # e4m3 decode while bandwidth-bound (T <= 64 at top-6), bf16 decode beyond.
+    assert [fp4_moe.default_variant(T, 6) for T in (1, 64, 65, 8192)] == \
+        ["fp8", "fp8", "bf16", "bf16"]
+    assert fp4_moe.moe_config(1, 6)["block_n_up"] < fp4_moe.moe_config(8192, 6)["block_n_up"]
+    assert fp4_moe.moe_config(8192, 6)["block_m"] == 128
+    assert fp4_moe.moe_config(8192, 6, "fp8")["block_m"] == 64  # 128 rows spill there
+
+
+def test_weight_only_takes_dims_that_are_not_whole_tiles(device):
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    E, d, inter, T = 3, 96, 160, 4  # 32-multiples: partial K and N tiles in both GEMMs
+    ws = _experts(E, d, inter, device)
+    x = torch.randn(T, d, device=device)
+    ids = _distinct_ids(T, 2, -1, E + 1, device)
+    weights = torch.rand(T, 2, device=device)
+    out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 1.0, torch.empty(T, d, device=device),
+                                False, "bf16")
+    torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 1.0, False),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiples of 128 with act_quant"):
+        fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 1.0, out, True, "bf16")
+
+
+def test_fp8_variant_needs_act_quant_and_shapes_are_checked(device):
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    ws = _experts(2, 128, 128, device)
+    x = torch.randn(1, 128, device=device)
+    ids = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    w = torch.ones(1, 1, device=device)
+    out = torch.empty(1, 128, device=device)
+    with pytest.raises(ValueError, match="needs act_quant=True"):
+        fp4_moe.fp4_fused_moe(x, *ws, ids, w, 0.0, out, False, "fp8")
+    with pytest.raises(ValueError, match="w2_scale"):
+        fp4_moe.fp4_fused_moe(x, *ws[:5], ws[5][:, :, :2], ids, w, 0.0, out, True)
+    with pytest.raises(ValueError, match="variant"):
+        fp4_moe.fp4_fused_moe(x, *ws, ids, w, 0.0, out, True, "int4")
+
+
+# ---------------------------------------------------------------------------------------
+# Compiled on an H200: Flash's expert dims, a shard, bf16 activations, graphs
+# ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def flash_experts():
+    """8 experts at Flash's dims, quantized on the GPU once for the module (on the CPU this
+    took seconds per test)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    return _experts(8, 4096, 2048, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,act_quant", CASES)
+@pytest.mark.parametrize("T", [1, 64, 1500])  # moe_config's small, mid and 128-row tiles
+def test_gpu_bf16_fp4_moe_at_flash_dims(flash_experts, variant, act_quant, T):
+    ws, E, d, topk = flash_experts, 8, 4096, 6
+    x = torch.randn(T, d, device="cuda").bfloat16()
+    ids = _distinct_ids(T, topk, 0, 2 * E, "cuda")  # half of them on the other shard
+    weights = torch.rand(T, topk, device="cuda")
+    out = torch.empty(T, d, device="cuda")
+    from dsv4_kernels import fp4_moe
+    ops_out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, out, act_quant, variant)
+    # The reference on up to 64 rows spread over the batch (tokens are independent).
+    rows = torch.linspace(0, T - 1, min(T, 64), device="cuda").long().unique()
+    ops_out = ops_out[rows]
+    ref = Q.fp4_moe_ref(x[rows], *ws, ids[rows], weights[rows], 10.0, act_quant)
+    # Weight-only: the reference rounds h to bf16 the same way, so only fp32 summation order
+    # (and a rare bf16 flip of h) is left. act_quant: h is also rounded to FP8 (steps of 2^-4
+    # relative), and a sum that differs in its last bits flips an FP8 code now and then (more
+    # often through the fp8 variant, whose tensor cores do not accumulate in full fp32 within a
+    # block): each flip moves an output by ~1e-3, so the bound is on the relative norm.
+    if not act_quant:
+        torch.testing.assert_close(ops_out, ref, rtol=1e-3, atol=1e-3)
+    else:
+        rel = ((ops_out - ref).norm() / ref.norm()).item()
+        assert rel < 5e-3, rel
+        assert (ops_out - ref).abs().max().item() < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_quant", [True, False])
+def test_gpu_fp4_moe_replays_in_a_cuda_graph(act_quant):
+    E, d, inter, T, topk = 16, 1024, 512, 32, 6
+    ws = _experts(E, d, inter, "cuda")
+    x = torch.randn(T, d, device="cuda").bfloat16()
+    ids = _distinct_ids(T, topk, -1, 2 * E, "cuda")
+    weights = torch.rand(T, topk, device="cuda")
+    out = torch.empty(T, d, device="cuda")
+    ops.fp4_fused_moe(x, *ws, ids, weights, 10.0, out, act_quant)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.fp4_fused_moe(x, *ws, ids, weights, 10.0, out, act_quant)
+    x.copy_(torch.randn_like(x))
+    ids.copy_(_distinct_ids(T, topk, -1, 2 * E, "cuda"))  # new routing, same shapes
+    graph.replay()
+    torch.cuda.synchronize()
+    want = ops.fp4_fused_moe(x, *ws, ids, weights, 10.0, torch.empty_like(out), act_quant)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)

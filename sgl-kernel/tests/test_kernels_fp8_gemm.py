@@ -1,0 +1,154 @@
+"""Triton FP8 block-scaled linear (fp8_gemm.py) against quant_reference.
+
+Tolerances: the activation quantizer is bit-exact (same integer formula). The GEMM's products
+are exact (e4m3 x e4m3, or e4m3 x pow2 converted exactly), so the only difference from the
+reference is the order of the fp32 sums: rtol 1e-5 on fp32 outputs, one bf16 ulp on bf16 ones
+(compared with the reference's fp32 result, before its own rounding; 2^-7 relative because the
+interpreter's fp32 -> bf16 cast truncates where the GPU rounds to nearest). bf16 x with act_quant is
+the FP8 tensor-core kernel; fp32 x always takes the exact fp32 kernel (x rounded to FP8 values
+first with act_quant). The interpreter's bf16 tl.dot is wrong, so weight-only bf16 (a bf16
+dot) is checked on the GPU only; the FP8 kernel's dot is e4m3 and runs here.
+"""
+
+import pytest
+import torch
+
+from dsv4_kernels import ops
+from dsv4_kernels import quant_reference as Q
+from kernel_test_utils import require_triton
+
+
+def _weight(N, K, device):
+    q, s = Q.quantize_fp8_weight(torch.randn(N, K) * torch.linspace(0.05, 2, K))
+    return q.to(device), s.to(device)
+
+
+def test_act_round_kernel_is_bit_exact(device):
+    require_triton()
+    from dsv4_kernels import fp8_gemm
+    x = torch.randn(3, 384) * torch.logspace(-6, 2, 384)
+    x[0, 128:256] = 0
+    assert torch.equal(fp8_gemm.round_act(x.to(device)).cpu(), Q.fp8_round_blocks(x))
+
+
+def test_act_quant_kernel_is_bit_exact(device):
+    require_triton()
+    from dsv4_kernels import fp8_gemm
+    # Blocks of very different magnitudes (incl. all-zero, tiny, subnormal-e4m3 values, exact
+    # ties at the scale's grid and values that saturate the pow2 rounding).
+    x = torch.randn(6, 512) * torch.logspace(-7, 3, 512)
+    x[1, :128] = 0
+    x[2, 128:256] = torch.arange(128) * 2.0 ** -9 + 2.0 ** -10  # midpoints of the subnormals
+    x[3, :128] = 448.0 * torch.linspace(-1, 1, 128)
+    q, s = fp8_gemm.quantize_act(x.to(device))
+    q_ref, s_ref = Q.quantize_fp8_blocks(x)
+    assert torch.equal(s.cpu(), s_ref)
+    assert torch.equal(q.view(torch.uint8).cpu(), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("M,N,K,act_quant,dtype", [
+    (1, 200, 384, True, torch.bfloat16),    # FP8 kernel: one token, N not a multiple of 64
+    (37, 130, 256, True, torch.bfloat16),   # M between tiles, ragged last weight block
+    (70, 64, 256, True, torch.bfloat16),    # M > 64: activations quantized by their own kernel
+    (5, 130, 256, True, torch.float32),     # exact path: rounded x, fp32 GEMM
+    (1, 96, 200, False, torch.float32),     # weight-only, K not a multiple of the K tile
+    (19, 256, 320, False, torch.float32),
+])
+def test_fp8_block_linear_matches_reference(device, M, N, K, act_quant, dtype):
+    require_triton()
+    from dsv4_kernels import fp8_gemm
+    w, s = _weight(N, K, device)
+    x = torch.randn(M, K, device=device).to(dtype)
+    y = fp8_gemm.fp8_block_linear(x, w, s, act_quant)
+    ref = Q.fp8_block_linear_ref(x.float(), w, s, act_quant)
+    assert y.shape == (M, N) and y.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    else:
+        torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-4)
+
+
+@pytest.mark.parametrize("act_quant", [True, False])
+def test_split_k_sums_the_same_products(device, act_quant):
+    require_triton()
+    from dsv4_kernels import fp8_gemm
+    M, N, K = 3, 64, 1024
+    w, s = _weight(N, K, device)
+    # Leading dims are flattened and restored; bf16 x with act_quant: the FP8 kernel.
+    x = torch.randn(2, M, K, device=device).to(torch.bfloat16 if act_quant else torch.float32)
+    base = fp8_gemm.gemm_config(2 * M, N, K, act_quant)
+    assert base["split"] > 1  # small M: K is split to keep the SMs streaming
+    one = dict(base, split=1, steps_per_split=K, fuse_quant=False)  # one program, all of K
+    y_split = fp8_gemm.fp8_block_linear(x, w, s, act_quant, config=base)
+    y_one = fp8_gemm.fp8_block_linear(x, w, s, act_quant, config=one)
+    assert y_split.shape == (2, M, N)
+    tol = dict(rtol=2 ** -7, atol=1e-4) if act_quant else dict(rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(y_split.float(), y_one.float(), **tol)
+    torch.testing.assert_close(y_split.float(), Q.fp8_block_linear_ref(x.float(), w, s, act_quant),
+                               **tol)
+
+
+def test_config_table_by_m():
+    require_triton()
+    from dsv4_kernels import fp8_gemm
+    small = fp8_gemm.gemm_config(16, 1024, 4096, True)
+    large = fp8_gemm.gemm_config(8192, 4096, 8192, True)
+    assert (small["BLOCK_M"], small["BLOCK_K"]) == (16, 128) and small["split"] > 1
+    assert small["fuse_quant"] and not large["fuse_quant"]
+    assert (large["BLOCK_M"], large["BLOCK_N"], large["split"]) == (128, 128, 1)
+    wo = fp8_gemm.gemm_config(8192, 4096, 8192, False)
+    assert (wo["BLOCK_M"], wo["BLOCK_N"], wo["BLOCK_K"]) == (128, 128, 64)
+    for cfg, K in ((small, 4096), (large, 8192), (wo, 8192)):  # every split has K steps
+        steps = K // cfg["BLOCK_K"]
+        assert (cfg["split"] - 1) * cfg["steps_per_split"] < steps <= cfg["split"] * cfg["steps_per_split"]
+
+
+def test_bad_inputs_are_named(device):
+    require_triton()
+    from dsv4_kernels import fp8_gemm
+    w, s = _weight(64, 200, device)
+    with pytest.raises(ValueError, match="act_quant needs K % 128 == 0"):
+        fp8_gemm.fp8_block_linear(torch.randn(2, 200, device=device), w, s, True)
+    with pytest.raises(ValueError, match="weight_scale"):
+        fp8_gemm.fp8_block_linear(torch.randn(2, 200, device=device), w, s[:, :1], False)
+    with pytest.raises(ValueError, match="K=100"):
+        fp8_gemm.fp8_block_linear(torch.randn(2, 100, device=device), w, s, False)
+
+
+# ---------------------------------------------------------------------------------------
+# Compiled on an H200 at the release's shapes
+# ---------------------------------------------------------------------------------------
+FLASH = [(4096, 1024), (1024, 32768), (4096, 512), (8192, 4096), (4096, 2048), (2048, 4096)]
+# Every Flash shape at M = 16 (split-K, quantization fused) and 64 (split-K, x quantized by its
+# own kernel), and each other tile of gemm_config once: M = 1, 200 (64 x 128) and 2048
+# (128 x 128, no split) on a shape each.
+GPU_CASES = ([(K, N, M) for K, N in FLASH for M in (16, 64)]
+             + [(4096, 1024, 1), (4096, 2048, 200), (8192, 4096, 2048)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,N,M", GPU_CASES)
+@pytest.mark.parametrize("act_quant", [True, False])
+def test_gpu_bf16_fp8_linear_at_flash_shapes(K, N, M, act_quant):
+    q, s = Q.quantize_fp8_weight(torch.randn(N, K, device="cuda") / K ** 0.5)
+    x = torch.randn(M, K, device="cuda").bfloat16()
+    y = ops.fp8_block_linear(x, q, s, act_quant)
+    # The reference in fp32 (its own output rounded to bf16 would hide a 1-ulp sum difference).
+    ref = Q.fp8_block_linear_ref(x.float(), q, s, act_quant)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, rtol=2 ** -8, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_quant", [True, False])
+def test_gpu_fp8_linear_replays_in_a_cuda_graph(act_quant):
+    q, s = Q.quantize_fp8_weight(torch.randn(1024, 4096, device="cuda") / 64)
+    x = torch.randn(16, 4096, device="cuda").bfloat16()
+    out = ops.fp8_block_linear(x, q, s, act_quant)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.fp8_block_linear(x, q, s, act_quant)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, ops.fp8_block_linear(x, q, s, act_quant), rtol=0, atol=0)

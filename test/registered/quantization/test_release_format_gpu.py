@@ -1,0 +1,61 @@
+"""The release format on CUDA: dsv4-mini-fp8 built by --load-format dummy directly on the GPU
+(FP8 linears and FP4 experts through the Triton kernels), in a breakable graph and eagerly,
+and its weight memory against dsv4-mini in bf16. Numbers are printed (run with -s)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from dsv4_harness import prefill_in_chunks  # noqa: E402
+
+from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TOKENS = torch.randint(2, 32768, (600,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+def _runner(preset, bcg, numerics="release", kv="auto"):
+    return ModelRunner(ModelRunnerConfig(model_path=preset, dtype="bfloat16", device="cuda", context_length=2048,
+                                         max_total_tokens=8192, max_num_reqs=4, quant_numerics=numerics,
+                                         kv_cache_dtype=kv, enable_breakable_cuda_graph=bcg,
+                                         breakable_cuda_graph_tokens=[256] if bcg else None))
+
+
+def _weight_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+@pytest.mark.parametrize("numerics, kv", [("release", "auto"), ("release", "fp8_e4m3"), ("weight_only", "auto")])
+def test_dummy_release_format_bcg_equals_eager(numerics, kv):
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    eager = _runner("dsv4-mini-fp8", bcg=False, numerics=numerics, kv=kv)
+    assert eager.model.layers[0].attn.wq_b.weight.dtype == torch.float8_e4m3fn
+    assert eager.model.layers[0].attn.wq_b.weight.device.type == "cuda"
+    got_eager = torch.stack(prefill_in_chunks(eager, TOKENS, [256, 256, 88]))
+    del eager
+    torch.cuda.empty_cache()
+    graphs = _runner("dsv4-mini-fp8", bcg=True, numerics=numerics, kv=kv)
+    got_bcg = torch.stack(prefill_in_chunks(graphs, TOKENS, [256, 256, 88]))
+    assert graphs.get_stats()["bcg_replays"] == 3  # every chunk replayed the 256-token graph
+    cos = F.cosine_similarity(got_bcg.float(), got_eager.float(), dim=-1)
+    print(f"dsv4-mini-fp8 {numerics} kv {kv}: BCG vs eager min cos {cos.min().item():.6f}, logit std "
+          f"{got_eager.float().std(-1).tolist()}, peak GPU memory {(torch.cuda.max_memory_allocated() - before) / 2**30:.2f} GiB")
+    assert torch.isfinite(got_bcg).all() and (got_eager.float().std(-1) > 0.5).all()
+    assert cos.min().item() > 0.999
+
+
+def test_weight_memory_on_the_gpu():
+    bf16 = _runner("dsv4-mini", bcg=False)
+    b = _weight_bytes(bf16.model)
+    del bf16
+    torch.cuda.empty_cache()
+    rel = _runner("dsv4-mini-fp8", bcg=False)
+    r = _weight_bytes(rel.model)
+    print(f"dsv4-mini weights: bf16 {b / 2**30:.3f} GiB, release format {r / 2**30:.3f} GiB ({r / b:.3f}x)")
+    assert r < 0.6 * b
