@@ -104,6 +104,8 @@ def main(argv=None):
     p.add_argument("--model-path", default="dsv4-mini")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--load-format", default="auto", help="auto | dummy (random weights) | safetensors")
+    p.add_argument("--num-layers", type=int, default=None, help="only the model's first N layers (same dims)")
     p.add_argument("--num-tokens", type=int, nargs="+", default=[16, 64, 256, 512, 1024, 2048, 4096])
     p.add_argument("--modes", nargs="+", default=["extend", "mixed"])
     p.add_argument("--prefix", type=int, default=1024, help="cached tokens per request")
@@ -125,7 +127,8 @@ def main(argv=None):
     max_tokens = max(a.num_tokens)
     n_reqs = 2 * (max_tokens // a.max_chunk + a.decode_rows + 2)
     cfg = ModelRunnerConfig(
-        model_path=a.model_path, device=a.device, dtype=dtype, context_length=a.context_length,
+        model_path=a.model_path, load_format=a.load_format, num_layers=a.num_layers, device=a.device, dtype=dtype,
+        context_length=a.context_length,
         max_num_reqs=n_reqs, max_total_tokens=n_reqs * (a.prefix + a.max_chunk + 128),
         enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=sorted(set(a.num_tokens)),
         disable_cuda_graph=True, attention_backend=a.attention_backend,

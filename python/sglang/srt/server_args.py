@@ -23,6 +23,7 @@ SEGMENT_KERNELS = ("auto", "on", "off")
 SCHEDULE_POLICIES = ("fcfs",)
 LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
 DP_IDLE_POLICIES = ("replay", "eager")
+MOE_DISPATCHERS = ("gather", "deepep")  # layers/moe/ep_dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 # Device-dependent defaults: (cpu, cuda).
@@ -41,6 +42,7 @@ class ServerArgs:
     model_path: str = "dsv4-tiny"
     tokenizer_path: Optional[str] = None
     load_format: str = "auto"
+    num_layers: Optional[int] = None  # keep only the model's first N layers (same dims)
     dtype: str = "auto"
     device: str = "auto"
     random_seed: int = 0
@@ -75,6 +77,7 @@ class ServerArgs:
     dp_size: int = 1
     load_balance_method: str = "round_robin"
     dp_idle_policy: str = "replay"
+    moe_dispatcher: str = "gather"
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: Optional[str] = None
@@ -111,13 +114,20 @@ class ServerArgs:
         if model_config is None:
             from sglang.srt.configs.deepseek_v4 import load_model_config
 
-            model_config = load_model_config(self.model_path)
+            model_config = load_model_config(self.model_path, self.num_layers)
+        elif self.num_layers is not None:
+            from sglang.srt.configs.deepseek_v4 import with_num_layers
+
+            model_config = with_num_layers(model_config, self.num_layers)
         is_preset = not os.path.isdir(self.model_path)  # a preset name or a bare config.json
         load_format = self.load_format
         if load_format == "auto":
             load_format = "dummy" if is_preset else "safetensors"
         if load_format == "safetensors" and is_preset:
             raise ValueError(f"--load-format safetensors needs a checkpoint directory, got {self.model_path!r}")
+        if self.num_layers is not None and load_format != "dummy":
+            # a checkpoint holds every layer; the loader refuses tensors the model does not have
+            raise ValueError("--num-layers needs --load-format dummy (random weights), not a checkpoint")
 
         max_pos = model_config.max_position_embeddings
         context_length = self.context_length or min(max_pos, _DEFAULT_MAX_CONTEXT_LENGTH)
@@ -134,8 +144,8 @@ class ServerArgs:
             cap = context_length * max_running
             if on_cuda:
                 free = gpu_free_memory if gpu_free_memory is not None else _query_gpu_free_memory()
-                max_total_tokens = min(cap, _tokens_for_memory(model_config, dtype, free, self.mem_fraction_static,
-                                                               self.kv_cache_dtype))
+                max_total_tokens = self._memory_plan(model_config, dtype, free, context_length, max_running,
+                                                     pick).kv_pool_tokens
             else:
                 max_total_tokens = min(cap, max(_CPU_MAX_TOTAL_TOKENS, context_length))
             if max_total_tokens < self.page_size:
@@ -171,6 +181,25 @@ class ServerArgs:
             cuda_graph_max_bs=self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick],
             resolved=True,
         )
+
+    def _memory_plan(self, model_config, dtype: str, free: int, context_length: int, max_running: int, pick: int):
+        """This GPU's memory plan (mem_cache/memory_planner.py); raises MemoryPlanError, which
+        names the shortfall and the flag to change, when the model or the KV cache does not fit."""
+        from sglang.srt.mem_cache.memory_planner import PlanSettings, loaded_weight_format, plan_memory
+
+        settings = PlanSettings(
+            weight_format=loaded_weight_format(model_config, dtype), model_dtype=dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
+            dp_size=self.dp_size if self.enable_dp_attention else 1, page_size=self.page_size,
+            context_length=context_length, max_running_requests=max_running,
+            chunked_prefill_size=max(self.chunked_prefill_size or _DEFAULT_CHUNKED_PREFILL_SIZE[pick], 1),
+            bcg_max_tokens=(self.breakable_cuda_graph_max_tokens or _DEFAULT_BCG_MAX_TOKENS[pick])
+            if self.enable_breakable_cuda_graph else 0,
+            decode_graph_max_bs=0 if self.disable_cuda_graph else min(
+                self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick], max_running),
+            mem_fraction_static=self.mem_fraction_static,
+        )
+        return plan_memory(model_config, settings, free)
 
     @property
     def torch_dtype(self):
@@ -219,7 +248,7 @@ def _validate(a: ServerArgs) -> None:
         ("quant_numerics", QUANT_NUMERICS), ("kv_cache_dtype", KV_CACHE_DTYPES),
         ("attention_backend", ATTENTION_BACKENDS), ("schedule_policy", SCHEDULE_POLICIES),
         ("load_balance_method", LOAD_BALANCE_METHODS), ("dp_idle_policy", DP_IDLE_POLICIES),
-        ("log_level", LOG_LEVELS),
+        ("log_level", LOG_LEVELS), ("moe_dispatcher", MOE_DISPATCHERS),
     ):
         if getattr(a, name) not in choices:
             raise ValueError(f"--{_flag(name)} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
@@ -227,7 +256,7 @@ def _validate(a: ServerArgs) -> None:
         raise ValueError("--model-path must be a preset name or a checkpoint directory")
     if a.page_size <= 0 or a.page_size % 128:
         raise ValueError(f"--page-size must be a multiple of 128 (the c128 block), got {a.page_size}")
-    for name in ("context_length", "max_running_requests", "max_total_tokens", "breakable_cuda_graph_max_tokens",
+    for name in ("num_layers", "context_length", "max_running_requests", "max_total_tokens", "breakable_cuda_graph_max_tokens",
                  "cuda_graph_max_bs"):
         v = getattr(a, name)
         if v is not None and v <= 0:
@@ -282,24 +311,6 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-def _kv_bytes_per_token(config, dtype: str, kv_cache_dtype: str = "auto") -> int:
-    """KV bytes one token costs across layers (DSV4KVPool's layout: mem_cache/dsv4_kv_pool.py)."""
-    import torch
-
-    from sglang.srt.mem_cache.dsv4_kv_pool import kv_bytes_per_token
-
-    return int(kv_bytes_per_token(config, getattr(torch, dtype), kv_cache_dtype)) + 1
-
-
-def _tokens_for_memory(config, dtype: str, free_bytes: int, fraction: float, kv_cache_dtype: str = "auto") -> int:
-    from sglang.srt.configs.deepseek_v4 import estimate_weight_bytes
-
-    # release-format weights (FP8 linears, FP4 experts) counted at their quantized size
-    weight_bytes = estimate_weight_bytes(config, 2 if dtype == "bfloat16" else 4)
-    budget = free_bytes * fraction - weight_bytes
-    return max(0, int(budget // _kv_bytes_per_token(config, dtype, kv_cache_dtype)))
-
-
 def _query_gpu_free_memory() -> int:
     import torch
 
@@ -314,11 +325,14 @@ _HELP = {
                        "compressors, indexer, MoE) through sgl-kernel's dsv4_kernels ops: auto = exactly when the "
                        "attention backend resolves to triton; on = also elsewhere (on CPU: their torch "
                        "references); off = the model's own torch code",
-    "model_path": "preset name (dsv4-tiny, dsv4-mini, dsv4-flash-slice) or a directory with config.json "
-                  "and *.safetensors [+ tokenizer.json]",
+    "model_path": "preset name (dsv4-tiny, dsv4-mini, dsv4-flash-slice, dsv4-flash, or a release-format "
+                  "*-fp8 variant of the first three) or a directory with config.json and *.safetensors "
+                  "[+ tokenizer.json]",
     "tokenizer_path": "tokenizer.json or a directory holding one (default: the model directory's, else bytes)",
-    "load_format": "auto: dummy (seeded random weights, in the release format for the *-fp8 presets) for "
-                   "presets, safetensors for directories",
+    "load_format": "auto: dummy (seeded random weights, in the release format for dsv4-flash and the *-fp8 "
+                   "presets) for presets, safetensors for directories",
+    "num_layers": "run only the model's first N layers at full dims (compress-ratio pattern and MTP "
+                  "entry kept), for when the whole model does not fit; needs --load-format dummy",
     "dtype": "auto: bfloat16 on CUDA, float32 on CPU",
     "quant_numerics": "release-format weights (FP8 linears, FP4 experts): release reproduces the release's "
                       "rounding (activations to FP8 per 128, KV nope dims to FP8 per 64, indexer q/k Hadamard + "
@@ -341,6 +355,9 @@ _HELP = {
     "load_balance_method": "how the DP controller picks a rank: round_robin, or least_loaded "
                            "(fewest outstanding requests, then tokens)",
     "dp_idle_policy": "what ranks do on steps where some DP rank is idle",
+    "moe_dispatcher": "how DP ranks exchange MoE rows (each holds 1/dp of the routed experts): gather "
+                      "(all-gather + reduce-scatter, captured in graphs) or deepep (all-to-all; needs deep_ep, "
+                      "not implemented yet)",
     "nnodes": "nodes the DP ranks span (--dp-size must be a multiple)",
     "node_rank": "this node's index; node 0 runs the HTTP server, the others only their DP ranks",
     "dist_init_addr": "host:port of node 0 for the torch.distributed rendezvous; node 0's DP "
@@ -355,10 +372,10 @@ _CHOICES = {
     "load_format": LOAD_FORMATS, "dtype": DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS,
     "quant_numerics": QUANT_NUMERICS, "kv_cache_dtype": KV_CACHE_DTYPES,
     "schedule_policy": SCHEDULE_POLICIES, "load_balance_method": LOAD_BALANCE_METHODS,
-    "dp_idle_policy": DP_IDLE_POLICIES, "log_level": LOG_LEVELS,
+    "dp_idle_policy": DP_IDLE_POLICIES, "log_level": LOG_LEVELS, "moe_dispatcher": MOE_DISPATCHERS,
     "segment_kernels": SEGMENT_KERNELS,
 }
-_INT_FIELDS = {"random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
+_INT_FIELDS = {"num_layers", "random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
                "chunked_prefill_size", "breakable_cuda_graph_max_tokens", "cuda_graph_max_bs", "dp_size", "nnodes",
                "node_rank", "stream_interval", "max_request_bytes"}
 _FLOAT_FIELDS = {"mem_fraction_static", "watchdog_timeout", "shutdown_timeout"}

@@ -52,8 +52,8 @@ def test_parameter_count_matches_the_conformance_checkpoint(dsv4_reference_dir):
 def test_preset_loads_by_name_with_every_layer_type(name):
     c = load_model_config(name)
     assert set(c.compress_ratios) == {0, 4, 128}
-    assert len(c.compress_ratios) == c.num_hidden_layers
-    assert c.is_hash_layer(0) and not c.is_hash_layer(1)
+    assert len(c.compress_ratios) == c.num_hidden_layers + (1 if name == "dsv4-flash" else 0)
+    assert c.num_hash_layers >= 1 and c.is_hash_layer(0) and not c.is_hash_layer(c.num_hash_layers)
     assert c.rope_scaling["type"] == "yarn" and (c.beta_fast, c.beta_slow) == (32.0, 1.0)
     assert (c.hc_mult, c.hc_sinkhorn_iters, c.swiglu_limit) == (4, 20, 10.0)
     assert load_model_config(name) is not c  # fresh object each time
@@ -192,3 +192,111 @@ def test_o_groups_message():
 def test_index_topk_unused_without_c4_layers():
     d = get_preset("dsv4-tiny").to_dict() | {"compress_ratios": [0, 128, 0, 128], "index_topk": 0}
     assert DeepseekV4Config.from_dict(d).index_topk == 0
+
+
+# ---- dsv4-flash: the real model's configuration --------------------------------------------
+
+
+def test_flash_preset_has_the_release_dims():
+    c = get_preset("dsv4-flash")
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.head_dim) == (4096, 43, 64, 512)
+    assert (c.q_lora_rank, c.o_groups, c.o_lora_rank, c.qk_rope_head_dim) == (1024, 8, 1024, 64)
+    assert (c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.n_shared_experts) == (256, 6, 2048, 1)
+    assert (c.index_n_heads, c.index_head_dim, c.index_topk, c.sliding_window) == (64, 128, 512, 128)
+    assert c.compress_ratios[:43] == [0, 0] + [4, 128] * 20 + [4]
+    assert c.num_nextn_predict_layers == 1 and c.layer_compress_ratio(43) == 0  # the MTP entry, last
+    assert (c.vocab_size, c.max_position_embeddings) == (129280, 1048576)
+    assert c.fp8_weight_block_size == (128, 128) and c.expert_dtype == "fp4"
+    assert c.quantization_config["scale_fmt"] == "ue8m0" and c.quantization_config["fmt"] == "e4m3"
+    # About 284 B parameters (the release's figure), MTP layer excluded.
+    assert 283e9 < estimate_num_parameters(c) < 286e9
+
+
+def test_flash_preset_follows_the_pro_config_conventions(dsv4_reference_dir):
+    raw_pro = json.loads((dsv4_reference_dir / "DeepSeek-V4-Pro.config.json").read_text())
+    flash = get_preset("dsv4-flash").to_dict()
+    # Same field set as the release config (plus this runtime's shared-expert clamp flag).
+    assert set(flash) | {"transformers_version"} == set(raw_pro) | {"shared_expert_swiglu_limit"}
+    differs = {k for k in raw_pro if k in flash and flash[k] != raw_pro[k]}
+    assert differs == {
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "o_groups",
+        "n_routed_experts", "moe_intermediate_size", "index_topk", "compress_ratios",
+    }
+    # Pro's list is its layers plus one MTP entry; Flash's is built the same way.
+    assert len(flash["compress_ratios"]) == flash["num_hidden_layers"] + flash["num_nextn_predict_layers"]
+    assert len(raw_pro["compress_ratios"]) == raw_pro["num_hidden_layers"] + raw_pro["num_nextn_predict_layers"]
+
+
+def test_flash_config_json_is_written_and_loads_back(tmp_path):
+    from sglang.srt.configs.presets import main
+
+    assert main(["dsv4-flash", "--write-config", str(tmp_path / "flash")]) == 0
+    c = load_model_config(str(tmp_path / "flash"))
+    assert c == get_preset("dsv4-flash")
+    assert json.loads((tmp_path / "flash" / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+
+def test_num_layers_keeps_the_dims_the_pattern_and_the_mtp_entry():
+    from sglang.srt.configs.deepseek_v4 import with_num_layers
+
+    full = get_preset("dsv4-flash")
+    c = load_model_config("dsv4-flash", num_layers=20)
+    assert c.num_hidden_layers == 20 and c.compress_ratios == full.compress_ratios[:20] + [0]
+    assert c.layer_compress_ratio(20) == 0 and c.num_hash_layers == 3
+    assert (c.hidden_size, c.n_routed_experts, c.index_topk) == (4096, 256, 512)
+    assert 130e9 < estimate_num_parameters(c) < 136e9
+    assert with_num_layers(full, 2).num_hash_layers == 2  # never more hash layers than layers
+    assert with_num_layers(full, 43) is full
+    assert load_model_config("dsv4-tiny", num_layers=3).compress_ratios == [0, 4, 128]
+    for bad in (0, 44, 2.5):
+        with pytest.raises(ConfigError, match="--num-layers"):
+            with_num_layers(full, bad)
+
+
+def test_num_layers_server_arg_reaches_the_model_config(tmp_path):
+    from sglang.srt.configs.presets import write_config
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+    args = prepare_server_args(["--model-path", "dsv4-tiny", "--num-layers", "2"])
+    assert args.num_layers == 2
+    r = args.resolve(cuda_available=False)
+    assert r.num_layers == 2 and r.load_format == "dummy"
+    with pytest.raises(ValueError, match="--num-layers must be positive"):
+        ServerArgs(num_layers=0)
+    with pytest.raises(ValueError, match="--num-layers needs --load-format dummy"):
+        ServerArgs(model_path=write_config(get_preset("dsv4-tiny"), str(tmp_path)).rsplit("/", 1)[0],
+                   num_layers=2).resolve(False)  # a checkpoint directory: auto is safetensors
+
+
+def test_model_runner_builds_only_the_first_layers():
+    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+
+    runner = ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", num_layers=2, max_total_tokens=1024, max_num_reqs=2))
+    assert len(runner.model.layers) == 2 and runner.config.compress_ratios == [0, 4]
+    assert len(runner.kv_pool.raw) == 2 and sorted(runner.kv_pool.compressed) == [1]
+
+
+def test_flash_builds_in_the_release_format_at_its_expert_shard():
+    """dsv4-flash (--num-layers 2) as the runner builds it for --load-format dummy at DP rank 1
+    of 2: FP8 linears, FP4 experts allocated at the shard size from the start, the MTP layer's
+    too; the server resolves it to dummy weights and release numerics. Meta device: shapes only."""
+    import torch
+
+    from sglang.srt.layers.moe.experts import Fp4RoutedExperts
+    from sglang.srt.layers.quantization.fp8_linear import Fp8BlockLinear
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from sglang.srt.server_args import ServerArgs
+
+    r = ServerArgs(model_path="dsv4-flash", num_layers=2).resolve(cuda_available=False)
+    assert (r.load_format, r.quant_numerics) == ("dummy", "release")
+    config = load_model_config("dsv4-flash", num_layers=2)
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config, torch.bfloat16, max_positions=256, expert_range=(128, 256))
+    layers = list(model.layers) + list(model.mtp)
+    assert len(layers) == 3  # two decoder layers + the MTP layer
+    for layer in layers:
+        experts = layer.ffn.experts
+        assert isinstance(experts, Fp4RoutedExperts) and experts.first_expert == 128
+        assert tuple(experts.w1.shape) == (128, 2048, 2048) and experts.w1.dtype == torch.int8  # 4096 / 2 bytes
+        assert tuple(experts.w2_scale.shape) == (128, 4096, 2048 // 32)
+        assert isinstance(layer.attn.wq_b, Fp8BlockLinear) and layer.attn.wq_b.weight.dtype == torch.float8_e4m3fn

@@ -10,7 +10,7 @@ from sglang.srt.configs.presets import get_preset
 from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool, kv_bytes_per_token
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
 from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
-from sglang.srt.server_args import _kv_bytes_per_token
+from sglang.srt.mem_cache.memory_planner import kv_bytes_per_token as planner_kv_bytes_per_token
 
 
 def test_fp8_pool_holds_uint8_rows_for_every_kv_entry_and_float_indexer_keys():
@@ -57,7 +57,8 @@ def test_bytes_per_token_in_both_modes():
     assert kv_bytes_per_token(mini, torch.bfloat16) == 8 * 1024 + 3 * 1024 / 4 + 2 * 1024 / 128 + 3 * 256 / 4
     # fp8: the same with 584 B rows (448 e4m3 + 128 rope + 7 scales + 1 pad); keys stay bf16
     assert kv_bytes_per_token(mini, torch.bfloat16, "fp8_e4m3") == 8 * 584 + 3 * 584 / 4 + 2 * 584 / 128 + 3 * 256 / 4
-    assert (_kv_bytes_per_token(mini, "bfloat16"), _kv_bytes_per_token(mini, "bfloat16", "fp8_e4m3")) == (9169, 5312)
+    # what server_args sizes the cache with (the memory planner): the pool's count, whole bytes
+    assert (planner_kv_bytes_per_token(mini, "auto"), planner_kv_bytes_per_token(mini, "fp8_e4m3")) == (9169, 5312)
     flash = get_preset("dsv4-flash-slice")
     ratio = kv_bytes_per_token(flash, torch.bfloat16, "fp8_e4m3") / kv_bytes_per_token(flash, torch.bfloat16)
     assert 0.58 < ratio < 0.59  # rows shrink to 584/1024; the bf16 indexer keys do not

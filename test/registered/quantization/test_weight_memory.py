@@ -33,16 +33,16 @@ def test_release_format_weight_bytes(preset, layer_bound):
 
 @pytest.mark.parametrize("preset", ["dsv4-tiny-fp8", "dsv4-tiny", "dsv4-mini-fp8"])
 def test_weight_byte_estimate_matches_the_model(preset):
-    """estimate_weight_bytes (what --max-total-tokens sizing subtracts) agrees with the bytes of
-    the model actually built, within 2% (it leaves out MTP layers and the RoPE tables)."""
+    """estimate_weight_bytes (the memory planner's count, which sizes the KV cache on CUDA) is
+    exactly the bytes of the model built in that dtype, quantized tensors at their stored size."""
     from sglang.srt.configs import estimate_weight_bytes
 
     config = load_model_config(preset)
-    with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(config, torch.bfloat16, max_positions=256)
-    built = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    # the model holds head, norms, hc_*, compressors in fp32 where the estimate counts 2 bytes
-    fp32 = sum(t.numel() for t in model.parameters() if t.dtype == torch.float32)
-    est = estimate_weight_bytes(config, 2) + 2 * fp32
-    print(f"{preset}: estimated {est} B, built {built} B")
-    assert abs(est - built) <= 0.02 * built
+    for dtype, dtype_bytes in ((torch.bfloat16, 2), (torch.float32, 4)):
+        with torch.device("meta"):
+            model = DeepseekV4ForCausalLM(config, dtype, max_positions=256)
+        built = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+        print(f"{preset} {dtype}: estimated {estimate_weight_bytes(config, dtype_bytes)} B, built {built} B")
+        assert estimate_weight_bytes(config, dtype_bytes) == built
+    with pytest.raises(ValueError, match="dtype_bytes must be 2"):
+        estimate_weight_bytes(config, 1)

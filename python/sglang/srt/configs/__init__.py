@@ -7,7 +7,17 @@ from sglang.srt.configs.deepseek_v4 import (
     estimate_weight_bytes,
     load_model_config,
 )
-from sglang.srt.configs.presets import PRESETS, get_preset
+
+
+def __getattr__(name: str):
+    # Presets are imported on first use, so `python -m sglang.srt.configs.presets` runs the
+    # module once as __main__ instead of finding it already imported by this package.
+    if name in ("PRESETS", "get_preset"):
+        from sglang.srt.configs import presets
+
+        return getattr(presets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ConfigError",

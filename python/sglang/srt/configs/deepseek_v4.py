@@ -345,8 +345,27 @@ def _validate_quantization(c: DeepseekV4Config) -> None:
 # ---- loading and size -----------------------------------------------------------------------
 
 
-def load_model_config(model_path: str) -> DeepseekV4Config:
-    """A preset name, a checkpoint directory holding config.json, or a path to a .json file."""
+def with_num_layers(c: DeepseekV4Config, num_layers: int) -> DeepseekV4Config:
+    """The same model with its first `num_layers` layers: every dim, the compress-ratio pattern
+    and the hash layers among them kept, MTP entries of compress_ratios kept last. For when the
+    whole model does not fit on the devices at hand (--num-layers)."""
+    if not _is_int(num_layers) or not 1 <= num_layers <= c.num_hidden_layers:
+        raise ConfigError(f"num_hidden_layers: --num-layers must be in [1, {c.num_hidden_layers}], got {num_layers!r}")
+    if num_layers == c.num_hidden_layers:
+        return c
+    mtp = c.compress_ratios[c.num_hidden_layers:]
+    return dataclasses.replace(c, num_hidden_layers=num_layers, compress_ratios=c.compress_ratios[:num_layers] + mtp,
+                               num_hash_layers=min(c.num_hash_layers, num_layers), extra=dict(c.extra))
+
+
+def load_model_config(model_path: str, num_layers: int | None = None) -> DeepseekV4Config:
+    """A preset name, a checkpoint directory holding config.json, or a path to a .json file;
+    `num_layers` keeps only the first layers (`with_num_layers`)."""
+    c = _load_model_config(model_path)
+    return c if num_layers is None else with_num_layers(c, num_layers)
+
+
+def _load_model_config(model_path: str) -> DeepseekV4Config:
     from sglang.srt.configs.presets import PRESETS  # presets build configs from this module
 
     if model_path in PRESETS:
@@ -392,19 +411,14 @@ def estimate_num_parameters(c: DeepseekV4Config) -> int:
 
 
 def estimate_weight_bytes(c: DeepseekV4Config, dtype_bytes: int) -> int:
-    """Weight bytes of the main layers as the model holds them: estimate_num_parameters at
-    dtype_bytes each, except, in the release format, FP8 linears (1 byte + a 4-byte scale per
-    128x128 block) and FP4 routed experts (half a byte + a 1-byte scale per 32)."""
-    total = estimate_num_parameters(c) * dtype_bytes
-    d, H, hd = c.hidden_size, c.num_attention_heads, c.head_dim
-    for layer_id in range(c.num_hidden_layers):
-        if c.fp8_linears:
-            fp8 = (c.q_lora_rank * d + H * hd * c.q_lora_rank + hd * d + c.o_lora_rank * H * hd
-                   + c.o_groups * c.o_lora_rank * d
-                   + 3 * c.n_shared_experts * c.moe_intermediate_size * d)
-            if c.layer_compress_ratio(layer_id) == 4:
-                fp8 += c.index_n_heads * c.index_head_dim * c.q_lora_rank
-            total -= fp8 * (dtype_bytes - 1 - 4 / FP8_BLOCK ** 2)
-        if c.fp4_experts:
-            total -= 3 * c.n_routed_experts * c.moe_intermediate_size * d * (dtype_bytes - 0.5 - 1 / FP4_BLOCK)
-    return int(total)
+    """Weight bytes of the model as it holds them in a model dtype of `dtype_bytes` (2: bf16,
+    4: fp32): release-format weights at their quantized size (the loader keeps them so), MTP
+    layers and every routed expert included. The memory planner's count, so the two never
+    disagree (mem_cache/memory_planner.weight_bytes: the model built on the meta device)."""
+    from sglang.srt.mem_cache.memory_planner import loaded_weight_format, weight_bytes
+
+    dtypes = {2: "bfloat16", 4: "float32"}
+    if dtype_bytes not in dtypes:
+        raise ValueError(f"dtype_bytes must be 2 (bfloat16) or 4 (float32), got {dtype_bytes!r}")
+    dtype = dtypes[dtype_bytes]
+    return weight_bytes(c, loaded_weight_format(c, dtype), dtype).total

@@ -1,11 +1,13 @@
-"""Data flow around the MoE under DP attention: every rank's hidden states are gathered into
-a buffer padded to the same length on every rank (uniform, so the collective can be
-captured), the MoE runs on this rank's share of the experts for all gathered rows, and the
-partial results are reduce-scattered back (summing the expert shards)."""
+"""Collectives around the MoE under DP attention: every rank's rows are gathered into a
+buffer padded to the same length on every rank (uniform, so the collective can be captured),
+and partial results are reduce-scattered back (summing the expert shards). The MoE reaches
+them through its dispatcher (layers/moe/ep_dispatch.py); `expert_shard` says which experts a
+rank holds."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -16,6 +18,13 @@ class DPMoEContext:
     dp_rank: int
     dp_size: int
     pad_tokens: int  # rows every rank contributes (max local tokens, or the graph bucket)
+    dispatcher: Any = None  # an ep_dispatch.MoEDispatcher; None: the gather / reduce-scatter one
+
+    def __post_init__(self):
+        if self.dispatcher is None:
+            from sglang.srt.layers.moe.ep_dispatch import GatherScatterDispatcher
+
+            self.dispatcher = GatherScatterDispatcher()
 
 
 def dp_gather(x: torch.Tensor, ctx: DPMoEContext) -> torch.Tensor:

@@ -83,8 +83,12 @@ def check_dp_model(server_args) -> None:
     from sglang.srt.configs.deepseek_v4 import load_model_config
     from sglang.srt.layers.dp_attention import expert_shard
 
-    config = load_model_config(server_args.model_path)
+    config = load_model_config(server_args.model_path, server_args.num_layers)
     expert_shard(config.n_routed_experts, 0, _dp_size(server_args))
+    if _dp_size(server_args) > 1:  # a dispatcher that cannot run fails here, not in every rank
+        from sglang.srt.layers.moe.ep_dispatch import create_moe_dispatcher
+
+        create_moe_dispatcher(server_args.moe_dispatcher)
 
 
 def _start_rank(ctx, server_args, spec: Optional[RankSpec], req_conn, out_conn):

@@ -21,6 +21,7 @@ from sglang.srt.layers.dp_attention import DPMoEContext, expert_shard
 from sglang.srt.layers.logits_processor import LogitsOutput, compute_logits
 from sglang.srt.layers.quantization import QuantMode
 from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
+from sglang.srt.mem_cache.memory_planner import report_startup_memory
 from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.forward_context import forward_context
@@ -49,6 +50,7 @@ class ModelRunnerConfig:
 
     model_path: str = "dsv4-tiny"
     load_format: str = "auto"  # "auto": checkpoint for directories, seeded random for presets
+    num_layers: Optional[int] = None  # only the first N layers (configs/deepseek_v4.with_num_layers)
     # "release": the release's activation/KV/indexer rounding on release-format weights;
     # "weight_only": quantized weights on unrounded activations. The runner resolves it to
     # "weight_only" for a model without quantized weights (runner_config holds the resolved value).
@@ -61,6 +63,8 @@ class ModelRunnerConfig:
     page_size: int = 128
     max_num_reqs: int = 16
     max_total_tokens: int = 16384
+    mem_fraction_static: float = 0.8  # for the start-up memory plan (mem_cache/memory_planner.py)
+    chunked_prefill_size: int = 2048
     enable_breakable_cuda_graph: bool = False
     breakable_cuda_graph_max_tokens: int = 512
     breakable_cuda_graph_tokens: Optional[Sequence[int]] = None
@@ -76,6 +80,7 @@ class ModelRunnerConfig:
     # DP attention (the process groups are set up before the runner: distributed/parallel_state.py)
     dp_size: int = 1
     dp_idle_policy: str = "replay"
+    moe_dispatcher: str = "gather"  # layers/moe/ep_dispatch.py: "gather" (all-gather / reduce-scatter) | "deepep"
 
     @staticmethod
     def from_server_args(args) -> "ModelRunnerConfig":
@@ -92,8 +97,9 @@ class ModelRunner:
     def __init__(self, server_args):
         cfg = ModelRunnerConfig.from_server_args(server_args)
         self.device = torch.device(cfg.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         self.dtype = _DTYPES[cfg.dtype]
-        self.config = load_model_config(cfg.model_path)
+        self.config = load_model_config(cfg.model_path, cfg.num_layers)
         if cfg.kv_cache_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, got {cfg.kv_cache_dtype!r}")
         # A bf16 model has nothing to round: release numerics are the release format's.
@@ -120,6 +126,7 @@ class ModelRunner:
             bcg_buckets=self.bcg_runner.buckets if self.bcg_runner else (),
             decode_bs_buckets=self.decode_graph_runner.buckets if self.decode_graph_runner else (),
             idle_policy=cfg.dp_idle_policy)
+        self.memory_plan = report_startup_memory(self, free_before)
 
     def _init_graph_runners(self, cfg: ModelRunnerConfig) -> None:
         from sglang.srt.model_executor.graph_runner import BREAKABLE, DECODE, GraphRunner
@@ -146,9 +153,14 @@ class ModelRunner:
         loader reads only those experts' tensors."""
         from sglang.srt.distributed.parallel_state import get_dp_groups
 
+        from sglang.srt.layers.moe.ep_dispatch import create_moe_dispatcher
+
+        self.moe_dispatcher = create_moe_dispatcher(cfg.moe_dispatcher)  # fails first if it cannot run
         self.dp_groups = get_dp_groups()
         if self.dp_groups is None or self.dp_groups.dp_size != cfg.dp_size:
             raise RuntimeError("DP attention: call init_dp_groups() before building the ModelRunner")
+        # MTP layers' experts are sharded too (the model builds them at this range): never
+        # run here, but loaded, and at Pro size their experts are 13 GB.
         return expert_shard(self.config.n_routed_experts, self.dp_groups.dp_rank, cfg.dp_size)
 
     def dp_moe(self, pad_tokens: int):
@@ -156,7 +168,7 @@ class ModelRunner:
         if self.dp_groups is None:
             return None
         g = self.dp_groups
-        return DPMoEContext(g.device_group, g.dp_rank, g.dp_size, pad_tokens)
+        return DPMoEContext(g.device_group, g.dp_rank, g.dp_size, pad_tokens, self.moe_dispatcher)
 
     def _load_model(self, cfg: ModelRunnerConfig, expert_range) -> DeepseekV4ForCausalLM:
         """Built on the device at its final (sharded, quantized) size, then filled in place:

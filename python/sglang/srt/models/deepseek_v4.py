@@ -8,6 +8,8 @@ break op of a breakable CUDA graph; everything else has static shapes and no hos
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,11 +27,13 @@ from sglang.srt.model_executor.breakable_cuda_graph import register_split_op
 from sglang.srt.model_executor.forward_context import get_forward_context, segment_kernel_ops
 
 
-def _attention_with_output(q: torch.Tensor, sink: torch.Tensor, output: torch.Tensor, layer_id: int) -> None:
+def _attention_with_output(q: torch.Tensor, sink: torch.Tensor, output: torch.Tensor, layer_id: int,
+                           index_q: Optional[torch.Tensor] = None, index_weights: Optional[torch.Tensor] = None) -> None:
     """The break op: reads the live batch from the forward context, attends with the real
-    (unpadded) token count and writes output[:n]; padded rows are left untouched."""
+    (unpadded) token count and writes output[:n]; padded rows are left untouched. On c4 layers
+    it first selects the indexer's top-k from index_q / index_weights (the in-segment half)."""
     ctx = get_forward_context()
-    ctx.attn_backend.forward(q, sink, output, layer_id, ctx.num_live_tokens)
+    ctx.attn_backend.forward(q, sink, output, layer_id, ctx.num_live_tokens, index_q, index_weights)
 
 
 deepseek_v4_attention_with_output = register_split_op(
@@ -101,13 +105,14 @@ class DeepseekV4Attention(nn.Module):
             self.compressor(x, meta.positions, meta.compressor(self.ratio), state,
                             pool.compressed[self.layer_id], self.rope, trash_row * state.ring, kernels,
                             nope_fp8=pool.nope_fp8)
+        index_q = index_weights = None
         if self.ratio == 4:
             istate = pool.indexer_state[self.layer_id]
-            self.indexer(x, qr, cos, sin, meta, istate, pool.indexer_keys[self.layer_id], self.rope,
-                         trash_row * istate.ring, kernels)
+            index_q, index_weights = self.indexer(x, qr, cos, sin, meta, istate, pool.indexer_keys[self.layer_id],
+                                                  self.rope, trash_row * istate.ring, kernels)
 
         o = torch.zeros_like(q)
-        deepseek_v4_attention_with_output(q, self.attn_sink, o, self.layer_id)
+        deepseek_v4_attention_with_output(q, self.attn_sink, o, self.layer_id, index_q, index_weights)
         if kernels is not None:
             kernels.inverse_rope_(o, self.rope.cos, self.rope.sin, meta.positions, rd)
         else:

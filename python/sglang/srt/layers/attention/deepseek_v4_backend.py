@@ -13,6 +13,7 @@ from dsv4_kernels import ops as kernel_ops
 from dsv4_kernels import reference as kernel_reference
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.attention.dsv4.indexer import select_topk
 from sglang.srt.layers.attention.dsv4.metadata import DSV4Metadata, match_num_queries
 from sglang.srt.layers.attention.dsv4.metadata_builder import build_dsv4_metadata
 
@@ -46,7 +47,7 @@ class DeepseekV4AttnBackend(AttentionBackend):
         return self.req_to_token_pool.padding_slot
 
     def _build(self, forward_batch, static: bool, into: Optional[DSV4Metadata] = None,
-               into_all: bool = False) -> DSV4Metadata:
+               into_all: bool = False, full_graph: bool = False) -> DSV4Metadata:
         rtp = self.req_to_token_pool
         return build_dsv4_metadata(
             forward_batch,
@@ -63,6 +64,7 @@ class DeepseekV4AttnBackend(AttentionBackend):
             use_kernels=self.kernels == "triton",
             into=into,
             into_all=into_all,
+            full_graph=full_graph,
         )
 
     def init_forward_metadata(self, forward_batch) -> None:
@@ -87,13 +89,19 @@ class DeepseekV4AttnBackend(AttentionBackend):
 
     # ---- the attention core (runs eagerly, as the break op) --------------------------------
     def forward(self, q: torch.Tensor, sink: torch.Tensor, output: torch.Tensor, layer_id: int,
-                num_tokens: int) -> None:
+                num_tokens: int, index_q: Optional[torch.Tensor] = None,
+                index_weights: Optional[torch.Tensor] = None) -> None:
         meta = self.forward_metadata
         n = num_tokens
         ratio = self.config.layer_compress_ratio(layer_id)
         a = meta.attn
         kv_b = idx_b = len_b = None
         if ratio == 4:
+            if index_q is None or index_weights is None:
+                raise ValueError(f"layer {layer_id} (ratio 4) needs the indexer's q and weights")
+            # the indexer's top-k, here in the break: candidate lists at the live batch's width
+            select_topk(self.config, index_q, index_weights, self.kv_pool.indexer_keys[layer_id], meta.indexer,
+                        min(n, meta.indexer.cand_slots.shape[0]), kernel_ops if self.segment_kernels else None)
             kv_b = self.kv_pool.compressed[layer_id]
             idx_b = match_num_queries(meta.indexer.topk_slots, n)
             len_b = match_num_queries(meta.indexer.topk_len, n, 0)
@@ -112,13 +120,14 @@ class DeepseekV4AttnBackend(AttentionBackend):
     def init_forward_metadata_capture_cuda_graph(self, forward_batch) -> DSV4Metadata:
         """A decode graph captures the attention core too, so every metadata tensor is read
         inside the graph: static widths now, and an all-fields in-place copy at replay."""
-        self.forward_metadata = self._build(forward_batch, static=True)
+        self.forward_metadata = self._build(forward_batch, static=True, full_graph=True)
         return self.forward_metadata
 
     def init_forward_metadata_replay_cuda_graph(self, capture_metadata: DSV4Metadata, static_forward_batch) -> None:
         # Every tensor, assign fields too, is built into the captured storage (the graph reads
         # them all); the refresh then only checks the static fields.
-        fresh = self._build(static_forward_batch, static=True, into=capture_metadata, into_all=True)
+        fresh = self._build(static_forward_batch, static=True, into=capture_metadata, into_all=True,
+                            full_graph=True)
         capture_metadata.refresh_for_breakable_cuda_graph_replay_(fresh)
         self.forward_metadata = capture_metadata
 

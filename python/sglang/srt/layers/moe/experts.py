@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.srt.layers.dp_attention import dp_gather, dp_reduce_scatter
+from sglang.srt.layers.moe.ep_dispatch import dispatch_and_compute
 from sglang.srt.layers.quantization import BF16, QuantMode
 from sglang.srt.layers.quantization.fp8_linear import make_linear
 from sglang.srt.layers.moe.router import Gate
@@ -174,16 +174,10 @@ class DeepseekV4MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        dp = get_forward_context().dp_moe
-        if dp is None:
-            weights, ids = self.gate(x, input_ids)
-            y = self.experts(x, weights, ids)
-        else:  # DP attention: all ranks' rows through this rank's experts, summed back
-            n = x.shape[0]
-            xs = dp_gather(x, dp)
-            ids_all = dp_gather(input_ids[:, None], dp)[:, 0] if self.gate.tid2eid is not None else None
-            weights, ids = self.gate(xs, ids_all)
-            y = dp_reduce_scatter(self.experts(xs, weights, ids), n, dp)
+        weights, ids = self.gate(x, input_ids)
+        # Under DP attention (expert parallel) the rows go to the ranks holding their experts
+        # and come back summed (layers/moe/ep_dispatch.py); else the local experts run them.
+        y = dispatch_and_compute(self.experts, x, weights, ids, get_forward_context().dp_moe)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()
         return y.to(x.dtype)

@@ -1,6 +1,10 @@
 """DSV4 lightning indexer (c4 layers): scores every visible c4 entry with
-I(t,s) = sum_h w(t,h) relu(q_I(t,h) . K_I(s)) and keeps the top-k. Runs inside captured
-segments: static shapes, output written into the metadata's produced `topk_slots`."""
+I(t,s) = sum_h w(t,h) relu(q_I(t,h) . K_I(s)) and keeps the top-k.
+
+Two halves. `Indexer.forward` runs inside graph segments (static shapes): q_I, the head
+weights w, and the indexer compressor's key writes. `select_topk` runs in the eager attention
+break, over candidate lists sized to the live batch and in chunks of query tokens
+(widths.py): nothing of it is captured, so no graph buffer grows with the context length."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from dsv4_kernels import reference
 from torch import nn
 
 from sglang.srt.layers.attention.dsv4.compressor import Compressor
+from sglang.srt.layers.attention.dsv4.widths import indexer_chunk_tokens
 from sglang.srt.layers.quantization import BF16, QuantMode
 from sglang.srt.layers.quantization.fp8_linear import make_linear
 from sglang.srt.layers.rotary_embedding import apply_rope_
@@ -34,17 +39,34 @@ class Indexer(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def forward(self, x, qr, cos, sin, meta, state, key_pool, rope, trash_ring_row, kernels=None) -> None:
+    def forward(self, x, qr, cos, sin, meta, state, key_pool, rope, trash_ring_row,
+                kernels=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The in-segment half: writes this step's indexer keys; returns (q_I [T, nH, D] with
+        RoPE, w [T, nH] fp32) for `select_topk` in the attention break. Release numerics:
+        q_I and the written keys Hadamard-rotated and FP4-rounded (the rotation keeps dot
+        products; the rounding is the release's)."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         apply_rope_(q, cos, sin)
         self.compressor(x, meta.positions, meta.c4_compressor, state, key_pool, rope, trash_ring_row, kernels)
         if self.fp4_qk:
             q = _rotate_round(q)
-            # The keys this step emitted, in place: each entry is written once, so each is
-            # rotated and rounded exactly once (padded emissions, -1, go to trash row 0).
+            # The keys this step emitted, in place and still inside the segment, before the
+            # break's select_topk reads them: each entry is written once, so each is rotated
+            # and rounded exactly once (padded emissions, -1, go to trash row 0).
             loc = meta.c4_compressor.out_loc.long().clamp(min=0)
             key_pool.index_copy_(0, loc, _rotate_round(key_pool.index_select(0, loc)))
-        w = self.weights_proj(x).float() * self.weight_scale
-        im = meta.indexer
-        # logits (Triton kernel or the torch reference) + top-k straight into the produced buffer
-        (kernels or reference).indexer_topk(q, w, key_pool, im.cand_slots, im.cand_len, im.topk, im.topk_slots)
+        return q, self.weights_proj(x).float() * self.weight_scale
+
+
+def select_topk(config, q: torch.Tensor, w: torch.Tensor, key_pool: torch.Tensor, im, num_tokens: int,
+                kernels=None) -> None:
+    """The eager half: im.topk_slots[:num_tokens] <- the top-k c4 slots of each live token over
+    im.cand_slots (the live batch's width), a bounded chunk of tokens at a time. q and the keys
+    arrive as the in-segment half left them (rotated and FP4-rounded in release numerics)."""
+    step = indexer_chunk_tokens(config, im.cand_slots.shape[1], kernels is not None)
+    for s in range(0, num_tokens, step):
+        e = min(num_tokens, s + step)
+        # logits (Triton kernel or the torch reference) + deterministic top-k straight into
+        # the produced buffer
+        (kernels or reference).indexer_topk(q[s:e], w[s:e], key_pool, im.cand_slots[s:e], im.cand_len[s:e],
+                                            im.topk, im.topk_slots[s:e])

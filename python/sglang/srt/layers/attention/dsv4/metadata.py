@@ -38,10 +38,11 @@ class DSV4CompressorMetadata(_Refreshable):
 @dataclass
 class DSV4IndexerMetadata(_Refreshable):
     topk: int = static_field()
-    cand_slots: torch.Tensor = copy_field()  # [T, C4] c4-pool slots of entries 0..C4-1; -1 pad
+    # [T, C4] c4-pool slots of entries 0..C4-1, -1 pad; C4 follows the batch (widths.py)
+    cand_slots: torch.Tensor = assign_field()
     cand_len: torch.Tensor = copy_field()  # [T] visible c4 entries: floor((pos+1)/4)
     topk_len: torch.Tensor = copy_field()  # [T] min(topk, cand_len): the c4 top-k lengths
-    topk_slots: torch.Tensor = produced_field()  # [T, topk] written by the indexer in-segment
+    topk_slots: torch.Tensor = produced_field()  # [T, topk] written by the break's top-k, read by its attention
 
 
 @dataclass
@@ -59,7 +60,8 @@ class DSV4Metadata(_Refreshable):
     page_size: int = static_field()
     window: int = static_field()
     c4_sparse_topk: int = static_field()
-    # Width of the candidate lists; fixed (max context) under capture, per batch in eager.
+    # The context length under graphs (the candidate lists' width in full graphs only), else
+    # the batch's longest sequence.
     max_seq_len: int = static_field()
     num_tokens: int = static_field()
     raw_out_loc: torch.Tensor = copy_field()  # [T] raw-KV write slot; -1 for padding rows

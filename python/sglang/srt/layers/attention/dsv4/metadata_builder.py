@@ -24,6 +24,7 @@ from sglang.srt.layers.attention.dsv4.metadata import (
     DSV4IndexerMetadata,
     DSV4Metadata,
 )
+from sglang.srt.layers.attention.dsv4.widths import candidate_widths
 from sglang.srt.model_executor.host_to_device import to_device_async
 
 
@@ -81,8 +82,12 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
                         window: int, index_topk: int, ratios: set,
                         fixed_max_seq_len: Optional[int] = None,
                         max_num_reqs: Optional[int] = None, use_kernels: bool = False,
-                        into: Optional[DSV4Metadata] = None, into_all: bool = False) -> DSV4Metadata:
-    """fixed_max_seq_len given (capture / replay): every width is static; else sized to the batch.
+                        into: Optional[DSV4Metadata] = None, into_all: bool = False,
+                        full_graph: bool = False) -> DSV4Metadata:
+    """fixed_max_seq_len given (capture / replay): every per-token shape is static (emissions
+    padded to their bound); the candidate lists (c4 and c128) are read only by the eager break,
+    so they follow the batch's longest sequence, except in a full graph (`full_graph`: decode
+    graphs capture the attention core too), where they are fixed_max_seq_len / ratio wide.
     use_kernels: dsv4_kernels.ops (Triton on CUDA tensors) instead of the torch reference.
     into: a captured metadata of the same shapes whose copy-field tensors (every tensor with
     into_all) are filled in place and returned inside the new object."""
@@ -108,7 +113,7 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
     cap_attn = cap.attn if cap is not None else None
     cap_idx = cap.indexer if cap is not None else None
     i32 = torch.int32
-    c128_width, c4_width = max(1, max_seq // 128), max(1, max_seq // 4)
+    c4_width, c128_width = candidate_widths(max_seq if full_graph else max(fb.seq_lens_cpu, default=1))
     out = {
         "positions": take(cap and cap.positions, (T,), torch.int64),
         "raw_out_loc": take(cap and cap.raw_out_loc, (T,), i32),
@@ -120,7 +125,7 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
     }
     if 4 in ratios:
         out.update(
-            cand_slots=take(cap_idx and cap_idx.cand_slots, (T, c4_width), i32),
+            cand_slots=take(cap_idx and cap_idx.cand_slots, (T, c4_width), i32, assign=True),
             cand_len=take(cap_idx and cap_idx.cand_len, (T,), i32),
             topk_len=take(cap_idx and cap_idx.topk_len, (T,), i32),
             ring4=take(cap and cap.c4_compressor and cap.c4_compressor.ring_write_loc, (T,), i32),

@@ -1,0 +1,371 @@
+"""Memory planner: how one GPU's memory divides between weights, KV pool, graph pool and
+activations, from the model config and the serving settings alone (no device needed).
+
+`plan_memory` gives a `MemoryPlan` per GPU; the KV pool is what `--mem-fraction-static` of the
+free memory leaves after the weights and the fixed per-request state, and the rest of the free
+memory must hold the graph pool and the activation reserve. When something does not fit it
+raises `MemoryPlanError` naming the shortfall in GiB and the flag to change, so a server
+refuses at start-up instead of running out of memory mid-serving. `min_gpus_to_fit` answers
+"how many GPUs does this model need" (tests: DeepSeek-V4-Flash 2 x H200, Pro 8).
+
+Weight bytes come from the model itself built on the meta device: every tensor's shape and
+the dtype it is held in. A release-format config builds the quantized modules the loader fills
+(layers/quantization: FP8 linears 1 B per element + an fp32 scale per 128 x 128 block; FP4
+routed experts 0.5 B per element + 1 B per 32), so their storage is counted as held, not
+re-derived. KV bytes per token are the pool's own count (dsv4_kv_pool.kv_bytes_per_token).
+Activations and graph pools are estimates (the largest tensors of one step), to be checked
+against the measured numbers start-up logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, fields
+from typing import Dict, Optional
+
+from sglang.srt.mem_cache.dsv4_kv_pool import KV_CACHE_DTYPES  # what the pool can hold (auto: model dtype)
+
+GiB = 1024**3
+# An H200 has 141 GB of HBM; CUDA reports about 139.8 GiB total, of which about 139 GiB can
+# hold tensors once the context and the allocator are up.
+H200_USABLE_BYTES = 139 * GiB
+
+WEIGHT_FORMATS = ("bfloat16", "float32", "release")
+# Whether the loader keeps the release format quantized in memory: it does (issue 11: the
+# model holds Fp8BlockLinear / Fp4RoutedExperts, the streaming loader and --load-format dummy
+# fill them without a dequantized copy).
+LOADER_KEEPS_RELEASE_FORMAT = True
+
+_ROUTED_EXPERT = re.compile(r"ffn\.experts\.w[123](_scale)?$")  # bf16 stacks, or FP4 bytes + scales
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryPlanError(ValueError):
+    """The model or the requested KV cache does not fit; the message names the flag to change."""
+
+
+# ---- weights ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    replicated: int  # held by every GPU (attention, shared experts, embeddings, MTP layer, ...)
+    routed_experts: int  # every routed expert (MTP layers too); a GPU holds 1/ep of them
+
+    def per_gpu(self, ep_size: int) -> int:
+        return self.replicated + -(-self.routed_experts // ep_size)
+
+    @property
+    def total(self) -> int:
+        return self.replicated + self.routed_experts
+
+
+def loaded_weight_format(config, dtype: str) -> str:
+    """The format weights take in memory once loaded: "release" when the checkpoint declares
+    FP8 linears / FP4 experts and the loader keeps them quantized, else the model dtype."""
+    return "release" if config.is_quantized and LOADER_KEEPS_RELEASE_FORMAT else dtype
+
+
+def weight_bytes(config, weight_format: str, model_dtype: str = "bfloat16") -> WeightBytes:
+    """Bytes of every parameter and buffer of the model as it is held in memory (MTP layers
+    included: the loader keeps them), split into replicated and routed-expert parts (those of
+    the MTP layers too: DP ranks build every layer's experts at their shard). "release": the
+    config's quantized modules, the rest in model_dtype; "bfloat16" / "float32": every weight
+    in that dtype (a release-format config dequantized)."""
+    import dataclasses
+
+    import torch
+
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
+    if weight_format != "release":
+        model_dtype = weight_format
+        config = dataclasses.replace(config, quantization_config=None, expert_dtype=None, extra=dict(config.extra))
+    with torch.device("meta"):  # shapes and dtypes only: no memory, well under a second for Pro
+        model = DeepseekV4ForCausalLM(config, getattr(torch, model_dtype), max_positions=2)
+    replicated = routed = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if _ROUTED_EXPERT.search(name):
+            routed += t.numel() * t.element_size()
+        else:
+            replicated += t.numel() * t.element_size()
+    return WeightBytes(replicated, routed)
+
+
+# ---- KV cache and per-request state -------------------------------------------------------
+
+
+def _elt(dtype: str) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+
+
+def kv_bytes_per_token(config, kv_cache_dtype: str = "auto", model_dtype: str = "bfloat16") -> int:
+    """KV bytes one token costs across layers, whole bytes rounded up: DSV4KVPool's own count
+    (mem_cache/dsv4_kv_pool.kv_bytes_per_token: a raw row every layer, 1/r of a compressed row
+    on ratio-r layers, 1/4 of an indexer key in the model dtype on ratio-4 layers; FP8 rows in
+    dsv4_kernels.kv_fp8's layout, 584 B at head_dim 512 in bf16)."""
+    import torch
+
+    from sglang.srt.mem_cache.dsv4_kv_pool import kv_bytes_per_token as pool_kv_bytes_per_token
+
+    return int(pool_kv_bytes_per_token(config, getattr(torch, model_dtype), kv_cache_dtype)) + 1
+
+
+def per_request_state_bytes(config, context_length: int) -> int:
+    """Per request slot: the compressor rings (fp32 kv + score, R = coff * ratio rows of
+    coff * dim, for every compressed layer and c4 indexer) and its page-table row (int32 per
+    position), as DSV4KVPool and ReqToTokenPool allocate them."""
+    total = 4 * context_length
+    for layer in range(config.num_hidden_layers):
+        r = config.layer_compress_ratio(layer)
+        dims = [config.head_dim] + ([config.index_head_dim] if r == 4 else []) if r else []
+        for dim in dims:
+            coff = 2 if r == 4 else 1
+            total += 2 * (coff * r) * (coff * dim) * 4
+    return total
+
+
+def rope_table_bytes(config, context_length: int) -> int:
+    # plain and YaRN tables, cos and sin, fp32, one row per position (models/deepseek_v4.py)
+    return 2 * 2 * (context_length + 1) * (config.qk_rope_head_dim // 2) * 4
+
+
+# ---- activations and graphs -----------------------------------------------------------------
+
+
+def segment_activation_bytes(config, num_tokens: int, dp_size: int, num_reqs: int,
+                             model_dtype: str = "bfloat16") -> int:
+    """Peak transient bytes of the graph-segment part of one forward over `num_tokens` tokens on
+    one rank: the larger of the MoE's working set (DP-gathered rows, fused_moe's per-pair
+    buffers, the fp32 output) and the attention's (q, output, indexer q), plus the mHC residual
+    streams and the logits of `num_reqs` rows. Nothing here depends on the context length. An
+    estimate of the big tensors, not an allocator trace: start-up logs measured memory beside it."""
+    e = _elt(model_dtype)
+    T, d, H, hd = num_tokens, config.hidden_size, config.num_attention_heads, config.head_dim
+    gathered = T * dp_size
+    # fused_moe: gathered input, fp32 output (and the reduce-scatter's), and per (row, top-k)
+    # pair the activation `h` [I] and the partial output [d] in the model dtype
+    moe = gathered * d * (e + 4 + 4) + gathered * config.num_experts_per_tok * (config.moe_intermediate_size + d) * e
+    attn = T * H * hd * (2 * e + 4) + T * config.index_n_heads * (config.index_head_dim * e + 4)
+    residual = 3 * T * config.hc_mult * d * 4  # X, the post-mix X', the mixed input (fp32)
+    logits = num_reqs * config.vocab_size * 4 * 2
+    return max(moe, attn) + residual + logits
+
+
+def attention_break_bytes(config, num_tokens: int, max_seq_len: int) -> int:
+    """Transient bytes of the attention break for `num_tokens` tokens of sequences up to
+    `max_seq_len`: the c4 / c128 candidate lists (int32 per token) and one bounded chunk of the
+    indexer's top-k working set (layers/attention/dsv4/widths.py). Under breakable graphs this is
+    eager, outside the graph pool; full decode graphs capture it. GPU plans: the Triton top-k."""
+    from sglang.srt.layers.attention.dsv4.widths import (
+        candidate_widths,
+        indexer_bytes_per_candidate,
+        indexer_chunk_tokens,
+    )
+
+    c4_width, c128_width = candidate_widths(max_seq_len)
+    chunk = min(num_tokens, indexer_chunk_tokens(config, c4_width, kernels=True))
+    return num_tokens * (c4_width + c128_width) * 4 + chunk * c4_width * indexer_bytes_per_candidate(config, True)
+
+
+# ---- the plan -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes on one GPU. `kv_pool_tokens` is a whole number of pages."""
+
+    free_memory: int  # measured free (or usable) memory before the model is loaded
+    mem_fraction_static: float
+    weights: int
+    weights_replicated: int
+    weights_routed_experts: int
+    per_request_state: int  # compressor rings + page table, all request slots
+    rope_tables: int
+    kv_bytes_per_token: int
+    kv_pool_tokens: int
+    kv_pool: int
+    graph_pool: int
+    activation_reserve: int
+    headroom: int  # free memory left after all of the above
+
+    def describe(self) -> str:
+        g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
+        return (f"weights {g(self.weights)} (replicated {g(self.weights_replicated)}, routed experts "
+                f"{g(self.weights_routed_experts)}), KV pool {g(self.kv_pool)} ({self.kv_pool_tokens} tokens x "
+                f"{self.kv_bytes_per_token} B), request state {g(self.per_request_state)}, rope tables "
+                f"{g(self.rope_tables)}, graph pool {g(self.graph_pool)}, activation reserve "
+                f"{g(self.activation_reserve)}, headroom {g(self.headroom)} of {g(self.free_memory)} free "
+                f"(--mem-fraction-static {self.mem_fraction_static})")
+
+    def as_dict(self) -> Dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The serving settings a plan depends on (ServerArgs names)."""
+
+    weight_format: str = "bfloat16"  # "bfloat16" | "float32" | "release" (loaded_weight_format)
+    model_dtype: str = "bfloat16"  # activations and unquantized KV
+    kv_cache_dtype: str = "auto"  # "auto" (model dtype) | "fp8_e4m3" | ...
+    dp_size: int = 1  # DP attention ranks; routed experts are sharded dp_size ways (EP = DP)
+    page_size: int = 128
+    context_length: int = 4096
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 2048
+    bcg_max_tokens: int = 0  # largest breakable-graph bucket; 0: breakable graphs off
+    decode_graph_max_bs: int = 0  # largest decode-graph batch; 0: decode graphs off
+    mem_fraction_static: float = 0.8
+    max_total_tokens: Optional[int] = None  # the user's KV size; None: what the fraction leaves
+
+    def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
+
+
+def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[WeightBytes] = None) -> MemoryPlan:
+    """Divide one GPU's `free_memory` (measured before loading; `H200_USABLE_BYTES` on paper).
+
+    `free * mem_fraction_static` holds the weights, per-request state, rope tables and the KV
+    pool; the other `free * (1 - mem_fraction_static)` must hold the graph pool and the
+    activation reserve. Raises MemoryPlanError naming the shortfall and the flag to change.
+    """
+    w = weights if weights is not None else weight_bytes(config, s.weight_format, s.model_dtype)
+    weights_gpu = w.per_gpu(s.dp_size)
+    state = per_request_state_bytes(config, s.context_length) * (s.max_running_requests + 1)
+    rope = rope_table_bytes(config, s.context_length)
+    per_token = kv_bytes_per_token(config, s.kv_cache_dtype, s.model_dtype)
+    seg = lambda n, reqs: segment_activation_bytes(config, n, s.dp_size, reqs, s.model_dtype)  # noqa: E731
+    # A graph pool is as large as its largest capture (buckets share it, captured largest first).
+    # Breakable graphs hold segments only; decode graphs hold the attention break too.
+    graph = (seg(s.bcg_max_tokens, s.max_running_requests) if s.bcg_max_tokens else 0) + (
+        seg(s.decode_graph_max_bs, s.decode_graph_max_bs)
+        + attention_break_bytes(config, s.decode_graph_max_bs, s.context_length) if s.decode_graph_max_bs else 0)
+    # Eager steps and the eager breaks of replays: segments of the largest step (when not
+    # replayed from the pool) and the break at the full context length.
+    step_tokens = max(s.chunked_prefill_size, s.bcg_max_tokens, 1)
+    reserve = seg(step_tokens, s.max_running_requests) + attention_break_bytes(config, step_tokens, s.context_length)
+
+    static_budget = int(free_memory * s.mem_fraction_static)
+    fixed = weights_gpu + state + rope
+    if weights_gpu > free_memory:
+        raise MemoryPlanError(
+            f"weights need {weights_gpu / GiB:.1f} GiB per GPU at --dp-size {s.dp_size}, {free_memory / GiB:.1f} GiB "
+            f"is free: short by {(weights_gpu - free_memory) / GiB:.1f} GiB; raise --dp-size (routed experts are "
+            f"sharded across DP ranks) or run fewer layers with --num-layers")
+    min_kv = -(-s.context_length // s.page_size) * s.page_size  # one request of full context
+    if fixed + min_kv * per_token > static_budget:
+        need = fixed + min_kv * per_token
+        # raising the fraction helps only while graphs and activations still fit beside it
+        max_fraction = (free_memory - graph - reserve) / free_memory
+        fix = (f"raise --mem-fraction-static (to {need / free_memory:.3f}), " if need / free_memory <= max_fraction
+               else "")
+        raise MemoryPlanError(
+            f"not enough memory for the KV cache: --mem-fraction-static {s.mem_fraction_static} gives "
+            f"{static_budget / GiB:.1f} GiB for weights + KV, which need {need / GiB:.1f} GiB (weights "
+            f"{weights_gpu / GiB:.1f}, request state {state / GiB:.1f} for --max-running-requests "
+            f"{s.max_running_requests}, KV for one --context-length {s.context_length} request "
+            f"{min_kv * per_token / GiB:.1f}): short by {(need - static_budget) / GiB:.1f} GiB; {fix}lower "
+            f"--context-length or --max-running-requests, or raise --dp-size")
+    kv_tokens = (static_budget - fixed) // per_token // s.page_size * s.page_size
+    if s.max_total_tokens is not None:
+        if s.max_total_tokens > kv_tokens:
+            raise MemoryPlanError(
+                f"--max-total-tokens {s.max_total_tokens} needs {s.max_total_tokens * per_token / GiB:.1f} GiB of KV, "
+                f"{(static_budget - fixed) / GiB:.1f} GiB is left: short by "
+                f"{(s.max_total_tokens - kv_tokens) * per_token / GiB:.1f} GiB; lower --max-total-tokens "
+                f"or raise --mem-fraction-static")
+        kv_tokens = s.max_total_tokens // s.page_size * s.page_size
+    kv_tokens = min(kv_tokens, s.context_length * s.max_running_requests)  # never more than can be used
+    kv_tokens = max(kv_tokens, min_kv)
+    dynamic_budget = free_memory - static_budget
+    if graph + reserve > dynamic_budget:
+        short = graph + reserve - dynamic_budget
+        fraction = (free_memory - graph - reserve) / free_memory
+        raise MemoryPlanError(
+            f"graph pool {graph / GiB:.1f} GiB + activation reserve {reserve / GiB:.1f} GiB need more than the "
+            f"{dynamic_budget / GiB:.1f} GiB --mem-fraction-static {s.mem_fraction_static} leaves: short by "
+            f"{short / GiB:.1f} GiB; lower --mem-fraction-static (to {fraction:.3f} at most), or "
+            f"--breakable-cuda-graph-max-tokens / --chunked-prefill-size / --cuda-graph-max-bs")
+    kv = kv_tokens * per_token
+    return MemoryPlan(
+        free_memory=free_memory, mem_fraction_static=s.mem_fraction_static, weights=weights_gpu,
+        weights_replicated=w.replicated, weights_routed_experts=weights_gpu - w.replicated,
+        per_request_state=state, rope_tables=rope, kv_bytes_per_token=per_token, kv_pool_tokens=kv_tokens,
+        kv_pool=kv, graph_pool=graph, activation_reserve=reserve,
+        headroom=free_memory - fixed - kv - graph - reserve,
+    )
+
+
+def min_gpus_to_fit(config, s: PlanSettings, gpu_memory: int = H200_USABLE_BYTES,
+                    candidates=(1, 2, 4, 8, 16, 32)) -> int:
+    """The fewest GPUs (DP ranks, experts sharded across them) on which `plan_memory` fits."""
+    w = weight_bytes(config, s.weight_format, s.model_dtype)
+    for n in candidates:
+        if config.n_routed_experts % n:
+            continue
+        try:
+            plan_memory(config, _replace(s, dp_size=n), gpu_memory, w)
+            return n
+        except MemoryPlanError:
+            continue
+    raise MemoryPlanError(f"does not fit on {max(candidates)} GPUs of {gpu_memory / GiB:.0f} GiB")
+
+
+def _replace(s: PlanSettings, **kw) -> PlanSettings:
+    import dataclasses
+
+    return dataclasses.replace(s, **kw)
+
+
+def log_memory_plan(plan: MemoryPlan, rank: int = 0, measured: Optional[Dict[str, int]] = None) -> None:
+    """Start-up log line per GPU: the plan, then what was actually allocated where known."""
+    logger.info("memory plan (GPU of DP rank %d): %s", rank, plan.describe())
+    if measured:
+        logger.info("memory measured (GPU of DP rank %d): %s", rank,
+                    ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in measured.items()))
+
+
+def report_startup_memory(runner, free_before: Optional[int]) -> Optional[MemoryPlan]:
+    """Log this GPU's plan (from the free memory measured before the model was loaded) beside
+    what the runner actually allocated. A plan that does not fit is logged as a warning here:
+    ServerArgs.resolve() is where start-up refuses, before any rank loads weights."""
+    cfg = runner.runner_config
+    measured = {
+        "weights": sum(t.numel() * t.element_size() for t in list(runner.model.parameters()) + list(runner.model.buffers())),
+        "kv_pool": runner.kv_pool.nbytes(),
+        "graph_pool": sum(getattr(r, "graph_memory_bytes", 0) for r in runner.graph_runners),
+    }
+    rank = runner.dp_groups.dp_rank if runner.dp_groups is not None else 0
+    if free_before is None:  # no GPU: nothing to divide
+        logger.info("memory (DP rank %d, %s): %s", rank, runner.device,
+                    ", ".join(f"{k} {v / GiB:.3f} GiB" for k, v in measured.items()))
+        return None
+    dtype = str(runner.dtype).removeprefix("torch.")
+    settings = PlanSettings(
+        weight_format=loaded_weight_format(runner.config, dtype), model_dtype=dtype,
+        kv_cache_dtype=getattr(cfg, "kv_cache_dtype", "auto"), dp_size=cfg.dp_size, page_size=cfg.page_size,
+        context_length=runner.max_context_len, max_running_requests=cfg.max_num_reqs,
+        # no chunking (-1): a whole prompt, up to the context length, is one step
+        chunked_prefill_size=cfg.chunked_prefill_size if (cfg.chunked_prefill_size or 0) > 0 else runner.max_context_len,
+        bcg_max_tokens=runner.bcg_runner.max_num_tokens if runner.bcg_runner else 0,
+        decode_graph_max_bs=runner.decode_graph_runner.max_bs if runner.decode_graph_runner else 0,
+        mem_fraction_static=cfg.mem_fraction_static, max_total_tokens=cfg.max_total_tokens,
+    )
+    try:
+        plan = plan_memory(runner.config, settings, free_before)
+    except MemoryPlanError as e:
+        logger.warning("memory plan (GPU of DP rank %d) does not fit: %s", rank, e)
+        return None
+    import torch
+
+    measured["free_now"] = torch.cuda.mem_get_info(runner.device)[0]
+    log_memory_plan(plan, rank, measured)
+    return plan

@@ -1,0 +1,104 @@
+"""Long context: nothing a breakable graph holds grows with the context length (the c4 / c128
+candidate lists and the indexer's top-k live in the eager break, at the live batch's width,
+in bounded chunks), replay still equals eager, and chunked prefill through graphs over a
+prompt longer than the candidate widths of its chunks matches one full prefill."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "models"))
+from dsv4_harness import Session, prefill_in_chunks, run_step  # noqa: E402
+
+from sglang.srt.configs import get_preset  # noqa: E402
+from sglang.srt.configs.presets import write_config  # noqa: E402
+from sglang.srt.layers.attention.dsv4 import widths  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+
+BUCKETS = [64]  # one bucket: capture is most of these tests' time
+ONE_M = 1 << 20
+
+
+def _tensor_bytes(obj, seen=None) -> int:
+    """Bytes of every tensor reachable through dataclass fields (a captured metadata object)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        if id(obj) in seen:
+            return 0
+        seen.add(id(obj))
+        return obj.numel() * obj.element_size()
+    if dataclasses.is_dataclass(obj):
+        return sum(_tensor_bytes(getattr(obj, f.name), seen) for f in dataclasses.fields(obj))
+    return 0
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tmp_path_factory):
+    """dsv4-tiny that accepts a 1M-token context (its own maximum is 4096)."""
+    d = tmp_path_factory.mktemp("tiny_1m")
+    write_config(dataclasses.replace(get_preset("dsv4-tiny"), max_position_embeddings=ONE_M), str(d))
+    return str(d)
+
+
+def _bcg_runner(model_path, context_length, **kw):
+    return ModelRunner(ModelRunnerConfig(
+        model_path=model_path, load_format="dummy", context_length=context_length, max_total_tokens=4096,
+        max_num_reqs=4, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=BUCKETS, **kw))
+
+
+def _tokens(n, seed):
+    return torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_graph_buffers_are_the_same_at_8k_and_1m_context(long_tiny):
+    short, long = _bcg_runner(long_tiny, 8192), _bcg_runner(long_tiny, ONE_M)
+    eager = ModelRunner(ModelRunnerConfig(model_path=long_tiny, load_format="dummy", context_length=ONE_M,
+                                          max_total_tokens=4096, max_num_reqs=4))
+    for bucket in BUCKETS:
+        captured = [r.bcg_runner.attn_metadata_buffers[bucket] for r in (short, long)]
+        assert captured[1].max_seq_len == ONE_M  # the long runner did capture for a 1M context
+        assert _tensor_bytes(captured[0]) == _tensor_bytes(captured[1])
+        # Before: the c4 candidate list alone was bucket x 1M/4 int32 (64 MiB at bucket 64).
+        assert _tensor_bytes(captured[1]) < 64 * 1024 * bucket
+    # The same live batch replays identically on both, and as eager computes it.
+    prompt = _tokens(300, seed=5)
+    outs = []
+    for runner in (short, long, eager):
+        s = Session(runner)
+        outs.append(run_step(runner, [s], [prompt[:40]]).next_token_logits[0])
+        outs.append(run_step(runner, [s], [prompt[40:100]]).next_token_logits[0])
+        live = runner.attn_backend.forward_metadata
+        assert live.indexer.cand_slots.shape[1] == 100 // 4  # the batch's width, not the context's
+        s.release()
+    assert short.bcg_runner.num_replays == long.bcg_runner.num_replays == 2
+    for a, b, want in zip(outs[0:2], outs[2:4], outs[4:6]):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, want, rtol=1e-4, atol=1e-4)
+    for r in (short, long, eager):
+        r.shutdown()
+
+
+def test_chunked_prefill_through_graphs_matches_full_prefill(monkeypatch):
+    # A workspace of 16 tokens x 175 candidates: the bounded top-k loop runs several chunks
+    # per layer (4 per graph step, up to 44 in the full prefill).
+    monkeypatch.setattr(widths, "INDEXER_WORKSPACE_BYTES", 16 * (700 // 4) * widths.indexer_bytes_per_candidate(
+        get_preset("dsv4-tiny"), kernels=False))
+    assert widths.indexer_chunk_tokens(get_preset("dsv4-tiny"), 700 // 4, kernels=False) == 16
+    cfg = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=4096, max_num_reqs=4)
+    bcg = ModelRunner(ModelRunnerConfig(**cfg, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=BUCKETS))
+    eager = ModelRunner(ModelRunnerConfig(**cfg))
+    prompt = _tokens(700, seed=11)
+    # Chunks of 60 replay in bucket 64; every chunk's candidate lists (up to 175 c4 entries)
+    # are wider than the chunk itself.
+    chunked = prefill_in_chunks(bcg, prompt, [60])
+    assert bcg.bcg_runner.num_replays == len(chunked) == 12
+    full = prefill_in_chunks(eager, prompt, [700])
+    torch.testing.assert_close(chunked[-1], full[-1], rtol=1e-4, atol=1e-4)
+    assert chunked[-1].argmax() == full[-1].argmax()
+    bcg.shutdown()
+    eager.shutdown()

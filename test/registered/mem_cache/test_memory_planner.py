@@ -1,0 +1,161 @@
+"""Memory planner arithmetic against the real DeepSeek-V4 configs: DeepSeek-V4-Flash needs
+2 x H200 in its release format, Pro 8 or more; sizes match the model and the pools as built;
+a plan that does not fit names the shortfall and the flag."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from sglang.srt.configs import get_preset, load_model_config
+from sglang.srt.configs.deepseek_v4 import estimate_num_parameters
+from sglang.srt.mem_cache.memory_planner import (
+    GiB,
+    H200_USABLE_BYTES,
+    MemoryPlanError,
+    PlanSettings,
+    kv_bytes_per_token,
+    min_gpus_to_fit,
+    per_request_state_bytes,
+    plan_memory,
+    weight_bytes,
+)
+
+# The defaults of a CUDA server with breakable graphs on, at a 64K context.
+SERVING = PlanSettings(weight_format="release", context_length=65536, max_running_requests=256,
+                       chunked_prefill_size=2048, bcg_max_tokens=4096, decode_graph_max_bs=256)
+# A lean serving setup: the least a model can be served with usefully.
+LEAN = dataclasses.replace(SERVING, context_length=8192, max_running_requests=32, bcg_max_tokens=1024,
+                           chunked_prefill_size=1024, decode_graph_max_bs=32, mem_fraction_static=0.97)
+
+
+def pro_like():
+    """DeepSeek-V4-Pro's dims, built in code so these tests run without the reference data."""
+    flash = get_preset("dsv4-flash")
+    return dataclasses.replace(
+        flash, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536, o_groups=16,
+        n_routed_experts=384, moe_intermediate_size=3072, index_topk=1024,
+        compress_ratios=[128, 128] + [4, 128] * 29 + [4] + [0], extra=dict(flash.extra))
+
+
+@pytest.fixture(params=["release_config", "built_in_code"])
+def pro(request):
+    if request.param == "release_config":  # skips when the reference data is absent
+        return load_model_config(str(request.getfixturevalue("dsv4_reference_dir") / "DeepSeek-V4-Pro.config.json"))
+    return pro_like()
+
+
+def test_pro_like_config_is_the_release_config(dsv4_reference_dir):
+    real = load_model_config(str(dsv4_reference_dir / "DeepSeek-V4-Pro.config.json"))
+    assert dataclasses.replace(pro_like(), extra=real.extra) == real
+
+
+def test_flash_release_weights_are_about_160_gb():
+    w = weight_bytes(get_preset("dsv4-flash"), "release")
+    assert 155e9 < w.total < 166e9  # the release's ~160 GB
+    assert 150e9 < w.routed_experts < 151e9  # 256 experts x 3 x 2048 x 4096 x 44 layers (MTP too) x 0.53 B
+    assert w.per_gpu(2) == w.replicated + w.routed_experts // 2  # EP=2: half the experts each
+    bf16 = weight_bytes(get_preset("dsv4-flash"), "bfloat16")
+    assert 3.4 < bf16.total / w.total < 3.8  # ~570 GB in bf16
+
+
+def test_bf16_weight_bytes_equal_the_model_tensors():
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    config = get_preset("dsv4-tiny")
+    model = DeepseekV4ForCausalLM(config, torch.bfloat16)
+    tensors = list(model.parameters()) + list(model.buffers())
+    assert weight_bytes(config, "bfloat16").total == sum(t.numel() * t.element_size() for t in tensors)
+    assert sum(t.numel() for t in tensors) == estimate_num_parameters(config)
+
+
+def test_kv_bytes_match_the_pool_as_built():
+    from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
+
+    config = get_preset("dsv4-tiny")
+    slots, reqs = 128 * 16, 3
+    pool = DSV4KVPool(config, slots, reqs, torch.bfloat16, "cpu")
+    rings = sum(t.numel() * 4 for st in list(pool.compressor_state.values()) + list(pool.indexer_state.values())
+                for t in (st.kv, st.score))
+    assert pool.nbytes() - rings == slots * (kv_bytes_per_token(config, "auto") - 1)
+    assert rings == (reqs + 1) * (per_request_state_bytes(config, 0))  # context 0: no page-table row
+
+
+def test_fp8_kv_entries_are_584_bytes():
+    from dsv4_kernels.kv_fp8 import kv_row_bytes
+
+    from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
+
+    # the planner counts the pool's rows: 448 e4m3 + 64 bf16 rope + 7 scales padded to 8
+    assert kv_row_bytes(512, 64, "fp8_e4m3", torch.bfloat16) == 584
+    assert kv_row_bytes(512, 64, "auto", torch.bfloat16) == 1024
+    flash = get_preset("dsv4-flash")
+    assert kv_bytes_per_token(flash, "fp8_e4m3") < 0.6 * kv_bytes_per_token(flash, "auto")
+    # and that count, rounded up to a whole byte, is what an FP8 pool holds per slot
+    # (dsv4-mini: head 512 = 448 nope + 64 rope; 2/128 of a c128 row makes it fractional)
+    mini, slots = get_preset("dsv4-mini"), 128 * 8
+    pool = DSV4KVPool(mini, slots, 2, torch.bfloat16, "cpu", kv_cache_dtype="fp8_e4m3")
+    kv = sum(t.numel() * t.element_size() for t in [*pool.raw, *pool.compressed.values(), *pool.indexer_keys.values()])
+    assert kv_bytes_per_token(mini, "fp8_e4m3") - 1 < kv / slots < kv_bytes_per_token(mini, "fp8_e4m3")
+
+
+def test_flash_needs_two_h200():
+    flash = get_preset("dsv4-flash")
+    with pytest.raises(MemoryPlanError, match=r"weights need 1[45]\d\.\d GiB per GPU at --dp-size 1.*raise --dp-size"):
+        plan_memory(flash, SERVING, H200_USABLE_BYTES)
+    assert min_gpus_to_fit(flash, SERVING) == 2
+    plan = plan_memory(flash, dataclasses.replace(SERVING, dp_size=2), H200_USABLE_BYTES)
+    assert 75 * GiB < plan.weights < 90 * GiB  # ~77 GB of experts + the replicated part
+    assert plan.kv_pool_tokens >= 65536 and plan.kv_pool_tokens % 128 == 0
+    assert plan.headroom >= 0
+    parts = plan.weights + plan.per_request_state + plan.rope_tables + plan.kv_pool + plan.graph_pool
+    assert parts + plan.activation_reserve + plan.headroom == H200_USABLE_BYTES
+
+
+def test_pro_needs_eight_or_more(pro):
+    assert pro.num_hidden_layers == 61 and pro.n_routed_experts == 384
+    # Four GPUs cannot even hold the weights; eight can, leanly served.
+    with pytest.raises(MemoryPlanError, match=r"weights need 2\d\d\.\d GiB per GPU at --dp-size 4"):
+        plan_memory(pro, dataclasses.replace(SERVING, dp_size=4), H200_USABLE_BYTES)
+    assert min_gpus_to_fit(pro, LEAN) == 8
+    # At the default static fraction (0.8) the weights alone (128 GiB per GPU) exceed it at 8.
+    with pytest.raises(MemoryPlanError, match=r"not enough memory for the KV cache: .*\(weights 12\d\.\d"):
+        plan_memory(pro, dataclasses.replace(SERVING, dp_size=8), H200_USABLE_BYTES)
+    assert min_gpus_to_fit(get_preset("dsv4-flash"), LEAN) == 2
+
+
+def test_a_plan_that_does_not_fit_names_the_flag():
+    flash = get_preset("dsv4-flash")
+    two = dataclasses.replace(SERVING, dp_size=2)
+    with pytest.raises(MemoryPlanError, match=r"--max-total-tokens 4000000 needs .* short by .* GiB"):
+        plan_memory(flash, dataclasses.replace(two, max_total_tokens=4_000_000), H200_USABLE_BYTES)
+    with pytest.raises(MemoryPlanError, match=r"not enough memory for the KV cache: .* short by .*--context-length"):
+        plan_memory(flash, dataclasses.replace(two, context_length=1048576, mem_fraction_static=0.65),
+                    H200_USABLE_BYTES)
+    with pytest.raises(MemoryPlanError, match=r"graph pool .* short by .* lower --mem-fraction-static"):
+        plan_memory(flash, dataclasses.replace(two, mem_fraction_static=0.99), H200_USABLE_BYTES)
+
+
+def test_kv_pool_follows_the_static_fraction_and_is_capped_by_use():
+    mini = get_preset("dsv4-mini")
+    s = PlanSettings(weight_format="bfloat16", context_length=8192, max_running_requests=64, chunked_prefill_size=2048)
+    small = plan_memory(mini, dataclasses.replace(s, mem_fraction_static=0.5), 4 * GiB)
+    big = plan_memory(mini, dataclasses.replace(s, mem_fraction_static=0.8), 4 * GiB)
+    assert 0 < small.kv_pool_tokens < big.kv_pool_tokens
+    per_token = kv_bytes_per_token(mini, "auto")
+    assert big.kv_pool_tokens == (int(4 * GiB * 0.8) - big.weights - big.per_request_state - big.rope_tables) \
+        // per_token // 128 * 128
+    huge = plan_memory(mini, s, 139 * GiB)
+    assert huge.kv_pool_tokens == 8192 * 64  # never more than the running requests can use
+
+
+def test_breakable_graph_pool_does_not_grow_with_the_context_length():
+    flash = get_preset("dsv4-flash")
+    # One 1M-token request: with bf16 KV (every raw token kept) it alone needs ~50 GiB; FP8 fits.
+    bcg_only = dataclasses.replace(SERVING, dp_size=2, decode_graph_max_bs=0, max_running_requests=8,
+                                   kv_cache_dtype="fp8_e4m3", mem_fraction_static=0.9)
+    short = plan_memory(flash, dataclasses.replace(bcg_only, context_length=8192), H200_USABLE_BYTES)
+    long = plan_memory(flash, dataclasses.replace(bcg_only, context_length=1048576), H200_USABLE_BYTES)
+    assert short.graph_pool == long.graph_pool < 4 * GiB
+    # The eager break's candidate lists do follow the sequences they serve (4096 tokens at 1M).
+    assert long.activation_reserve - short.activation_reserve > 4 * GiB
