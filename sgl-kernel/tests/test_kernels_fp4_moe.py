@@ -94,9 +94,9 @@ def test_every_config_of_the_table_matches_the_reference(device, table_T, varian
 def test_default_variant_follows_the_batch():
     require_triton()
     from dsv4_kernels import fp4_moe
-    # e4m3 decode while bandwidth-bound (T <= 64 at top-6), bf16 decode beyond.
-    assert [fp4_moe.default_variant(T, 6) for T in (1, 64, 65, 8192)] == \
-        ["fp8", "fp8", "bf16", "bf16"]
+    # e4m3 decode up to T = 2048 at top-6 (measured faster there), bf16 decode beyond.
+    assert [fp4_moe.default_variant(T, 6) for T in (1, 64, 2048, 2049, 8192)] == \
+        ["fp8", "fp8", "fp8", "bf16", "bf16"]
     assert fp4_moe.moe_config(1, 6)["block_n_up"] < fp4_moe.moe_config(8192, 6)["block_n_up"]
     assert fp4_moe.moe_config(8192, 6)["block_m"] == 128
     assert fp4_moe.moe_config(8192, 6, "fp8")["block_m"] == 64  # 128 rows spill there

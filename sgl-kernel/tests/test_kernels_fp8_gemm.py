@@ -95,7 +95,7 @@ def test_config_table_by_m():
     large = fp8_gemm.gemm_config(8192, 4096, 8192, True)
     assert (small["BLOCK_M"], small["BLOCK_K"]) == (16, 128) and small["split"] > 1
     assert small["fuse_quant"] and not large["fuse_quant"]
-    assert (large["BLOCK_M"], large["BLOCK_N"], large["split"]) == (128, 128, 1)
+    assert (large["BLOCK_M"], large["BLOCK_N"], large["num_warps"], large["split"]) == (64, 128, 4, 1)
     wo = fp8_gemm.gemm_config(8192, 4096, 8192, False)
     assert (wo["BLOCK_M"], wo["BLOCK_N"], wo["BLOCK_K"]) == (128, 128, 64)
     for cfg, K in ((small, 4096), (large, 8192), (wo, 8192)):  # every split has K steps

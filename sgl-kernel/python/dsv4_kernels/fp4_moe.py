@@ -32,7 +32,7 @@ from .moe import _sum_topk_kernel, moe_align
 SUM_BLOCK_D = 1024
 VARIANTS = ("bf16", "fp8")
 # Release numerics at T * topk <= this: the fp8 variant (default_variant).
-FP8_MAX_ASSIGNMENTS = 64 * 6
+FP8_MAX_ASSIGNMENTS = 2048 * 6  # see default_variant
 
 
 @triton.jit
@@ -232,9 +232,12 @@ def _chunks(K: int) -> int:
 
 
 def default_variant(T: int, topk: int) -> str:
-    """The faster decode for release numerics at this batch (H200, bench_quant.py): e4m3
-    (fp8) while the MoE is bandwidth-bound (T <= 64 there), bf16 beyond, where the fp8
-    variant's per-32-input rescale of the fp32 partial costs more than the bf16 decode."""
+    """The faster decode for release numerics at this batch (H200, bench_quant.py --quick after
+    the kernel rework, 128-expert shard at top-6): e4m3 (fp8) won at T = 16, 64 and 2048
+    (2048: 5.7 vs 7.6 ms), bf16 at T = 8192 (15.9 vs 18.7 ms), where the fp8 variant's
+    per-32-input rescale of the fp32 partial costs more than the bf16 decode
+    (benchmark/results/session3_h200x2/bench_quant_quick.log). Between 2048 and 8192: not
+    measured; the switch sits at the last point fp8 was measured faster."""
     return "fp8" if T * topk <= FP8_MAX_ASSIGNMENTS else "bf16"
 
 

@@ -199,7 +199,8 @@ def _num_sms(device: torch.device) -> int:
 def gemm_config(M: int, N: int, K: int, act_quant: bool, num_sms: int = 132) -> dict:
     """Tiles by shape (no autotuning: graph capture must not launch candidate configs).
 
-    M <= 16: 16 x 64 tiles; M <= 64: 64 x 64; M <= 256: 64 x 128; larger: 128 x 128 (8 warps).
+    M <= 16: 16 x 64 tiles; M <= 64: 64 x 64; M <= 256: 64 x 128; larger: 64 x 128 for FP8
+    (measured below), 128 x 128 (8 warps) for weight-only.
     BLOCK_N always divides 128 (one weight scale per tile and K block). FP8 with M <= 16
     quantizes the activations inside the GEMM (fuse_quant: one launch fewer); at M = 64 the
     H200 showed the repeated per-N-tile quantization costing 2.5x the GEMM (wq_b: 65 us fused
@@ -213,6 +214,12 @@ def gemm_config(M: int, N: int, K: int, act_quant: bool, num_sms: int = 132) -> 
     elif M <= 64:
         bm, bn, warps, stages = 64, 64, 4, 4
     elif M <= 256:
+        bm, bn, warps, stages = 64, 128, 4, 4
+    elif act_quant:
+        # 64 x 128 x 4 warps beat 128 x 128 x 8 warps on all six Flash shapes at M 2048 and 8192
+        # on the H200 (1.03-1.61x; wq_b M=8192 863 vs 1155 us, wo_b M=2048 194 vs 313 us:
+        # benchmark/results/session3_h200x2/bench_quant_quick.log): two CTAs share an SM, so
+        # one's per-block rescale overlaps the other's tensor-core work.
         bm, bn, warps, stages = 64, 128, 4, 4
     else:
         bm, bn, warps, stages = 128, 128, 8, 4

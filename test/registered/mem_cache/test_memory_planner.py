@@ -159,3 +159,27 @@ def test_breakable_graph_pool_does_not_grow_with_the_context_length():
     assert short.graph_pool == long.graph_pool < 4 * GiB
     # The eager break's candidate lists do follow the sequences they serve (4096 tokens at 1M).
     assert long.activation_reserve - short.activation_reserve > 4 * GiB
+
+
+def test_startup_report_plans_from_the_runners_own_graphs(caplog):
+    """report_startup_memory (called by ModelRunner on CUDA) reads the graph runners' largest
+    buckets and measured graph memory; here on CPU with emulated graphs and a stated free size."""
+    from sglang.srt.mem_cache.memory_planner import loaded_weight_format, report_startup_memory
+    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+
+    runner = ModelRunner(ModelRunnerConfig(
+        model_path="dsv4-tiny", context_length=256, max_num_reqs=4, max_total_tokens=1024,
+        enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[8, 32], cuda_graph_on_cpu=True,
+        cuda_graph_max_bs=4, chunked_prefill_size=64))
+    try:
+        with caplog.at_level("INFO", logger="sglang.srt.mem_cache.memory_planner"):
+            plan = report_startup_memory(runner, free_before=8 * GiB)
+        assert plan is not None and plan.free_memory == 8 * GiB
+        expected = plan_memory(runner.config, PlanSettings(
+            weight_format=loaded_weight_format(runner.config, "float32"), model_dtype="float32", context_length=runner.max_context_len,
+            max_running_requests=4, chunked_prefill_size=64, bcg_max_tokens=32,
+            decode_graph_max_bs=4, max_total_tokens=1024), 8 * GiB)
+        assert plan.graph_pool == expected.graph_pool and plan.activation_reserve == expected.activation_reserve
+        assert "memory measured" in caplog.text and "graph_pool" in caplog.text
+    finally:
+        runner.shutdown()

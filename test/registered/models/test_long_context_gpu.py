@@ -25,6 +25,7 @@ from dsv4_harness import Session, run_step  # noqa: E402
 from sglang.srt.configs import get_preset  # noqa: E402
 from sglang.srt.configs.presets import write_config  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch  # noqa: E402
+from sglang.srt.model_executor.graph_dispatch import eager_path  # noqa: E402
 from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
 
 pytestmark = [
@@ -67,7 +68,7 @@ def _prefill(runner, tokens, eager: bool) -> torch.Tensor:
             rtp.ensure_capacity(s.slot, s.length + len(chunk))
             fb = build_forward_batch(ForwardMode.EXTEND, [s.slot], [s.length], [chunk], rtp.req_to_token,
                                      runner.device)
-            last = runner.forward_eager(fb).next_token_logits[0]
+            last = runner.forward(fb, eager_path(fb)).next_token_logits[0]
             s.length += len(chunk)
         return last.float()
     finally:

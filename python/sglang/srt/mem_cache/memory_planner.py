@@ -341,7 +341,7 @@ def report_startup_memory(runner, free_before: Optional[int]) -> Optional[Memory
     measured = {
         "weights": sum(t.numel() * t.element_size() for t in list(runner.model.parameters()) + list(runner.model.buffers())),
         "kv_pool": runner.kv_pool.nbytes(),
-        "graph_pool": sum(getattr(r, "graph_memory_bytes", 0) for r in runner.graph_runners),
+        "graph_pool": sum(r.graph_memory_bytes for r in runner.graph_runners.values()),
     }
     rank = runner.dp_groups.dp_rank if runner.dp_groups is not None else 0
     if free_before is None:  # no GPU: nothing to divide
@@ -355,8 +355,8 @@ def report_startup_memory(runner, free_before: Optional[int]) -> Optional[Memory
         context_length=runner.max_context_len, max_running_requests=cfg.max_num_reqs,
         # no chunking (-1): a whole prompt, up to the context length, is one step
         chunked_prefill_size=cfg.chunked_prefill_size if (cfg.chunked_prefill_size or 0) > 0 else runner.max_context_len,
-        bcg_max_tokens=runner.bcg_runner.max_num_tokens if runner.bcg_runner else 0,
-        decode_graph_max_bs=runner.decode_graph_runner.max_bs if runner.decode_graph_runner else 0,
+        bcg_max_tokens=runner.bcg_runner.buckets[-1] if runner.bcg_runner else 0,
+        decode_graph_max_bs=runner.decode_graph_runner.buckets[-1] if runner.decode_graph_runner else 0,
         mem_fraction_static=cfg.mem_fraction_static, max_total_tokens=cfg.max_total_tokens,
     )
     try:
@@ -364,8 +364,9 @@ def report_startup_memory(runner, free_before: Optional[int]) -> Optional[Memory
     except MemoryPlanError as e:
         logger.warning("memory plan (GPU of DP rank %d) does not fit: %s", rank, e)
         return None
-    import torch
+    if runner.device.type == "cuda":
+        import torch
 
-    measured["free_now"] = torch.cuda.mem_get_info(runner.device)[0]
+        measured["free_now"] = torch.cuda.mem_get_info(runner.device)[0]
     log_memory_plan(plan, rank, measured)
     return plan

@@ -60,7 +60,7 @@ def test_graph_buffers_are_the_same_at_8k_and_1m_context(long_tiny):
     eager = ModelRunner(ModelRunnerConfig(model_path=long_tiny, load_format="dummy", context_length=ONE_M,
                                           max_total_tokens=4096, max_num_reqs=4))
     for bucket in BUCKETS:
-        captured = [r.bcg_runner.attn_metadata_buffers[bucket] for r in (short, long)]
+        captured = [r.bcg_runner.captured_metadata[bucket] for r in (short, long)]
         assert captured[1].max_seq_len == ONE_M  # the long runner did capture for a 1M context
         assert _tensor_bytes(captured[0]) == _tensor_bytes(captured[1])
         # Before: the c4 candidate list alone was bucket x 1M/4 int32 (64 MiB at bucket 64).
