@@ -12,11 +12,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from dsv4_kernels import reference
 from torch import nn
 
 from sglang.srt.layers.attention.dsv4.compressor import Compressor
 from sglang.srt.layers.attention.dsv4.indexer import Indexer
-from sglang.srt.layers.attention.dsv4.ops import scatter_rows_
 from sglang.srt.layers.layernorm import RMSNorm, rms_normalize
 from sglang.srt.layers.mhc import HyperConnection, HyperHead
 from sglang.srt.layers.moe.experts import DeepseekV4MoE
@@ -97,19 +97,18 @@ class DeepseekV4Attention(nn.Module):
             apply_rope_(kv, cos, sin)
             # in the pool's format: FP8 rows, or nope dims FP8-rounded (release numerics)
             raw = pool.raw[self.layer_id]
-            scatter_rows_(raw, meta.raw_out_loc, pool.encode_kv(kv, raw), trash=0)
+            reference.scatter_rows_(raw, meta.raw_out_loc, pool.encode_kv(kv, raw))
 
-        trash_row = backend.padding_ring_row
         if self.ratio:
             state = pool.compressor_state[self.layer_id]
             self.compressor(x, meta.positions, meta.compressor(self.ratio), state,
-                            pool.compressed[self.layer_id], self.rope, trash_row * state.ring, kernels,
+                            pool.compressed[self.layer_id], self.rope, kernels,
                             nope_fp8=pool.nope_fp8)
         index_q = index_weights = None
         if self.ratio == 4:
             istate = pool.indexer_state[self.layer_id]
             index_q, index_weights = self.indexer(x, qr, cos, sin, meta, istate, pool.indexer_keys[self.layer_id],
-                                                  self.rope, trash_row * istate.ring, kernels)
+                                                  self.rope, kernels)
 
         o = torch.zeros_like(q)
         deepseek_v4_attention_with_output(q, self.attn_sink, o, self.layer_id, index_q, index_weights)

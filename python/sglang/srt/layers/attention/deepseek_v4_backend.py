@@ -41,11 +41,6 @@ class DeepseekV4AttnBackend(AttentionBackend):
         self.scale = config.head_dim ** -0.5
         self.forward_metadata: Optional[DSV4Metadata] = None
 
-    @property
-    def padding_ring_row(self):
-        """Flat ring-state row of the padding request, per ring size (a trash row)."""
-        return self.req_to_token_pool.padding_slot
-
     def _build(self, forward_batch, static: bool, into: Optional[DSV4Metadata] = None,
                into_all: bool = False, full_graph: bool = False) -> DSV4Metadata:
         rtp = self.req_to_token_pool

@@ -13,7 +13,6 @@ from dsv4_kernels import reference
 from torch import nn
 
 from sglang.srt.layers.attention.dsv4.metadata import DSV4CompressorMetadata
-from sglang.srt.layers.attention.dsv4.ops import scatter_rows_
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_
 from sglang.srt.mem_cache.dsv4_kv_pool import CompressorState
@@ -32,7 +31,7 @@ class Compressor(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: DSV4CompressorMetadata,
-                state: CompressorState, pool: torch.Tensor, rope: RotaryTable, trash_ring_row: int,
+                state: CompressorState, pool: torch.Tensor, rope: RotaryTable,
                 kernels=None, nope_fp8: bool = False) -> None:
         """Emitted entries go to `pool` in its format (DSV4KVPool): FP8 rows for a uint8 pool;
         nope_fp8 (the pool's flag) FP8-rounds a float pool's nope dims, as the release does."""
@@ -49,9 +48,9 @@ class Compressor(nn.Module):
             return
         # Ring update after pooling: this step's emissions read the previous contents.
         C = kv.shape[-1]
-        scatter_rows_(state.kv.view(-1, C), meta.ring_write_loc, kv, trash_ring_row)
-        scatter_rows_(state.score.view(-1, C), meta.ring_write_loc, score, trash_ring_row)
+        reference.scatter_rows_(state.kv.view(-1, C), meta.ring_write_loc, kv)
+        reference.scatter_rows_(state.score.view(-1, C), meta.ring_write_loc, score)
         entry = self.norm(pooled.to(x.dtype))
         cos, sin = rope.lookup(meta.positions.long())
         apply_rope_(entry, cos, sin)
-        scatter_rows_(pool, meta.out_loc, reference.kv_cache_rows(entry, pool, rope.rope_dim, nope_fp8), trash=0)
+        reference.scatter_rows_(pool, meta.out_loc, reference.kv_cache_rows(entry, pool, rope.rope_dim, nope_fp8))

@@ -39,15 +39,14 @@ class Indexer(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def forward(self, x, qr, cos, sin, meta, state, key_pool, rope, trash_ring_row,
-                kernels=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x, qr, cos, sin, meta, state, key_pool, rope, kernels=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The in-segment half: writes this step's indexer keys; returns (q_I [T, nH, D] with
         RoPE, w [T, nH] fp32) for `select_topk` in the attention break. Release numerics:
         q_I and the written keys Hadamard-rotated and FP4-rounded (the rotation keeps dot
         products; the rounding is the release's)."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         apply_rope_(q, cos, sin)
-        self.compressor(x, meta.positions, meta.c4_compressor, state, key_pool, rope, trash_ring_row, kernels)
+        self.compressor(x, meta.positions, meta.c4_compressor, state, key_pool, rope, kernels)
         if self.fp4_qk:
             q = _rotate_round(q)
             # The keys this step emitted, in place and still inside the segment, before the
