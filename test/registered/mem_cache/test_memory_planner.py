@@ -183,3 +183,29 @@ def test_startup_report_plans_from_the_runners_own_graphs(caplog):
         assert "memory measured" in caplog.text and "graph_pool" in caplog.text
     finally:
         runner.shutdown()
+
+
+def test_a_capture_out_of_memory_names_the_graph_and_the_flags(monkeypatch, caplog):
+    """Start-up, never mid-serving: a graph capture that runs out of device memory fails with
+    the bucket that did not fit, how memory was divided, and the flags that leave more room."""
+    from sglang.srt.model_executor.graph_runner import GraphRunner
+    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+
+    real = GraphRunner._capture_one
+
+    def capture_one(self, bucket, pool):
+        if self.spec.buckets_are_tokens and bucket == 32:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 448.00 MiB.")
+        return real(self, bucket, pool)
+
+    monkeypatch.setattr(GraphRunner, "_capture_one", capture_one)
+    cfg = ModelRunnerConfig(model_path="dsv4-tiny", context_length=256, max_num_reqs=4, max_total_tokens=1024,
+                            enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[8, 32])
+    with caplog.at_level("INFO", logger="sglang.srt.mem_cache.memory_planner"):
+        with pytest.raises(MemoryPlanError) as err:
+            ModelRunner(cfg)
+    msg = str(err.value)
+    assert "the 32-token breakable graph" in msg and "KV pool" in msg
+    assert "--mem-fraction-static (now 0.8)" in msg and "--breakable-cuda-graph-max-tokens (largest bucket now 32)" in msg
+    assert isinstance(err.value.__cause__, torch.OutOfMemoryError)
+    assert "memory before graph capture: weights" in caplog.text

@@ -370,3 +370,43 @@ def report_startup_memory(runner, free_before: Optional[int]) -> Optional[Memory
         measured["free_now"] = torch.cuda.mem_get_info(runner.device)[0]
     log_memory_plan(plan, rank, measured)
     return plan
+
+
+def _resident_bytes(runner) -> tuple[int, int]:
+    tensors = list(runner.model.parameters()) + list(runner.model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors), runner.kv_pool.nbytes()
+
+
+def log_memory_before_capture(runner) -> None:
+    """What is resident before any graph is captured: if a capture then runs out of memory,
+    this line says how the device was already divided (the plan's numbers are estimates)."""
+    weights, kv = _resident_bytes(runner)
+    free = ""
+    if runner.device.type == "cuda":
+        import torch
+
+        free = f", free {torch.cuda.mem_get_info(runner.device)[0] / GiB:.2f} GiB"
+    logger.info("memory before graph capture: weights %.2f GiB, KV pool %.2f GiB%s", weights / GiB, kv / GiB, free)
+
+
+def capture_oom_error(runner, graph_runner) -> MemoryPlanError:
+    """The start-up error for a graph capture that ran out of device memory: which graph, how the
+    memory was divided, and the flags that leave more room for activations and graphs."""
+    weights, kv = _resident_bytes(runner)
+    cfg = runner.runner_config
+    breakable = graph_runner.spec.buckets_are_tokens
+    what = (f"the {graph_runner.capturing}-token breakable graph" if breakable
+            else f"the batch-size-{graph_runner.capturing} decode graph")
+    flag = (f"--breakable-cuda-graph-max-tokens (largest bucket now {graph_runner.buckets[-1]})" if breakable
+            else f"--cuda-graph-max-bs (now {graph_runner.buckets[-1]})")
+    used = ""
+    if runner.device.type == "cuda":
+        import torch
+
+        used = (f", {torch.cuda.memory_allocated(runner.device) / GiB:.2f} GiB allocated, "
+                f"{torch.cuda.mem_get_info(runner.device)[0] / GiB:.2f} GiB free")
+    return MemoryPlanError(
+        f"out of device memory while capturing {what} (weights {weights / GiB:.2f} GiB, KV pool "
+        f"{kv / GiB:.2f} GiB{used}): the step's activations did not fit beside the KV pool. Lower "
+        f"--mem-fraction-static (now {cfg.mem_fraction_static}) or --max-total-tokens to shrink the KV "
+        f"pool, or lower {flag}.")

@@ -97,6 +97,7 @@ class GraphRunner:
         self.replays_by_bucket: Counter = Counter()
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
+        self.capturing: Optional[int] = None
 
     @property
     def num_replays(self) -> int:
@@ -111,7 +112,9 @@ class GraphRunner:
         start = time.perf_counter()
         free_before = _free_memory(self.device)
         for bucket in _progress(list(reversed(self.buckets)), self.device, f"{self.spec.name} capture"):
+            self.capturing = bucket  # named by the out-of-memory error (memory_planner.capture_oom_error)
             self._capture_one(bucket, pool)
+        self.capturing = None
         self.capture_seconds = time.perf_counter() - start
         self.graph_memory_bytes = max(0, free_before - _free_memory(self.device))
         logger.info("captured %d %s graphs (%s) in %.1fs, %.1f MiB", len(self.graphs), self.spec.name,

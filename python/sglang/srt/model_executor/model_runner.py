@@ -21,7 +21,7 @@ from sglang.srt.layers.dp_attention import DPMoEContext, expert_shard
 from sglang.srt.layers.logits_processor import LogitsOutput, compute_logits
 from sglang.srt.layers.quantization import QuantMode
 from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
-from sglang.srt.mem_cache.memory_planner import report_startup_memory
+from sglang.srt.mem_cache.memory_planner import capture_oom_error, log_memory_before_capture, report_startup_memory
 from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.forward_context import forward_context
@@ -137,8 +137,12 @@ class ModelRunner:
         if not cfg.disable_cuda_graph and (self.device.type == "cuda" or cfg.cuda_graph_on_cpu):
             buckets = default_capture_bs(min(cfg.cuda_graph_max_bs, self.max_num_reqs))
             self.graph_runners[PathKind.DECODE_GRAPH] = GraphRunner(self, DECODE, buckets, debug=cfg.debug_cuda_graph)
+        log_memory_before_capture(self)
         for runner in self.graph_runners.values():
-            runner.capture()
+            try:
+                runner.capture()
+            except torch.OutOfMemoryError as e:  # at start-up, never mid-serving: say what to change
+                raise capture_oom_error(self, runner) from e
 
     @property
     def bcg_runner(self):
