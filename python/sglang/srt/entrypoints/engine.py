@@ -133,7 +133,7 @@ class Engine:
         own in `dp_rank_stats`."""
         self._check_open()
         if isinstance(self.scheduler, _DPSchedulerClient):
-            from sglang.srt.managers.dp_controller import aggregate_stats
+            from sglang.srt.managers.dp_stats import aggregate_stats
 
             per_rank = self.scheduler.get_rank_stats()
             return {"server_args": dataclasses.asdict(self.server_args), **aggregate_stats(per_rank),

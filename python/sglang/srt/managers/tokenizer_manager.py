@@ -16,7 +16,8 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from sglang.srt.managers.dp_controller import DataParallelController, aggregate_stats
+from sglang.srt.managers.dp_controller import DataParallelController
+from sglang.srt.managers.dp_stats import aggregate_stats
 from sglang.srt.managers.io_struct import (
     AbortReq,
     GenerateReqInput,

@@ -1,0 +1,30 @@
+"""Server-info aggregation of the DP ranks' stats into one dict."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+_SHARED_STATS = {"page_size"}  # the same setting on every rank: reported once
+
+
+def aggregate_stats(per_rank: Sequence[dict]) -> dict:
+    """All ranks' stats in one dict: numbers summed (counters and capacities; step counts such
+    as dp_bcg_steps then count rank-steps), dicts merged the same way, *_seconds as the max
+    (ranks capture in parallel), anything else kept when every rank agrees, else listed."""
+    if len(per_rank) == 1:
+        return dict(per_rank[0])
+    out = {}
+    for key in dict.fromkeys(k for s in per_rank for k in s):
+        values = [s[key] for s in per_rank if key in s]
+        out[key] = _merge(key, values)
+    return out
+
+
+def _merge(key: str, values: list):
+    if key in _SHARED_STATS or not values:
+        return values[0] if values else None
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return max(values) if key.endswith("_seconds") else sum(values)
+    if all(isinstance(v, dict) for v in values):
+        return aggregate_stats(values)
+    return values[0] if all(v == values[0] for v in values) else list(values)
