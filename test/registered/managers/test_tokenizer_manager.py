@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 
+from sglang.srt.managers.controller_client import ControllerClient
 from sglang.srt.managers.dp_controller import DataParallelController
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.tokenizer_manager import RequestError, TokenizerManager
@@ -16,10 +17,10 @@ def test_a_rid_is_not_reusable_while_its_abort_is_in_flight():
     that rid must be refused, not handed the old request's abort."""
     args = ServerArgs().resolve(cuda_available=False)
     tm = TokenizerManager(args)
-    tm.controller = DataParallelController(args)
-    tm.controller.owner["dup"] = 0  # routed earlier, final TokenOut not yet back
+    tm.client = ControllerClient(DataParallelController(args))
+    tm.client.controller.owner["dup"] = 0  # routed earlier, final TokenOut not yet back
     sent = []
-    tm._send_to = lambda rank, msg: sent.append((rank, msg))
+    tm.client.send = lambda rank, msg: sent.append((rank, msg))
 
     async def first_chunk():  # bounded: an accepted request would wait for output forever
         gen = tm.generate(GenerateReqInput(rid="dup", input_ids=[5, 6, 7]))
@@ -27,6 +28,7 @@ def test_a_rid_is_not_reusable_while_its_abort_is_in_flight():
 
     with pytest.raises(RequestError, match="'dup' is already in use"):
         asyncio.run(first_chunk())
+    tm.client.stop_sending()
     assert sent == [] and "dup" not in tm.rid_to_state
 
 
@@ -51,12 +53,12 @@ def test_every_entry_point_checks_a_prompt_the_same_way():
     controller = types.SimpleNamespace(route=lambda req: routed.append(req.rid) or [])
     ready = types.SimpleNamespace(vocab_size=512, context_length=4096, server_args=types.SimpleNamespace(
         watchdog_timeout=30.0), stats={"num_total_pages": 2, "page_size": 128})
-    client = _DPSchedulerClient(controller, ready)
+    client = _DPSchedulerClient(ControllerClient(controller), ready)
     with pytest.raises(ValueError, match="KV cache holds only 256"):
         client.add_request(GenerateReqInput(rid="big", input_ids=[5] * 300))
     client.add_request(GenerateReqInput(rid="ok", input_ids=[5] * 200))
     assert routed == ["ok"]
-    client._sends.put(None)  # stop its sender thread
+    client.client.stop_sending()
 
 
 def test_http_side_rejects_what_the_scheduler_would_with_a_request_error():

@@ -4,7 +4,8 @@
 scheduler until they all finish, so a list of prompts is served as one continuous batch.
 
 With `enable_dp_attention=True, dp_size=N` the schedulers run in N processes, as in the
-server (managers/dp_controller.py); `_DPSchedulerClient` stands in for the scheduler here.
+server (managers/dp_controller.py); `_DPSchedulerClient` stands in for the scheduler here, over
+the same `ControllerClient` as the server's TokenizerManager.
 """
 
 from __future__ import annotations
@@ -12,18 +13,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import queue
-import threading
-from multiprocessing.connection import wait as wait_for
 from typing import Any, Dict, List, Sequence, Union
 
 import torch
 
 from sglang.srt.managers.io_struct import (
-    AbortReq,
     GenerateReqInput,
     ServerInfo,
-    ServerInfoReq,
     TokenOut,
     check_prompt_ids,
     kv_capacity_tokens,
@@ -55,6 +51,7 @@ class Engine:
         self.scheduler = Scheduler(self.server_args, self.model_runner, decode_fn=self.tokenizer.decode)
 
     def _init_dp(self, args: ServerArgs) -> None:
+        from sglang.srt.managers.controller_client import ControllerClient
         from sglang.srt.managers.dp_controller import DataParallelController
 
         if args.nnodes > 1:
@@ -64,7 +61,7 @@ class Engine:
         self.server_args = ready.server_args
         self.model_runner = None  # in the rank processes
         self.tokenizer = get_tokenizer(self.server_args.model_path, self.server_args.tokenizer_path)
-        self.scheduler = _DPSchedulerClient(controller, ready)
+        self.scheduler = _DPSchedulerClient(ControllerClient(controller), ready)
 
     # ---- generation ------------------------------------------------------------------
 
@@ -165,83 +162,54 @@ class Engine:
 
 class _DPSchedulerClient:
     """The scheduler calls the Engine makes (add_request, abort_request, has_work, step), served
-    by the DP ranks' processes: requests go to the rank the controller picks, and step() waits
-    for the next outputs any rank sends. Sends go through a thread, so a rank that is busy
-    writing outputs can never deadlock with this process writing requests."""
+    by the DP ranks' processes through the ControllerClient: requests go to the rank the
+    controller picks, and step() waits for the next outputs any rank sends."""
 
-    def __init__(self, controller, ready):
-        self.controller = controller
+    def __init__(self, client, ready):
+        self.client = client
         self.vocab_size = ready.vocab_size
         self.context_length = ready.context_length
         self.kv_capacity = kv_capacity_tokens(ready.stats)
         self.timeout_s = ready.server_args.watchdog_timeout
         self._held: List[TokenOut] = []  # outputs read while waiting for stats
-        self._sends: queue.Queue = queue.Queue()
-        threading.Thread(target=self._sender, name="engine-dp-sender", daemon=True).start()
 
-    def _sender(self) -> None:
-        while (item := self._sends.get()) is not None:
-            rank, msg = item
-            try:
-                self.controller.channels[rank].send(msg)
-            except (OSError, ValueError):
-                pass  # the rank is gone: step() reports it
+    @property
+    def controller(self):
+        return self.client.controller
 
     def add_request(self, req: GenerateReqInput) -> None:
         """The scheduler's own request checks, so bad input raises here as it does without DP."""
         req.sampling_params.verify(self.vocab_size)
         check_prompt_ids(req.input_ids, self.vocab_size, self.context_length, self.kv_capacity)
-        for item in self.controller.route(req):
-            self._sends.put(item)
+        self.client.submit(req)
 
     def abort_request(self, rid: str) -> bool:
-        rank = self.controller.owner_of(rid)
-        if rank is None:
-            return False
-        self._sends.put((rank, AbortReq(rid=rid)))
-        return True
+        return self.client.abort(rid)
 
     def has_work(self) -> bool:
-        return self.controller.num_outstanding > 0
+        return self.client.num_outstanding > 0
 
     def step(self) -> List[TokenOut]:
         outs, self._held = self._held, []
         if not outs:
-            outs = [o for _, msg in self._read(self.timeout_s) if not isinstance(msg, ServerInfo) for o in msg]
-        self.controller.on_outputs(outs)
+            outs = [o for _, msg in self.client.read(self.timeout_s) if not isinstance(msg, ServerInfo) for o in msg]
+        self.client.on_outputs(outs)
         return outs
 
     def get_rank_stats(self) -> List[dict]:
-        n = self.controller.dp_size
-        for rank in range(n):
-            self._sends.put((rank, ServerInfoReq()))
+        n = self.client.dp_size
+        self.client.request_server_info()
         stats: Dict[int, dict] = {}
         while len(stats) < n:
-            for rank, msg in self._read(self.timeout_s):
+            for rank, msg in self.client.read(self.timeout_s):
                 if isinstance(msg, ServerInfo):
                     stats[rank] = msg.stats
                 else:
                     self._held.extend(msg)
         return [stats[r] for r in range(n)]
 
-    def _read(self, timeout_s: float) -> list:
-        """(rank, message) for every message ready within `timeout_s`; raises if a rank died."""
-        channels = self.controller.channels
-        ready = wait_for([c.recv_conn for c in channels], timeout=timeout_s)
-        if not ready:
-            raise RuntimeError(f"no output from any DP rank for {timeout_s:.0f} s")
-        got = []
-        for c in channels:
-            while c.recv_conn in ready and c.recv_conn.poll():
-                try:
-                    got.append((c.dp_rank, c.recv()))
-                except (EOFError, OSError):
-                    raise RuntimeError(self.controller.death_message(c.dp_rank)) from None
-        return got
-
     def shutdown(self) -> None:
-        self._sends.put(None)
-        self.controller.shutdown()
+        self.client.shutdown()
 
 
 def _as_prompt_list(prompt) -> tuple:

@@ -2,8 +2,8 @@
 in all without DP attention). A façade over the three concerns, each in its own module:
 dp_supervisor (start ranks, accept remote ones, health, shutdown), dp_router (the rank of each
 request and the per-rank load) and dp_stats (one dict of all ranks' stats). It has no threads
-of its own: TokenizerManager (HTTP) and the offline Engine drive the channels and call
-`route`/`on_outputs` from one thread."""
+of its own: its one client (controller_client.ControllerClient, shared by the TokenizerManager
+and the offline DP Engine) drives the channels and calls `route`/`on_outputs` from one thread."""
 
 from __future__ import annotations
 

@@ -10,20 +10,17 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import queue
-import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from sglang.srt.managers.controller_client import ControllerClient
 from sglang.srt.managers.dp_controller import DataParallelController
 from sglang.srt.managers.dp_stats import aggregate_stats
 from sglang.srt.managers.io_struct import (
-    AbortReq,
     GenerateReqInput,
     ReadyMsg,
     ServerInfo,
-    ServerInfoReq,
     check_prompt_ids,
     kv_capacity_tokens,
     visible_output_ids,
@@ -83,42 +80,41 @@ class TokenizerManager:
         self.death_message = ""
         self.draining = False  # set by drain(): no new requests
         self._closing = False
-        self.controller: DataParallelController | None = None
+        self.client: ControllerClient | None = None  # the DP controller's, from launch()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._death_event: asyncio.Event | None = None
         self._info_waiters: list[collections.deque[asyncio.Future]] = []
-        self._send_queue: queue.Queue = queue.Queue()
 
     # ---- process lifecycle --------------------------------------------------------------
 
     def launch(self, timeout_s: float | None = None) -> ReadyMsg:
         """Start the scheduler processes (one per DP rank) and block until every model is
         ready; raise RuntimeError with the failing process's traceback if start-up fails."""
-        self.controller = DataParallelController(self.server_args)
-        self._info_waiters = [collections.deque() for _ in range(self.controller.dp_size)]
-        msg = self.controller.launch(timeout_s)
+        self.client = ControllerClient(DataParallelController(self.server_args),
+                                       on_send_error=lambda rank: self._to_loop(self._on_scheduler_exit, rank))
+        self._info_waiters = [collections.deque() for _ in range(self.client.dp_size)]
+        msg = self.client.controller.launch(timeout_s)
         self.server_args = msg.server_args
         self.context_length, self.vocab_size = msg.context_length, msg.vocab_size
         self.kv_capacity = kv_capacity_tokens(msg.stats)
         return msg
 
     def start_io(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
-        """Start the pipe threads and the watchdog on `loop`; the returned event is set if a
+        """Start the reader threads and the watchdog on `loop`; the returned event is set if a
         scheduler process dies."""
         self._loop = loop
         self._death_event = asyncio.Event()
-        for rank in range(self.controller.dp_size):
-            threading.Thread(target=self._reader, args=(rank,), name=f"scheduler-reader-{rank}", daemon=True).start()
-        threading.Thread(target=self._sender, name="scheduler-sender", daemon=True).start()
+        # Blocking reads off the event loop; each message is handed to the loop thread.
+        self.client.start_readers(on_message=lambda rank, msg: self._to_loop(self._dispatch, rank, msg),
+                                  on_exit=lambda rank: self._to_loop(self._on_scheduler_exit, rank))
         self._watchdog_task = loop.create_task(self._watchdog())  # held: the loop keeps weak refs
         return self._death_event
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the scheduler processes: ask, then terminate, then kill. Never leaves one behind."""
         self._closing = True
-        if self.controller is not None:
-            self.controller.shutdown(SHUTDOWN_AFTER_DEATH_S if self.dead else timeout_s)
-        self._send_queue.put(None)  # ends the sender thread
+        if self.client is not None:
+            self.client.shutdown(SHUTDOWN_AFTER_DEATH_S if self.dead else timeout_s)
 
     async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
         """Refuse new requests, wait up to `timeout_s` for the in-flight ones to finish, then end
@@ -140,18 +136,7 @@ class TokenizerManager:
 
     @property
     def scheduler_pid(self) -> int | None:
-        return self.controller.pids[0] if self.controller is not None else None
-
-    def _reader(self, rank: int) -> None:
-        # Blocking reads off the event loop; each message is handed to the loop thread.
-        channel = self.controller.channels[rank]
-        while True:
-            try:
-                msg = channel.recv()
-            except (EOFError, OSError):
-                self._to_loop(self._on_scheduler_exit, rank)
-                return
-            self._to_loop(self._dispatch, rank, msg)
+        return self.client.controller.pids[0] if self.client is not None else None
 
     def _to_loop(self, fn, *args) -> None:
         try:
@@ -159,21 +144,12 @@ class TokenizerManager:
         except RuntimeError:
             pass  # the event loop is closed: the server is shutting down
 
-    def _sender(self) -> None:
-        # A thread, so a full pipe (scheduler busy in a long step) never blocks the event loop.
-        while (item := self._send_queue.get()) is not None:
-            rank, msg = item
-            try:
-                self.controller.channels[rank].send(msg)
-            except (OSError, ValueError):  # gone, or closed by shutdown
-                self._to_loop(self._on_scheduler_exit, rank)
-
     async def _watchdog(self) -> None:
         # The readers' EOF normally reports a death first; this catches a child that is gone
         # while its pipe somehow stays open.
         while not self.dead:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            rank = self.controller.first_dead_rank()
+            rank = self.client.controller.first_dead_rank()
             if rank is not None:
                 self._on_scheduler_exit(rank)
 
@@ -181,7 +157,7 @@ class TokenizerManager:
         if self.dead or self._closing:
             return
         self.dead = True
-        self.death_message = self.controller.death_message(rank)
+        self.death_message = self.client.controller.death_message(rank)
         logger.error("%s; failing %d in-flight request(s)", self.death_message, len(self.rid_to_state))
         err = SchedulerDiedError(self.death_message)
         for state in self.rid_to_state.values():
@@ -199,19 +175,14 @@ class TokenizerManager:
             if not fut.done():
                 fut.set_result(msg)
             return
-        self.controller.on_outputs(msg)
+        self.client.on_outputs(msg)
         for out in msg:  # a list of TokenOut from one scheduler step
             state = self.rid_to_state.get(out.rid)
             if state is not None:  # else: aborted, its late outputs are dropped
                 state.queue.put_nowait(out)
 
-    def _send_to(self, rank: int, msg) -> None:
-        self._send_queue.put((rank, msg))
-
     def _abort(self, rid: str) -> None:
-        rank = self.controller.owner_of(rid)
-        if rank is not None:  # else it already finished
-            self._send_to(rank, AbortReq(rid=rid))
+        self.client.abort(rid)  # a no-op when it already finished
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -277,12 +248,11 @@ class TokenizerManager:
         # The controller owns a rid until the scheduler's final output for it arrives, which can
         # be after its client has gone (an abort still in flight): reusing it before then would
         # hand the new request the old one's abort and leave the new one running unobserved.
-        if rid in self.rid_to_state or self.controller.owner_of(rid) is not None:
+        if rid in self.rid_to_state or self.client.owns(rid):
             raise RequestError(f"request id {rid!r} is already in use")
         state = _ReqState(IncrementalDetokenizer(self.tokenizer, skip_special_tokens, req.sampling_params.stop))
         self.rid_to_state[rid] = state
-        for rank, msg in self.controller.route(req):
-            self._send_to(rank, msg)
+        self.client.submit(req)
         finished = False
         try:
             while not finished:
@@ -336,12 +306,10 @@ class TokenizerManager:
         DP ranks in `scheduler_stats`, each rank's own in `dp_rank_stats`."""
         if self.dead:
             raise SchedulerDiedError(self.death_message)
-        futs = []
-        for rank, waiters in enumerate(self._info_waiters):
-            fut = self._loop.create_future()
+        futs = [self._loop.create_future() for _ in self._info_waiters]
+        for waiters, fut in zip(self._info_waiters, futs):
             waiters.append(fut)
-            self._send_to(rank, ServerInfoReq())
-            futs.append(fut)
+        self.client.request_server_info()
         per_rank = [info.stats for info in await asyncio.wait_for(asyncio.gather(*futs), timeout_s)]
         args = self.server_args
         args = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
@@ -351,7 +319,7 @@ class TokenizerManager:
             "context_length": self.context_length,
             "vocab_size": self.vocab_size,
             "scheduler_pid": self.scheduler_pid,
-            "scheduler_pids": self.controller.pids,
+            "scheduler_pids": self.client.controller.pids,
             "scheduler_stats": aggregate_stats(per_rank),
             "dp_rank_stats": per_rank,
         }
