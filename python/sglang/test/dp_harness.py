@@ -170,6 +170,96 @@ def dp_rank_main(rank: int, world: int, port: int, steps: int, seed: int, idle_p
             f.write(traceback.format_exc())
 
 
+# ---- scripted DP steps: ranks with different inputs (consensus tests) --------------------------
+
+def script_infos(script, rank: int):
+    """The `StepInfo` each step of a script gives `rank`, derived without a runner: a script
+    is a list of steps, each a per-rank `(rows, embeds)` with rows as in `rank_schedule`."""
+    from sglang.srt.model_executor.graph_dispatch import StepInfo
+
+    lengths: Dict[int, int] = {}
+    infos = []
+    for step in script:
+        rows, embeds = step[rank]
+        infos.append(StepInfo(sum(n for _, n in rows), int(_mode(rows, lengths)), len(rows), embeds and bool(rows)))
+        for r, n in rows:
+            lengths[r] = lengths.get(r, 0) + n
+    return infos
+
+
+class _CountingRunner:
+    """The runner as dp_step sees it, counting forwards (none may run after a disagreement)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.forwards = 0
+
+    def forward(self, fb, path):
+        self.forwards += 1
+        return self.runner.forward(fb, path)
+
+
+def dp_scripted_rank_main(rank: int, world: int, port: int, out_dir: str, script, buckets=BUCKETS,
+                          idle_policy: str = "replay", verify: bool = False, local_decide: bool = False, timeout_s: float = 30.0) -> None:
+    """One rank running `script` through dp_step; saves, per step, its own description, the
+    gathered descriptions and the path, and on `DPConsensusError` its text, the step and the
+    forwards run. After the error the rank still passes a barrier and shuts down normally:
+    the groups are intact because no mismatched collective was entered. `local_decide`
+    injects a deliberately rank-dependent decision (the local description only). A
+    `DPConsensusError` at start-up (different buckets, before capture) is saved with step None."""
+    torch.set_num_threads(1)
+    try:
+        import torch.distributed as dist
+
+        from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
+        from sglang.srt.managers.dp_sync import DPConsensusError, DPStepSync, dp_step
+        from sglang.srt.model_executor.graph_dispatch import decide_step_path, describe
+        from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+
+        groups = init_dp_groups(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s)
+        steps, error, runner = [], None, None
+        try:
+            runner = ModelRunner(ModelRunnerConfig(
+                **device_config("cpu"), dp_size=world, dp_idle_policy=idle_policy, enable_breakable_cuda_graph=True,
+                breakable_cuda_graph_tokens=list(buckets), cuda_graph_on_cpu=True, cuda_graph_max_bs=8))
+        except DPConsensusError as e:  # at start-up, before capture
+            error = dict(step=None, text=str(e), forwards=0)
+            script = []
+        if runner is not None:
+            sync = DPStepSync(groups.cpu_group, rank, world, runner.graph_tables, verify=verify)
+            counting, table = _CountingRunner(runner), RequestTable(runner)
+        for i, step in enumerate(script):
+            rows, embeds = step[rank]
+            fb, _ = table.batch(rows)
+            if embeds and rows:
+                fb.input_embeds = runner.model.embed.weight[fb.input_ids]
+            seen = []
+
+            def decide(infos, tables, seen=seen):
+                seen.append(list(infos))
+                return decide_step_path([infos[rank]] if local_decide else infos, tables)
+
+            try:
+                path, out = dp_step(counting, fb, sync, decide)
+            except DPConsensusError as e:
+                error = dict(step=i, text=str(e), forwards=counting.forwards)
+                break
+            steps.append(dict(local=describe(fb), gathered=seen[0], path=path,
+                              logits_ok=out is None or bool(torch.isfinite(out.next_token_logits).all())))
+        dist.barrier(group=groups.cpu_group)
+        torch.save(dict(steps=steps, error=error, forwards=counting.forwards if runner else 0),
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+        if runner is not None:
+            runner.shutdown()
+            del sync, table, counting
+        del runner, groups
+        gc.collect()
+        destroy_dp_groups()
+    except BaseException:  # noqa: BLE001 - the parent asserts on the text
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+
+
 def _contrary_decision(infos, tables):
     """Not what decide_step_path says: eager where it says graph, a graph where it says eager."""
     from sglang.srt.model_executor.graph_dispatch import PathKind, StepPath, decide_step_path

@@ -73,9 +73,10 @@ def test_a_rank_that_disagrees_fails_with_a_clear_error(tmp_path):
     for rank in range(2):
         text = result[rank]
         assert isinstance(text, str), f"rank {rank} finished although the ranks disagreed"
-        assert "DPConsensusError: DP ranks disagree on the forward path at step 40" in text, text[-800:]
+        assert "DPConsensusError: DP ranks disagree on the step path at step 40: " in text, text[-800:]
         last = text.strip().splitlines()[-1]
-        taken = dict(part.split(": ") for part in last.split("): ", 1)[1].split(", "))
+        named = last.split("at step 40: ", 1)[1].split("; ", 1)[0]
+        taken = dict(part.split(" -> ") for part in named.split(", "))
         assert set(taken) == {"rank 0", "rank 1"} and taken["rank 0"] != taken["rank 1"], last
 
 
@@ -100,8 +101,8 @@ def test_consensus_is_the_same_on_every_rank_for_any_vector():
         for cfg in (CFG, GraphTables(CFG.bcg_buckets, CFG.decode_bs_buckets, "eager")):
             decisions = set()
             for rank in range(len(infos)):
-                # each rank sees the same gathered vector (ranks only differ in who they are);
-                # one answer from N calls means no hidden state and no mutation of the vector
+                # one answer from N calls on the same vector: no hidden state, no mutation of
+                # the vector (ranks with different inputs: test_dp_consensus.py)
                 decisions.add(decide_step_path(list(infos), cfg))
             assert len(decisions) == 1
             path = decisions.pop()

@@ -34,6 +34,7 @@ from sglang.srt.model_executor.graph_dispatch import (
     default_capture_num_tokens,
     describe,
 )
+from sglang.srt.model_executor.graph_tables_check import require_same_capture_tables
 from sglang.srt.model_loader.random_init import init_random_weights
 from sglang.srt.model_loader.safetensors_io import load_checkpoint
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
@@ -137,6 +138,12 @@ class ModelRunner:
         if not cfg.disable_cuda_graph and (self.device.type == "cuda" or cfg.cuda_graph_on_cpu):
             buckets = default_capture_bs(min(cfg.cuda_graph_max_bs, self.max_num_reqs))
             self.graph_runners[PathKind.DECODE_GRAPH] = GraphRunner(self, DECODE, buckets, debug=cfg.debug_cuda_graph)
+        if self.dp_groups is not None:  # every rank, with graphs or not: the gather is collective
+            # Capture runs the MoE collectives once per bucket: ranks with other buckets would
+            # abort gloo (or hang NCCL) inside capture, so compare the tables first.
+            require_same_capture_tables(self.dp_groups.cpu_group, cfg.dp_size, GraphTables(
+                bcg_buckets=self.bcg_runner.buckets if self.bcg_runner else (),
+                decode_bs_buckets=self.decode_graph_runner.buckets if self.decode_graph_runner else ()))
         log_memory_before_capture(self)
         for runner in self.graph_runners.values():
             try:
