@@ -22,6 +22,7 @@ from sglang.srt.configs.deepseek_v4 import DeepseekV4Config
 def _preset(**dims) -> DeepseekV4Config:
     # What every preset shares with the released models: the block structure, not the sizes.
     rope_factor, original_max = dims.pop("rope_factor"), dims.pop("original_max_position_embeddings")
+    dims["compress_ratios"] = list(dims["compress_ratios"])  # each config owns its list
     shared = dict(
         rope_scaling={
             "type": "yarn",
@@ -47,31 +48,35 @@ def _preset(**dims) -> DeepseekV4Config:
     return DeepseekV4Config(**(shared | dims))
 
 
+# dsv4-tiny's dims: shared with dsv4-tiny-fp8, which widens them to whole quantization blocks.
+_TINY_DIMS = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=4,
+    compress_ratios=[0, 4, 128, 4],
+    num_attention_heads=4,
+    head_dim=64,
+    qk_rope_head_dim=16,
+    q_lora_rank=32,
+    o_groups=2,
+    o_lora_rank=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    routed_scaling_factor=1.5,
+    sliding_window=8,
+    index_n_heads=16,
+    index_head_dim=32,
+    index_topk=4,
+    max_position_embeddings=4096,
+    rope_factor=4,
+    original_max_position_embeddings=256,
+)
+
+
 def dsv4_tiny() -> DeepseekV4Config:
     """CPU tests: every layer type in four layers, small enough to run in milliseconds."""
-    return _preset(
-        vocab_size=512,
-        hidden_size=64,
-        num_hidden_layers=4,
-        compress_ratios=[0, 4, 128, 4],
-        num_attention_heads=4,
-        head_dim=64,
-        qk_rope_head_dim=16,
-        q_lora_rank=32,
-        o_groups=2,
-        o_lora_rank=16,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        routed_scaling_factor=1.5,
-        sliding_window=8,
-        index_n_heads=16,
-        index_head_dim=32,
-        index_topk=4,
-        max_position_embeddings=4096,
-        rope_factor=4,
-        original_max_position_embeddings=256,
-    )
+    return _preset(**_TINY_DIMS)
 
 
 def dsv4_mini() -> DeepseekV4Config:
@@ -131,29 +136,8 @@ def dsv4_flash_slice() -> DeepseekV4Config:
 def dsv4_tiny_fp8_dims() -> DeepseekV4Config:
     """CPU tests of the release format: dsv4-tiny's structure at dims that are whole
     quantization blocks (the conformance-tiny-fp8fp4 model's dims), still bf16 here."""
-    return _preset(
-        vocab_size=512,
-        hidden_size=256,
-        num_hidden_layers=4,
-        compress_ratios=[0, 4, 128, 4],
-        num_attention_heads=4,
-        head_dim=128,
-        qk_rope_head_dim=64,
-        q_lora_rank=128,
-        o_groups=2,
-        o_lora_rank=64,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-        routed_scaling_factor=1.5,
-        sliding_window=8,
-        index_n_heads=16,
-        index_head_dim=128,
-        index_topk=4,
-        max_position_embeddings=4096,
-        rope_factor=4,
-        original_max_position_embeddings=256,
-    )
+    return _preset(**(_TINY_DIMS | dict(hidden_size=256, head_dim=128, qk_rope_head_dim=64, q_lora_rank=128,
+                                        o_lora_rank=64, moe_intermediate_size=128, index_head_dim=128)))
 
 
 # The release's quantization_config, as DeepSeek-V4's config.json has it.
