@@ -333,16 +333,19 @@ def log_memory_plan(plan: MemoryPlan, rank: int = 0, measured: Optional[Dict[str
                     ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in measured.items()))
 
 
+def _resident_bytes(runner) -> tuple[int, int]:
+    tensors = list(runner.model.parameters()) + list(runner.model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors), runner.kv_pool.nbytes()
+
+
 def report_startup_memory(runner, free_before: Optional[int]) -> Optional[MemoryPlan]:
     """Log this GPU's plan (from the free memory measured before the model was loaded) beside
     what the runner actually allocated. A plan that does not fit is logged as a warning here:
     ServerArgs.resolve() is where start-up refuses, before any rank loads weights."""
     cfg = runner.runner_config
-    measured = {
-        "weights": sum(t.numel() * t.element_size() for t in list(runner.model.parameters()) + list(runner.model.buffers())),
-        "kv_pool": runner.kv_pool.nbytes(),
-        "graph_pool": sum(r.graph_memory_bytes for r in runner.graph_runners.values()),
-    }
+    weights, kv = _resident_bytes(runner)
+    measured = {"weights": weights, "kv_pool": kv,
+                "graph_pool": sum(r.graph_memory_bytes for r in runner.graph_runners.values())}
     rank = runner.dp_groups.dp_rank if runner.dp_groups is not None else 0
     if free_before is None:  # no GPU: nothing to divide
         logger.info("memory (DP rank %d, %s): %s", rank, runner.device,
@@ -370,11 +373,6 @@ def report_startup_memory(runner, free_before: Optional[int]) -> Optional[Memory
         measured["free_now"] = torch.cuda.mem_get_info(runner.device)[0]
     log_memory_plan(plan, rank, measured)
     return plan
-
-
-def _resident_bytes(runner) -> tuple[int, int]:
-    tensors = list(runner.model.parameters()) + list(runner.model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors), runner.kv_pool.nbytes()
 
 
 def log_memory_before_capture(runner) -> None:
