@@ -45,7 +45,7 @@ def make_batch(runner, mode: str, n: int, prefix: int, max_chunk: int, n_decode:
     gen = torch.Generator().manual_seed(0)
     toks = [torch.randint(3, runner.config.vocab_size, (r,), generator=gen).tolist() for r in rows]
     fb_mode = ForwardMode.MIXED if mode == "mixed" else ForwardMode.EXTEND
-    fb = build_forward_batch(fb_mode, slots, [prefix] * len(rows), toks, rtp.req_to_token, runner.device)
+    fb = build_forward_batch(fb_mode, slots, [prefix] * len(rows), toks, runner.device)
     return fb, slots
 
 

@@ -108,7 +108,7 @@ class RequestTable:
         mode = _mode(rows, self.length)
         spec = [(r, self.length[r], tokens_for(r, self.length[r], n)) for r, n in rows]
         fb = build_forward_batch(mode, [self.slot[r] for r, _ in rows], [self.length[r] for r, _ in rows],
-                                 [t for _, _, t in spec], rtp.req_to_token, self.runner.device, **kw)
+                                 [t for _, _, t in spec], self.runner.device, **kw)
         for r, n in rows:
             self.length[r] += n
         return fb, spec

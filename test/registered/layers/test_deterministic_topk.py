@@ -111,7 +111,7 @@ def _run(runner, chunks, prefixes, path=None):
     slots = [rtp.alloc_req() for _ in chunks]
     for s, p, c in zip(slots, prefixes, chunks):
         rtp.ensure_capacity(s, p + len(c))
-    fb = build_forward_batch(ForwardMode.EXTEND, slots, prefixes, chunks, rtp.req_to_token, "cpu")
+    fb = build_forward_batch(ForwardMode.EXTEND, slots, prefixes, chunks, "cpu")
     out = runner.forward(fb, path(fb) if path else None).next_token_logits
     for s in slots:
         rtp.free_req(s)
@@ -171,8 +171,7 @@ def test_tied_request_on_cuda_alone_in_a_batch_replayed_and_on_cpu():
         slots = [rtp.alloc_req() for _ in chunks]
         for s, c in zip(slots, chunks):
             rtp.ensure_capacity(s, len(c))
-        fb = build_forward_batch(ForwardMode.EXTEND, slots, [0] * len(chunks), chunks, rtp.req_to_token,
-                                 runner.device)
+        fb = build_forward_batch(ForwardMode.EXTEND, slots, [0] * len(chunks), chunks, runner.device)
         out = runner.forward(fb, path(fb) if path else None).next_token_logits[0].float().cpu()
         for s in slots:
             rtp.free_req(s)

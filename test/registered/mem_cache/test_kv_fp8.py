@@ -75,7 +75,7 @@ def _prefill_in_two_chunks(**over):
     logits = []
     for start, end in ((0, 100), (100, 150)):
         rtp.ensure_capacity(slot, end)
-        fb = build_forward_batch(ForwardMode.EXTEND, [slot], [start], [ids[start:end]], rtp.req_to_token, "cpu")
+        fb = build_forward_batch(ForwardMode.EXTEND, [slot], [start], [ids[start:end]], "cpu")
         logits.append(runner.forward(fb).next_token_logits)
     return runner, torch.cat(logits)
 

@@ -108,7 +108,7 @@ def _batch(runner, chunks, mode=ForwardMode.EXTEND, prefixes=None):
     prefixes = prefixes or [0] * len(chunks)
     for s, p, c in zip(slots, prefixes, chunks):
         rtp.ensure_capacity(s, p + len(c))
-    fb = build_forward_batch(mode, slots, prefixes, chunks, rtp.req_to_token, "cpu")
+    fb = build_forward_batch(mode, slots, prefixes, chunks, "cpu")
     for s in slots:
         rtp.free_req(s)
     return fb

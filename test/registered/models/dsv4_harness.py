@@ -31,7 +31,7 @@ def run_step(runner, sessions: Sequence[Session], chunks: Sequence[Sequence[int]
         mode = ForwardMode.DECODE if all(len(c) == 1 and s.length > 0 for s, c in zip(sessions, chunks)) \
             else ForwardMode.EXTEND
     fb = build_forward_batch(mode, [s.slot for s in sessions], [s.length for s in sessions],
-                             [list(c) for c in chunks], rtp.req_to_token, runner.device,
+                             [list(c) for c in chunks], runner.device,
                              return_all_logits=return_all_logits)
     out = runner.forward(fb)
     for s, c in zip(sessions, chunks):

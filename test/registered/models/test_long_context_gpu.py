@@ -66,8 +66,7 @@ def _prefill(runner, tokens, eager: bool) -> torch.Tensor:
                 continue
             rtp = runner.req_to_token_pool
             rtp.ensure_capacity(s.slot, s.length + len(chunk))
-            fb = build_forward_batch(ForwardMode.EXTEND, [s.slot], [s.length], [chunk], rtp.req_to_token,
-                                     runner.device)
+            fb = build_forward_batch(ForwardMode.EXTEND, [s.slot], [s.length], [chunk], runner.device)
             last = runner.forward(fb, eager_path(fb)).next_token_logits[0]
             s.length += len(chunk)
         return last.float()

@@ -88,13 +88,12 @@ class ScheduleBatch:
         a chunk that is not the request's final chunk samples nothing."""
         return self.reqs[i].prefix_len + self.extend_lens[i] == self.reqs[i].seq_len
 
-    def to_forward_batch(self, req_to_token: torch.Tensor, device) -> ForwardBatch:
+    def to_forward_batch(self, device) -> ForwardBatch:
         return build_forward_batch(
             self.forward_mode,
             req_pool_indices=[r.req_pool_idx for r in self.reqs],
             prefix_lens=[r.prefix_len for r in self.reqs],
             new_token_ids=[r.token_slice(r.prefix_len, r.prefix_len + n) for r, n in zip(self.reqs, self.extend_lens)],
-            req_to_token=req_to_token,
             device=device,
         )
 

@@ -123,7 +123,7 @@ class Scheduler:
             return outs
         self.num_forwards[batch.forward_mode] += 1
         self._last_was_prefill = batch.forward_mode == ForwardMode.EXTEND
-        forward_batch = batch.to_forward_batch(self.pool.req_to_token, self.device)
+        forward_batch = batch.to_forward_batch(self.device)
         logits = self.model_runner.forward(forward_batch).next_token_logits
         return outs + self._process_result(batch, logits)
 
@@ -132,9 +132,9 @@ class Scheduler:
         from sglang.srt.model_executor.forward_batch_info import build_forward_batch
 
         if batch is not None:
-            fb = batch.to_forward_batch(self.pool.req_to_token, self.device)
+            fb = batch.to_forward_batch(self.device)
         else:
-            fb = build_forward_batch(ForwardMode.IDLE, [], [], [], self.pool.req_to_token, self.device)
+            fb = build_forward_batch(ForwardMode.IDLE, [], [], [], self.device)
         _, out = dp_step(self.model_runner, fb, dp_sync)
         if out is None:  # no rank had work
             return []

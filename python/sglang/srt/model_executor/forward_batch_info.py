@@ -105,16 +105,13 @@ def build_forward_batch(
     req_pool_indices: Sequence[int],
     prefix_lens: Sequence[int],
     new_token_ids: Sequence[Sequence[int]],
-    req_to_token: torch.Tensor,
     device: torch.device | str,
     return_all_logits: bool = False,
     dp: Optional[DPInfo] = None,
 ) -> ForwardBatch:
-    """Build a ForwardBatch on the host and move it to `device` in one go.
-
-    `req_to_token` must already map every position < prefix_len + len(new tokens) of each
-    request (the KV cache manager allocates pages before the batch is built).
-    """
+    """Build a ForwardBatch on the host and move it to `device` in one go. The write slots
+    are not gathered here: the metadata builder reads them from the page table, which must
+    already map every position < prefix_len + len(new tokens) of each request."""
     assert len(req_pool_indices) == len(prefix_lens) == len(new_token_ids)
     ext = [len(t) for t in new_token_ids]
     if any(e == 0 for e in ext):

@@ -159,7 +159,7 @@ def _run_and_compare(runners, graph_runner, padded_runner, batch, report, step, 
             ForwardMode.DECODE if has_decode else ForwardMode.EXTEND)
         assert mode != ForwardMode.DECODE, "random_batch always has an extend row"
         fb = build_forward_batch(mode, [r.slots[k] for r, _ in batch], [r.length for r, _ in batch],
-                                 toks, rtp.req_to_token, m.device)
+                                 toks, m.device)
         if k == 0:
             path = decide_step_path((describe(fb),), m.graph_tables)
             assert path.kind == PathKind.BCG, path.reason

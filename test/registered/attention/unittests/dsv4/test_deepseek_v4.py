@@ -45,7 +45,7 @@ def _batch(runner, chunks, prefixes=None):
     prefixes = prefixes or [0] * len(chunks)
     for s, p, c in zip(slots, prefixes, chunks):
         rtp.ensure_capacity(s, p + len(c))
-    return build_forward_batch(ForwardMode.EXTEND, slots, prefixes, chunks, rtp.req_to_token, "cpu")
+    return build_forward_batch(ForwardMode.EXTEND, slots, prefixes, chunks, "cpu")
 
 
 class TestDSV4BreakableCudaGraphMetadataContract:
@@ -301,7 +301,7 @@ def test_decode_graphs_replay_the_same_logits_as_eager_decode():
             for s, p in zip(slots, prompts):
                 rtp.ensure_capacity(s[k], len(p))
             m.forward(build_forward_batch(ForwardMode.EXTEND, [s[k] for s in slots], [0] * bs, prompts,
-                                          rtp.req_to_token, "cpu"))
+                                          "cpu"))
         for step in range(3):
             toks = [[int(t)] for t in torch.randint(3, 500, (bs,), generator=gen)]
             logits = []
@@ -310,7 +310,7 @@ def test_decode_graphs_replay_the_same_logits_as_eager_decode():
                 for s, n in zip(slots, lens):
                     rtp.ensure_capacity(s[k], n + step + 1)
                 fb = build_forward_batch(ForwardMode.DECODE, [s[k] for s in slots], [n + step for n in lens],
-                                         toks, rtp.req_to_token, "cpu")
+                                         toks, "cpu")
                 logits.append(m.forward(fb).next_token_logits)
             torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-4)
         for s in slots:
