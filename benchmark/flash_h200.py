@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import time
 
 from sglang.srt.configs import load_model_config
@@ -53,6 +54,7 @@ def main(argv=None) -> None:
                    help="auto (bf16 rows) | fp8_e4m3 (584-byte rows)")
     p.add_argument("--plan-only", action="store_true", help="print the plan for an H200 and stop (no GPU)")
     a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     settings = PlanSettings(
         weight_format="release", model_dtype="bfloat16", kv_cache_dtype=a.kv_cache_dtype,

@@ -239,3 +239,57 @@ def test_pool_resident_break_inputs_stay_alive_until_release():
     x.fill_(0.5)
     again.replay()
     assert result.tolist() == [1.5] * 256
+
+
+def _scaled_copy(q: torch.Tensor, output: torch.Tensor, scale: float) -> None:
+    output.copy_(q * scale)
+
+
+scaled_copy = register_split_op("test_bcg_gpu_scaled_copy", _scaled_copy, mutates_args=("output",),
+                                transient=("q", "output"))
+
+
+def _layers(x: torch.Tensor, num_layers: int) -> torch.Tensor:
+    """`num_layers` blocks of 4 MiB activations, each through one transient break."""
+    h = x
+    for i in range(num_layers):
+        q = h.repeat(1, 16) + i  # [256, 4096] fp32: 4 MiB, allocated in the segment
+        out = torch.empty_like(q)
+        scaled_copy(q, out, 0.5)
+        h = out[:, :256].tanh() + h
+    return h
+
+
+def _pool_bytes_for(num_layers: int) -> tuple[int, torch.Tensor, torch.Tensor, object]:
+    x = torch.randn(256, 256, device="cuda")
+    pool = torch.cuda.graph_pool_handle()  # a fresh pool: its growth is this graph's alone
+    graph = create_breakable_graph("cuda", pool=pool)
+    for _ in range(2):
+        _layers(x, num_layers)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    with graph.capture():
+        out = _layers(x, num_layers)
+    torch.cuda.synchronize()
+    return torch.cuda.memory_reserved() - before, x, out, graph
+
+
+def test_transient_break_arguments_are_reused_layer_after_layer():
+    few, *_ = _pool_bytes_for(2)
+    many, x, out, graph = _pool_bytes_for(24)
+    # Held strongly, 24 layers would keep 24 x 8 MiB of q and output; reused, the pool holds
+    # a couple of layers' worth, as for 2 layers.
+    assert many < few + 32 * 2**20, (few, many)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(out, _layers(x, 24), rtol=0, atol=0)
+
+
+def test_a_transient_argument_not_made_by_the_capture_is_refused():
+    made_eagerly = torch.randn(64, 64, device="cuda")
+    graph = create_breakable_graph("cuda")
+    with pytest.raises(GraphCaptureError, match="argument 'q' is declared transient"):
+        with graph.capture():
+            out = torch.empty_like(made_eagerly)
+            scaled_copy(made_eagerly, out, 2.0)

@@ -37,7 +37,10 @@ def _attention_with_output(q: torch.Tensor, sink: torch.Tensor, output: torch.Te
 
 
 deepseek_v4_attention_with_output = register_split_op(
-    "deepseek_v4_attention_with_output", _attention_with_output, mutates_args=("output",)
+    "deepseek_v4_attention_with_output", _attention_with_output, mutates_args=("output",),
+    # per-layer activations: the graph pool reuses them layer after layer instead of keeping
+    # one set per layer (model_executor/breakable_cuda_graph/intermediates.py)
+    transient=("q", "output", "index_q", "index_weights"),
 )
 
 

@@ -72,6 +72,12 @@ class BreakableGraph(abc.ABC):
     @abc.abstractmethod
     def _release_segments(self) -> None: ...
 
+    def _hold_arguments(self, name: str, fn: Callable, transient: frozenset, args: tuple,
+                        kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments the record keeps. Default: the very objects, held strongly (the CUDA
+        graph keeps transient ones as weak aliases: intermediates.py)."""
+        return args, kwargs
+
     def _translate_capture_error(self, error: BaseException) -> BaseException:
         """Turn a backend error raised inside a segment into a clearer one (or keep it)."""
         return error
@@ -125,9 +131,10 @@ class BreakableGraph(abc.ABC):
             if not self._captured:
                 self.release()
 
-    def run_break_op(self, name: str, fn: Callable, args: tuple, kwargs: dict) -> None:
+    def run_break_op(self, name: str, fn: Callable, args: tuple, kwargs: dict,
+                     transient: frozenset = frozenset()) -> None:
         """Called by a break op under capture: end the segment, run `fn` eagerly, record it,
-        begin the next segment."""
+        begin the next segment. `transient`: the argument names the op declared intermediates."""
         self._close_segment()
         self._in_break_op = True
         try:
@@ -140,6 +147,7 @@ class BreakableGraph(abc.ABC):
                 "ops must return None and write results in place into tensor arguments, "
                 "because replay calls them again with the same arguments and ignores results"
             )
+        args, kwargs = self._hold_arguments(name, fn, transient, args, kwargs)
         self._breaks.append(BreakRecord(name, tuple(args), dict(kwargs)))
         self._break_fns.append(fn)
         if self.debug:

@@ -7,6 +7,7 @@ the graph that is capturing it without being handed one (it is called from model
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -63,20 +64,34 @@ def _split_or_run(name: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
     if graph is None or graph.in_break_op or break_ops_are_inline():
         # Outside capture, and for break ops nested in a running break op: just run.
         return fn(*args, **kwargs)
-    graph.run_break_op(name, fn, args, kwargs)
+    graph.run_break_op(name, fn, args, kwargs, _transient_args.get(name, frozenset()))
     return None
 
 
-def eager_on_graph(fn: Optional[Callable] = None, *, name: Optional[str] = None):
+def _declare_transient(op_name: str, fn: Callable, transient) -> None:
+    transient = frozenset(transient)
+    unknown = transient - set(inspect.signature(fn).parameters)
+    if unknown:
+        raise ValueError(f"break op {op_name!r}: transient arguments {sorted(unknown)} are not parameters of "
+                         f"{getattr(fn, '__name__', fn)!r}")
+    if transient:
+        _transient_args[op_name] = transient
+
+
+def eager_on_graph(fn: Optional[Callable] = None, *, name: Optional[str] = None, transient=()):
     """Mark `fn` as a break op: under capture it ends the segment, runs eagerly, is recorded
     with its exact arguments and is called again with them at every replay.
 
     `fn` must return None and write results in place into its tensor arguments, because a
     replay ignores return values. Usable as `@eager_on_graph` or `@eager_on_graph(name=...)`.
+    `transient` names the tensor arguments that are intermediates of the forward (written by
+    the segment before the break or by the break itself): on a GPU the graph records them
+    without keeping them allocated (intermediates.py).
     """
 
     def decorate(f: Callable) -> Callable:
         op_name = name or f.__name__
+        _declare_transient(op_name, f, transient)
 
         @functools.wraps(f)
         def break_op(*args, **kwargs):
@@ -88,6 +103,8 @@ def eager_on_graph(fn: Optional[Callable] = None, *, name: Optional[str] = None)
     return decorate(fn) if fn is not None else decorate
 
 
+# break op name -> the names of its transient tensor arguments (intermediates.py)
+_transient_args: dict[str, frozenset] = {}
 # name -> the callable register_split_op returned; tooling lists them via get_split_ops().
 _split_ops: dict[str, Callable] = {}
 # name -> the Python function behind the op, for recorders that must see what it dispatches.
@@ -143,16 +160,18 @@ def register_split_op(
     mutates_args: tuple[str, ...],
     *,
     schema: Optional[str] = None,
+    transient: tuple[str, ...] = (),
 ) -> Callable:
     """Register `fn` as the dispatcher op `torch.ops.sglang.<name>` and as a split op.
 
     Returns a callable that calls the dispatcher op. The op's kernel splits the capturing
     graph (like `eager_on_graph`), so the split also happens when compiled code calls the op
     directly. `schema` (e.g. "(Tensor q, Tensor(a!) output) -> ()") defaults to one inferred
-    from `fn`'s type hints.
+    from `fn`'s type hints. `transient`: as for eager_on_graph.
     """
     if name in _split_ops:
         raise ValueError(f"split op {name!r} is already registered")
+    _declare_transient(name, fn, transient)
     mutates_args = tuple(mutates_args)
     if schema is None:
         schema = torch.library.infer_schema(fn, mutates_args=mutates_args)

@@ -12,6 +12,7 @@ import torch
 
 from sglang.srt.model_executor.breakable_cuda_graph.base import BreakableGraph
 from sglang.srt.model_executor.breakable_cuda_graph.errors import GraphCaptureError
+from sglang.srt.model_executor.breakable_cuda_graph.intermediates import hold_break_arguments
 from sglang.srt.model_executor.breakable_cuda_graph.guard import (
     SegmentDispatchGuard,
     SegmentHostReadGuard,
@@ -156,6 +157,11 @@ class CudaBreakableGraph(BreakableGraph):
             except Exception:
                 pass
         _retire_pool(self.device.index, self.pool)
+
+    def _hold_arguments(self, name, fn, transient, args, kwargs):
+        # Transient arguments (per-layer q, o, ...) go back to the pool once the model drops
+        # them, so the pool holds about one layer's activations, not one per layer.
+        return hold_break_arguments(name, fn, transient, args, kwargs, self.pool)
 
     def _translate_capture_error(self, error: BaseException) -> BaseException:
         if isinstance(error, GraphCaptureError) or not isinstance(error, RuntimeError):
