@@ -99,6 +99,7 @@ def main(argv=None) -> None:
     print(json.dumps(dict(
         what="startup_h200", num_layers=a.num_layers, startup_s=round(startup, 1),
         bcg_capture_s=stats.get("bcg_capture_seconds"), bcg_graph_memory_gib=round(stats.get("bcg_graph_memory_bytes", 0) / GiB, 2),
+        bcg_capture_memory_gib=round(stats.get("bcg_capture_memory_bytes", 0) / GiB, 2),
         decode_capture_s=round(runner.decode_graph_runner.capture_seconds, 1) if runner.decode_graph_runner else None,
         max_total_tokens=args.max_total_tokens, weights_gib=round(sum(
             t.numel() * t.element_size() for t in runner.model.parameters()) / GiB, 2),

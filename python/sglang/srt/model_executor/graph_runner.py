@@ -28,6 +28,7 @@ from sglang.srt.model_executor.breakable_cuda_graph import (
     create_breakable_graph,
     graph_memory_pool,
 )
+from sglang.srt.model_executor.breakable_cuda_graph.intermediates import pool_reserved_bytes
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_executor.forward_context import forward_context
 from sglang.srt.model_executor.graph_batch import StaticBatchBuffers
@@ -97,6 +98,7 @@ class GraphRunner:
         self.replays_by_bucket: Counter = Counter()
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
+        self.capture_memory_bytes = 0
         self.capturing: Optional[int] = None
 
     @property
@@ -110,15 +112,19 @@ class GraphRunner:
     def capture(self) -> None:
         pool = graph_memory_pool(self.device)
         start = time.perf_counter()
-        free_before = _free_memory(self.device)
+        free_before, pool_before = _free_memory(self.device), _pool_bytes(pool)
         for bucket in _progress(list(reversed(self.buckets)), self.device, f"{self.spec.name} capture"):
             self.capturing = bucket  # named by the out-of-memory error (memory_planner.capture_oom_error)
             self._capture_one(bucket, pool)
         self.capturing = None
         self.capture_seconds = time.perf_counter() - start
-        self.graph_memory_bytes = max(0, free_before - _free_memory(self.device))
-        logger.info("captured %d %s graphs (%s) in %.1fs, %.1f MiB", len(self.graphs), self.spec.name,
-                    self.buckets, self.capture_seconds, self.graph_memory_bytes / 2**20)
+        # graph memory: what the graphs' pool grew by; capture memory: all the device memory the
+        # capture took, the allocator's cache of eager warm-ups and breaks included
+        self.graph_memory_bytes = max(0, _pool_bytes(pool) - pool_before)
+        self.capture_memory_bytes = max(0, free_before - _free_memory(self.device))
+        logger.info("captured %d %s graphs (%s) in %.1fs: graph pool %.1f MiB, device memory taken %.1f MiB",
+                    len(self.graphs), self.spec.name, self.buckets, self.capture_seconds,
+                    self.graph_memory_bytes / 2**20, self.capture_memory_bytes / 2**20)
 
     def _capture_one(self, bucket: int, pool) -> None:
         spec = self.spec
@@ -183,6 +189,7 @@ class GraphRunner:
             f"{p}_buckets": list(self.buckets),
             f"{p}_capture_seconds": round(self.capture_seconds, 3),
             f"{p}_graph_memory_bytes": self.graph_memory_bytes,
+            f"{p}_capture_memory_bytes": self.capture_memory_bytes,
         }
 
     def release(self) -> None:
@@ -191,6 +198,10 @@ class GraphRunner:
         self.graphs.clear()
         self.outputs.clear()
         self.captured_metadata.clear()
+
+
+def _pool_bytes(pool) -> int:
+    return pool_reserved_bytes(pool) if pool is not None else 0
 
 
 def _free_memory(device: torch.device) -> int:

@@ -44,15 +44,23 @@ def _in(segments: list[tuple[int, int]], ptr: int) -> bool:
     return any(start <= ptr < start + size for start, size in segments)
 
 
+def pool_segments(pool: tuple) -> list[tuple[int, int]]:
+    """(address, size) of every allocator segment the graph pool `pool` holds now."""
+    _pool_segments[pool] = [(s["address"], s["total_size"]) for s in torch.cuda.memory._snapshot()["segments"]
+                            if tuple(s["segment_pool_id"]) == tuple(pool)]
+    return _pool_segments[pool]
+
+
+def pool_reserved_bytes(pool: tuple) -> int:
+    """Device memory the graph pool holds: what its graphs keep, not the allocator's cache."""
+    return sum(size for _, size in pool_segments(pool))
+
+
 def allocated_in_pool(t: torch.Tensor, pool: tuple) -> bool:
     """True when `t`'s memory lies in one of the graph pool's allocator segments."""
     ptr = t.untyped_storage().data_ptr()
-    if _in(_pool_segments.get(pool, []), ptr):
-        return True
-    # The pool grew since the last look (or this is the first): read the allocator's segments.
-    _pool_segments[pool] = [(s["address"], s["total_size"]) for s in torch.cuda.memory._snapshot()["segments"]
-                            if tuple(s["segment_pool_id"]) == tuple(pool)]
-    return _in(_pool_segments[pool], ptr)
+    # On a miss the pool may have grown since the last look: read the allocator's segments.
+    return _in(_pool_segments.get(pool, []), ptr) or _in(pool_segments(pool), ptr)
 
 
 def hold_break_arguments(op_name: str, fn: Callable, transient: frozenset, args: tuple, kwargs: dict,
