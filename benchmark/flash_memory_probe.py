@@ -21,7 +21,8 @@ from sglang.bench_one_batch import make_batch
 from sglang.srt.configs import load_model_config
 from sglang.srt.mem_cache.memory_planner import GiB, attention_break_bytes, segment_activation_bytes
 from sglang.srt.model_executor.graph_dispatch import eager_path
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.server_args import ServerArgs
 
 MiB = 2**20
 
@@ -66,13 +67,13 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     max_tokens = max(a.num_tokens)
     n_reqs = 2 * (max_tokens // 1024 + 32 + 2)
-    cfg = ModelRunnerConfig(
+    args = ServerArgs(
         model_path="dsv4-flash", load_format="dummy", num_layers=a.num_layers, device="cuda", dtype="bfloat16",
-        context_length=8192, max_num_reqs=n_reqs, max_total_tokens=n_reqs * (a.prefix + 1024 + 128),
+        context_length=8192, max_running_requests=n_reqs, max_total_tokens=n_reqs * (a.prefix + 1024 + 128),
         enable_breakable_cuda_graph=a.capture, breakable_cuda_graph_tokens=sorted(set(a.num_tokens)),
-        disable_cuda_graph=True)
+        breakable_cuda_graph_max_tokens=max_tokens, disable_cuda_graph=True).resolve(cuda_available=True)
     torch.cuda.reset_peak_memory_stats()
-    runner = ModelRunner(cfg)
+    runner = ModelRunner(args)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     print(json.dumps(dict(what="resident", num_layers=a.num_layers, allocated_gib=round(base / GiB, 3),

@@ -20,7 +20,8 @@ import torch
 from sglang.bench_one_batch import make_batch
 from sglang.srt.layers.logits_processor import compute_logits
 from sglang.srt.model_executor.forward_context import forward_context
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.server_args import ServerArgs
 
 
 def phases(bcg, fb, sync: bool):
@@ -58,13 +59,13 @@ def main():
     p.add_argument("--out", default=".")
     a = p.parse_args()
     n_reqs = 2 * (max(a.num_tokens) // 1024 + 34)
-    cfg = ModelRunnerConfig(
+    args = ServerArgs(
         model_path=a.model_path, device="cuda", dtype="bfloat16", context_length=a.context_length,
-        max_num_reqs=n_reqs, max_total_tokens=n_reqs * (1024 + 1024 + 128),
+        max_running_requests=n_reqs, max_total_tokens=n_reqs * (1024 + 1024 + 128),
         enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=sorted(set(a.num_tokens)),
-        disable_cuda_graph=True, segment_kernels=a.segment_kernels,
-    )
-    runner = ModelRunner(cfg)
+        breakable_cuda_graph_max_tokens=max(a.num_tokens), disable_cuda_graph=True, segment_kernels=a.segment_kernels,
+    ).resolve(cuda_available=True)
+    runner = ModelRunner(args)
     bcg = runner.bcg_runner
     report = []
     for n in a.num_tokens:

@@ -20,11 +20,13 @@ import time
 
 import torch
 
+from sglang.srt.configs.deepseek_v4 import load_model_config
 from sglang.srt.model_executor.breakable_cuda_graph import break_ops_inline, create_breakable_graph
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
 from sglang.srt.model_executor.forward_context import forward_context
 from sglang.srt.model_executor.graph_dispatch import PathKind, decide_step_path, describe, eager_path
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.server_args import ServerArgs
 
 
 def make_batch(runner, mode: str, n: int, prefix: int, max_chunk: int, n_decode: int):
@@ -99,6 +101,16 @@ def ideal_graph(runner, fb):
     return graph, replay
 
 
+def print_capture_table(bcg) -> None:
+    """Graph pool growth and capture seconds of each bucket, in capture order (largest first:
+    the first allocates the pool, the later ones mostly reuse it)."""
+    print(f"{'bucket':>6} {'pool MiB':>9} {'capture s':>9}")
+    for bucket, nbytes in bcg.graph_memory_by_bucket.items():
+        print(f"{bucket:6d} {nbytes / 2**20:9.1f} {bcg.capture_seconds_by_bucket[bucket]:9.2f}")
+    print(f"{'total':>6} {bcg.graph_memory_bytes / 2**20:9.1f} {bcg.capture_seconds:9.2f}  "
+          f"(device memory taken by the capture: {bcg.capture_memory_bytes / 2**20:.1f} MiB)")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default="dsv4-mini")
@@ -123,18 +135,20 @@ def main(argv=None):
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     p.add_argument("--result-file", default=None)
     a = p.parse_args(argv)
-    dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     max_tokens = max(a.num_tokens)
     n_reqs = 2 * (max_tokens // a.max_chunk + a.decode_rows + 2)
-    cfg = ModelRunnerConfig(
-        model_path=a.model_path, load_format=a.load_format, num_layers=a.num_layers, device=a.device, dtype=dtype,
-        context_length=a.context_length,
-        max_num_reqs=n_reqs, max_total_tokens=n_reqs * (a.prefix + a.max_chunk + 128),
+    # a smaller model than --context-length allows runs at its own limit
+    max_positions = load_model_config(a.model_path, a.num_layers).max_position_embeddings
+    args = ServerArgs(
+        model_path=a.model_path, load_format=a.load_format, num_layers=a.num_layers, device=a.device,
+        dtype=a.dtype or "auto", context_length=min(a.context_length, max_positions),
+        max_running_requests=n_reqs, max_total_tokens=n_reqs * (a.prefix + a.max_chunk + 128),
         enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=sorted(set(a.num_tokens)),
-        disable_cuda_graph=True, attention_backend=a.attention_backend,
+        breakable_cuda_graph_max_tokens=max_tokens, disable_cuda_graph=True, attention_backend=a.attention_backend,
         segment_kernels=a.segment_kernels, quant_numerics=a.quant_numerics, kv_cache_dtype=a.kv_cache_dtype,
-    )
-    runner = ModelRunner(cfg)
+    ).resolve(cuda_available=torch.cuda.is_available())
+    dtype = args.dtype
+    runner = ModelRunner(args)
     bcg = runner.bcg_runner
     dev = runner.device
     rows = []
@@ -142,6 +156,7 @@ def main(argv=None):
               f"{'bcg/ideal':>9} {'breaks':>6} {'spread e/b/i':>17}")
     print(f"model {a.model_path} on {dev} ({dtype}); BCG capture {bcg.capture_seconds:.1f}s for "
           f"{len(bcg.buckets)} buckets, graph memory {bcg.graph_memory_bytes / 2**20:.0f} MiB")
+    print_capture_table(bcg)
     print(header)
     for mode in a.modes:
         for n in a.num_tokens:
@@ -170,7 +185,10 @@ def main(argv=None):
     if a.result_file:
         with open(a.result_file, "w") as f:
             json.dump(dict(model=a.model_path, device=str(dev), dtype=dtype, rows=rows,
-                           capture_seconds=bcg.capture_seconds, graph_memory_bytes=bcg.graph_memory_bytes), f, indent=1)
+                           capture_seconds=bcg.capture_seconds, graph_memory_bytes=bcg.graph_memory_bytes,
+                           capture_memory_bytes=bcg.capture_memory_bytes,
+                           graph_memory_by_bucket=bcg.graph_memory_by_bucket,
+                           capture_seconds_by_bucket=bcg.capture_seconds_by_bucket), f, indent=1)
     runner.shutdown()
 
 

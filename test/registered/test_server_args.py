@@ -144,8 +144,9 @@ def test_resolution_errors(kwargs, cuda, message):
 def test_segment_kernels_flag():
     """--segment-kernels auto follows the attention kernels (on with Triton on CUDA); on CPU
     they are off unless forced on; anything but auto/on/off is refused."""
-    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+    from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.server_args import resolve_kernels
+    from sglang.test.runner_args import cpu_server_args
 
     with pytest.raises(ValueError, match="--segment-kernels must be one of"):
         ServerArgs(segment_kernels="yes")
@@ -155,16 +156,14 @@ def test_segment_kernels_flag():
     assert resolve_kernels("torch", "on", cpu) == ("torch", True)
     assert resolve_kernels("triton", "auto", cuda) == ("triton", True)
     assert resolve_kernels("triton", "off", cuda) == ("triton", False)
-    tiny = dict(max_total_tokens=1024, max_num_reqs=2, context_length=256)
-    assert not ModelRunner(ModelRunnerConfig(**tiny)).attn_backend.segment_kernels
-    assert ModelRunner(ModelRunnerConfig(**tiny, segment_kernels="on")).attn_backend.segment_kernels
+    tiny = dict(max_total_tokens=1024, max_running_requests=2, context_length=256)
+    assert not ModelRunner(cpu_server_args(**tiny)).attn_backend.segment_kernels
+    assert ModelRunner(cpu_server_args(**tiny, segment_kernels="on")).attn_backend.segment_kernels
 
 
 def test_release_format_flags():
     """--quant-numerics and --kv-cache-dtype: parsed, validated, resolved against the model
-    (release numerics only for release-format weights) and handed to the model runner."""
-    from sglang.srt.model_executor.model_runner import ModelRunnerConfig
-
+    (release numerics only for release-format weights); the model runner reads them from there."""
     a = ServerArgs()
     assert (a.quant_numerics, a.kv_cache_dtype) == ("release", "auto")
     a = prepare_server_args(["--quant-numerics", "weight_only", "--kv-cache-dtype", "fp8_e4m3",
@@ -172,8 +171,7 @@ def test_release_format_flags():
     assert (a.quant_numerics, a.kv_cache_dtype, a.model_path, a.load_format) == (
         "weight_only", "fp8_e4m3", "dsv4-tiny-fp8", "dummy")
     r = a.resolve(cuda_available=False)
-    cfg = ModelRunnerConfig.from_server_args(r)
-    assert (cfg.quant_numerics, cfg.kv_cache_dtype, cfg.load_format) == ("weight_only", "fp8_e4m3", "dummy")
+    assert (r.quant_numerics, r.kv_cache_dtype, r.load_format) == ("weight_only", "fp8_e4m3", "dummy")
     assert ServerArgs(model_path="dsv4-tiny-fp8").resolve(cuda_available=False).quant_numerics == "release"
     assert ServerArgs(model_path="dsv4-tiny").resolve(cuda_available=False).quant_numerics == "weight_only"
     with pytest.raises(ValueError, match="--quant-numerics must be one of weight_only, release"):

@@ -197,7 +197,7 @@ class ServerArgs:
             if self.enable_breakable_cuda_graph else 0,
             decode_graph_max_bs=0 if self.disable_cuda_graph else min(
                 self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick], max_running),
-            mem_fraction_static=self.mem_fraction_static,
+            mem_fraction_static=self.mem_fraction_static, max_total_tokens=None,  # sized by this plan
         )
         return plan_memory(model_config, settings, free)
 

@@ -15,13 +15,14 @@ import torch
 
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
 
-TINY_DP = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=32768, max_num_reqs=10)
+TINY_DP = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=32768, max_running_requests=10)
 BUCKETS = (8, 16, 32, 48)
 
 
-def device_config(device: str, rank: int = 0) -> dict:
+def device_config(device: str) -> dict:
+    """A CUDA rank runs on the device its process selected (torch.cuda.set_device), as a server's."""
     if device == "cuda":
-        return dict(TINY_DP, device=f"cuda:{rank}", dtype="float32", attention_backend="torch")
+        return dict(TINY_DP, device="cuda", dtype="float32", attention_backend="torch")
     return dict(TINY_DP)
 
 
@@ -133,20 +134,21 @@ def dp_rank_main(rank: int, world: int, port: int, steps: int, seed: int, idle_p
         from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
         from sglang.srt.managers.dp_sync import DPStepSync, dp_step
         from sglang.srt.model_executor.graph_dispatch import PathKind, decide_step_path
-        from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+        from sglang.srt.model_executor.model_runner import ModelRunner
+        from sglang.test.runner_args import cpu_server_args
 
         if device == "cuda":
             torch.cuda.set_device(rank)
         dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
         groups = init_dp_groups(rank, world, f"tcp://127.0.0.1:{port}", dev, timeout_s)
-        runner = ModelRunner(ModelRunnerConfig(
-            **device_config(device, rank), dp_size=world, dp_idle_policy=idle_policy,
+        runner = ModelRunner(cpu_server_args(
+            **device_config(device), enable_dp_attention=True, dp_size=world, dp_idle_policy=idle_policy,
             enable_breakable_cuda_graph=graphs, breakable_cuda_graph_tokens=list(BUCKETS),
-            cuda_graph_on_cpu=graphs, disable_cuda_graph=not graphs, cuda_graph_max_bs=8))
+            disable_cuda_graph=not graphs, cuda_graph_max_bs=8), cuda_graph_on_cpu=graphs)
         sync = DPStepSync(groups.cpu_group, rank, world, runner.graph_tables, verify=verify)
         table = RequestTable(runner)
         records, paths = [], {}
-        for step, rows in enumerate(rank_schedule(seed, rank, steps, TINY_DP["max_num_reqs"])):
+        for step, rows in enumerate(rank_schedule(seed, rank, steps, TINY_DP["max_running_requests"])):
             fb, spec = table.batch(rows)
             decide = decide_step_path
             if disagree_at is not None and step == disagree_at and rank == 1:
@@ -214,14 +216,16 @@ def dp_scripted_rank_main(rank: int, world: int, port: int, out_dir: str, script
         from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
         from sglang.srt.managers.dp_sync import DPConsensusError, DPStepSync, dp_step
         from sglang.srt.model_executor.graph_dispatch import decide_step_path, describe
-        from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+        from sglang.srt.model_executor.model_runner import ModelRunner
+        from sglang.test.runner_args import cpu_server_args
 
         groups = init_dp_groups(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s)
         steps, error, runner = [], None, None
         try:
-            runner = ModelRunner(ModelRunnerConfig(
-                **device_config("cpu"), dp_size=world, dp_idle_policy=idle_policy, enable_breakable_cuda_graph=True,
-                breakable_cuda_graph_tokens=list(buckets), cuda_graph_on_cpu=True, cuda_graph_max_bs=8))
+            runner = ModelRunner(cpu_server_args(
+                **device_config("cpu"), enable_dp_attention=True, dp_size=world, dp_idle_policy=idle_policy,
+                enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=list(buckets), cuda_graph_max_bs=8),
+                cuda_graph_on_cpu=True)
         except DPConsensusError as e:  # at start-up, before capture
             error = dict(step=None, text=str(e), forwards=0)
             script = []
@@ -276,13 +280,14 @@ def eager_reference(seed: int, rank: int, steps: int, records: List[StepRecord],
     """Replays one rank's batches in a single eager process; returns the max |logit diff|
     (and, if `by_path` is given, fills it with the max per path kind)."""
     from sglang.srt.model_executor.graph_dispatch import eager_path
-    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.test.runner_args import cpu_server_args
 
-    runner = ModelRunner(ModelRunnerConfig(**device_config(device)))
+    runner = ModelRunner(cpu_server_args(**device_config(device)))
     table = RequestTable(runner)
     by_step = {r.step: r for r in records}
     worst = 0.0
-    for step, rows in enumerate(rank_schedule(seed, rank, steps, TINY_DP["max_num_reqs"])):
+    for step, rows in enumerate(rank_schedule(seed, rank, steps, TINY_DP["max_running_requests"])):
         fb, spec = table.batch(rows)
         if not rows:
             continue

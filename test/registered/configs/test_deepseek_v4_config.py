@@ -269,9 +269,10 @@ def test_num_layers_server_arg_reaches_the_model_config(tmp_path):
 
 
 def test_model_runner_builds_only_the_first_layers():
-    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.test.runner_args import cpu_server_args
 
-    runner = ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", num_layers=2, max_total_tokens=1024, max_num_reqs=2))
+    runner = ModelRunner(cpu_server_args(model_path="dsv4-tiny", num_layers=2, max_total_tokens=1024, max_running_requests=2))
     assert len(runner.model.layers) == 2 and runner.config.compress_ratios == [0, 4]
     assert len(runner.kv_pool.raw) == 2 and sorted(runner.kv_pool.compressed) == [1]
 

@@ -140,3 +140,12 @@ def test_stats_sum_counters_merge_fallbacks_and_keep_shared_settings():
         "num_finished_reqs": 9,
     }
     assert aggregate_stats([r0]) == r0
+
+
+def test_stats_per_bucket_graph_memory_sums_and_capture_seconds_take_the_slowest_rank():
+    r0 = {"bcg_graph_memory_by_bucket": {"64": 300, "16": 20}, "bcg_capture_seconds_by_bucket": {"64": 1.0, "16": 0.5}}
+    r1 = {"bcg_graph_memory_by_bucket": {"64": 310, "16": 0}, "bcg_capture_seconds_by_bucket": {"64": 1.5, "16": 0.25}}
+    merged = aggregate_stats([r0, r1])
+    assert merged == {"bcg_graph_memory_by_bucket": {"64": 610, "16": 20},
+                      "bcg_capture_seconds_by_bucket": {"64": 1.5, "16": 0.5}}
+    assert list(merged["bcg_graph_memory_by_bucket"]) == ["64", "16"]  # capture order kept

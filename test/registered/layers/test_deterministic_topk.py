@@ -12,7 +12,8 @@ from dsv4_kernels.reference import topk_indices
 from sglang.srt.layers.moe.router import route
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
 from sglang.srt.model_executor.graph_dispatch import eager_path
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.test.runner_args import cpu_server_args
 
 
 def _stable_order(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -95,7 +96,7 @@ def test_router_ties_go_to_the_lower_expert_id():
 
 # ---- the model: a request's tokens do not depend on the batch, the width or the graph -----
 
-CFG = dict(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096, max_num_reqs=6)
+CFG = dict(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096, max_running_requests=6)
 
 
 def _tie_every_indexer_score(runner):
@@ -120,7 +121,7 @@ def _run(runner, chunks, prefixes, path=None):
 
 @pytest.fixture(scope="module")
 def tied_runner():
-    r = ModelRunner(ModelRunnerConfig(**CFG, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[64]))
+    r = ModelRunner(cpu_server_args(**CFG, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[64]))
     _tie_every_indexer_score(r)
     return r
 
@@ -157,9 +158,9 @@ def test_cuda_breaks_ties_exactly_as_the_cpu():
 def test_tied_request_on_cuda_alone_in_a_batch_replayed_and_on_cpu():
     """All indexer scores tied; CUDA (Triton kernels, float32) eager alone, eager in a wider
     batch and replayed from a breakable graph all give the CPU's logits."""
-    cuda = ModelRunner(ModelRunnerConfig(**CFG, device="cuda", dtype="float32", enable_breakable_cuda_graph=True,
-                                         breakable_cuda_graph_tokens=[64], disable_cuda_graph=True))
-    cpu = ModelRunner(ModelRunnerConfig(**CFG))
+    cuda = ModelRunner(cpu_server_args(**CFG, device="cuda", dtype="float32", enable_breakable_cuda_graph=True,
+                                       breakable_cuda_graph_tokens=[64], disable_cuda_graph=True))
+    cpu = ModelRunner(cpu_server_args(**CFG))
     for r in (cuda, cpu):
         _tie_every_indexer_score(r)
     g = torch.Generator().manual_seed(5)

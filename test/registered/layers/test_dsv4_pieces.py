@@ -19,8 +19,9 @@ from sglang.srt.layers.mhc import sinkhorn_split  # noqa: E402
 from sglang.srt.layers.moe.experts import RoutedExperts  # noqa: E402
 from sglang.srt.layers.moe.router import Gate, route  # noqa: E402
 from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_, yarn_inv_freq  # noqa: E402
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.srt.models.deepseek_v4 import rope_tables_for  # noqa: E402
+from sglang.test.runner_args import cpu_server_args  # noqa: E402
 
 
 def compressor_pool(state_kv, state_sc, kv_new, sc_new, gather, ratio):
@@ -188,8 +189,8 @@ def test_compressor_pool_ratio128_is_per_channel_softmax_over_the_block():
 
 
 def _tiny_runner(**kw):
-    return ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", dtype="float32", device="cpu",
-                                         context_length=512, max_total_tokens=1024, max_num_reqs=4, **kw))
+    return ModelRunner(cpu_server_args(model_path="dsv4-tiny", dtype="float32", device="cpu",
+                                       context_length=512, max_total_tokens=1024, max_running_requests=4, **kw))
 
 
 def _tokens(n, seed=5):

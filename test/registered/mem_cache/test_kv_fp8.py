@@ -9,8 +9,9 @@ from dsv4_kernels.kv_fp8 import FP8KVLayout, round_nope_fp8
 from sglang.srt.configs.presets import get_preset
 from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool, kv_bytes_per_token
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.mem_cache.memory_planner import kv_bytes_per_token as planner_kv_bytes_per_token
+from sglang.test.runner_args import cpu_server_args
 
 
 def test_fp8_pool_holds_uint8_rows_for_every_kv_entry_and_float_indexer_keys():
@@ -67,8 +68,8 @@ def test_bytes_per_token_in_both_modes():
 def _prefill_in_two_chunks(**over):
     """dsv4-tiny-fp8 (release-format weights, fp32 on CPU): 150 prompt tokens in chunks of
     100 and 50 (every cache: window, c4, one c128 entry), logits of both chunks."""
-    runner = ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny-fp8", context_length=512, max_total_tokens=1024,
-                                           max_num_reqs=2, **over))
+    runner = ModelRunner(cpu_server_args(model_path="dsv4-tiny-fp8", context_length=512, max_total_tokens=1024,
+                                         max_running_requests=2, **over))
     rtp = runner.req_to_token_pool
     slot = rtp.alloc_req()
     ids = torch.randint(3, 500, (150,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -83,7 +84,7 @@ def _prefill_in_two_chunks(**over):
 def test_fp8_cache_gives_the_model_what_release_rounding_with_a_float_cache_gives():
     fp8, fp8_logits = _prefill_in_two_chunks(kv_cache_dtype="fp8_e4m3")
     flt, flt_logits = _prefill_in_two_chunks()
-    assert fp8.runner_config.quant_numerics == flt.runner_config.quant_numerics == "release"
+    assert fp8.server_args.quant_numerics == flt.server_args.quant_numerics == "release"
     assert flt.kv_pool.raw[0].dtype == torch.float32 and fp8.kv_pool.raw[0].dtype == torch.uint8
     for layer in range(4):  # the very same cached values, window and compressed entries
         assert torch.equal(fp8.kv_pool.decode_kv(fp8.kv_pool.raw[layer]), flt.kv_pool.raw[layer])
@@ -95,17 +96,17 @@ def test_fp8_cache_gives_the_model_what_release_rounding_with_a_float_cache_give
 
 
 def test_weight_only_numerics_keep_a_float_cache_unrounded_and_fp8_storage_still_rounds():
-    cfg = dict(model_path="dsv4-tiny-fp8", context_length=512, max_total_tokens=1024, max_num_reqs=2,
+    cfg = dict(model_path="dsv4-tiny-fp8", context_length=512, max_total_tokens=1024, max_running_requests=2,
                quant_numerics="weight_only")
-    assert not ModelRunner(ModelRunnerConfig(**cfg)).kv_pool.nope_fp8  # today's behaviour
-    fp8 = ModelRunner(ModelRunnerConfig(**cfg, kv_cache_dtype="fp8_e4m3")).kv_pool
+    assert not ModelRunner(cpu_server_args(**cfg)).kv_pool.nope_fp8  # today's behaviour
+    fp8 = ModelRunner(cpu_server_args(**cfg, kv_cache_dtype="fp8_e4m3")).kv_pool
     assert fp8.nope_fp8 and fp8.fp8_layout is not None  # storage in e4m3 rounds whatever the numerics
 
 
 # ---- on an H200: dsv4-mini in bf16 (head_dim 512: 584-byte rows), compiled kernels ----------
 
 GPU_MINI = dict(model_path="dsv4-mini", device="cuda", dtype="bfloat16", context_length=2048,
-                max_total_tokens=96 * 1024, max_num_reqs=12, kv_cache_dtype="fp8_e4m3")
+                max_total_tokens=96 * 1024, max_running_requests=12, kv_cache_dtype="fp8_e4m3")
 
 
 def _harness(subdir: str):
@@ -141,7 +142,7 @@ def test_gpu_fp8_cache_replays_and_matches_the_torch_reference_path():
     out = {}
     for name, over in (("torch_fp8", dict(attention_backend="torch")), ("triton_fp8", {}),
                        ("triton_bf16", dict(kv_cache_dtype="auto"))):
-        r = ModelRunner(ModelRunnerConfig(**dict(GPU_MINI, disable_cuda_graph=True, **over)))
+        r = ModelRunner(cpu_server_args(**dict(GPU_MINI, disable_cuda_graph=True, **over)))
         out[name] = torch.stack(prefill_in_chunks(r, tok, [300, 1]))[-8:].float()
         r.shutdown()
     for a, b, floor in (("torch_fp8", "triton_fp8", 0.99), ("triton_bf16", "triton_fp8", 0.9)):

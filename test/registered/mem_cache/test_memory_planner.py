@@ -22,8 +22,9 @@ from sglang.srt.mem_cache.memory_planner import (
 )
 
 # The defaults of a CUDA server with breakable graphs on, at a 64K context.
-SERVING = PlanSettings(weight_format="release", context_length=65536, max_running_requests=256,
-                       chunked_prefill_size=2048, bcg_max_tokens=4096, decode_graph_max_bs=256)
+SERVING = PlanSettings(weight_format="release", kv_cache_dtype="auto", dp_size=1, page_size=128,
+                       context_length=65536, max_running_requests=256, chunked_prefill_size=2048,
+                       bcg_max_tokens=4096, decode_graph_max_bs=256, mem_fraction_static=0.8, max_total_tokens=None)
 # A lean serving setup: the least a model can be served with usefully.
 LEAN = dataclasses.replace(SERVING, context_length=8192, max_running_requests=32, bcg_max_tokens=1024,
                            chunked_prefill_size=1024, decode_graph_max_bs=32, mem_fraction_static=0.97)
@@ -138,7 +139,8 @@ def test_a_plan_that_does_not_fit_names_the_flag():
 
 def test_kv_pool_follows_the_static_fraction_and_is_capped_by_use():
     mini = get_preset("dsv4-mini")
-    s = PlanSettings(weight_format="bfloat16", context_length=8192, max_running_requests=64, chunked_prefill_size=2048)
+    s = dataclasses.replace(SERVING, weight_format="bfloat16", context_length=8192, max_running_requests=64,
+                            bcg_max_tokens=0, decode_graph_max_bs=0)
     small = plan_memory(mini, dataclasses.replace(s, mem_fraction_static=0.5), 4 * GiB)
     big = plan_memory(mini, dataclasses.replace(s, mem_fraction_static=0.8), 4 * GiB)
     assert 0 < small.kv_pool_tokens < big.kv_pool_tokens
@@ -165,19 +167,20 @@ def test_startup_report_plans_from_the_runners_own_graphs(caplog):
     """report_startup_memory (called by ModelRunner on CUDA) reads the graph runners' largest
     buckets and measured graph memory; here on CPU with emulated graphs and a stated free size."""
     from sglang.srt.mem_cache.memory_planner import loaded_weight_format, report_startup_memory
-    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.test.runner_args import cpu_server_args
 
-    runner = ModelRunner(ModelRunnerConfig(
-        model_path="dsv4-tiny", context_length=256, max_num_reqs=4, max_total_tokens=1024,
-        enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[8, 32], cuda_graph_on_cpu=True,
-        cuda_graph_max_bs=4, chunked_prefill_size=64))
+    runner = ModelRunner(cpu_server_args(
+        model_path="dsv4-tiny", context_length=256, max_running_requests=4, max_total_tokens=1024,
+        enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[8, 32], cuda_graph_max_bs=4,
+        chunked_prefill_size=64), cuda_graph_on_cpu=True)
     try:
         with caplog.at_level("INFO", logger="sglang.srt.mem_cache.memory_planner"):
             plan = report_startup_memory(runner, free_before=8 * GiB)
         assert plan is not None and plan.free_memory == 8 * GiB
-        expected = plan_memory(runner.config, PlanSettings(
-            weight_format=loaded_weight_format(runner.config, "float32"), model_dtype="float32", context_length=runner.max_context_len,
-            max_running_requests=4, chunked_prefill_size=64, bcg_max_tokens=32,
+        expected = plan_memory(runner.config, dataclasses.replace(
+            SERVING, weight_format=loaded_weight_format(runner.config, "float32"), model_dtype="float32",
+            context_length=runner.max_context_len, max_running_requests=4, chunked_prefill_size=64, bcg_max_tokens=32,
             decode_graph_max_bs=4, max_total_tokens=1024), 8 * GiB)
         assert plan.graph_pool == expected.graph_pool and plan.activation_reserve == expected.activation_reserve
         assert "memory measured" in caplog.text and "graph_pool" in caplog.text
@@ -189,7 +192,8 @@ def test_a_capture_out_of_memory_names_the_graph_and_the_flags(monkeypatch, capl
     """Start-up, never mid-serving: a graph capture that runs out of device memory fails with
     the bucket that did not fit, how memory was divided, and the flags that leave more room."""
     from sglang.srt.model_executor.graph_runner import GraphRunner
-    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.test.runner_args import cpu_server_args
 
     real = GraphRunner._capture_one
 
@@ -199,8 +203,8 @@ def test_a_capture_out_of_memory_names_the_graph_and_the_flags(monkeypatch, capl
         return real(self, bucket, pool)
 
     monkeypatch.setattr(GraphRunner, "_capture_one", capture_one)
-    cfg = ModelRunnerConfig(model_path="dsv4-tiny", context_length=256, max_num_reqs=4, max_total_tokens=1024,
-                            enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[8, 32])
+    cfg = cpu_server_args(model_path="dsv4-tiny", context_length=256, max_running_requests=4, max_total_tokens=1024,
+                          enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[8, 32])
     with caplog.at_level("INFO", logger="sglang.srt.mem_cache.memory_planner"):
         with pytest.raises(MemoryPlanError) as err:
             ModelRunner(cfg)

@@ -14,7 +14,8 @@ from dsv4_harness import Session, prefill_in_chunks, run_step  # noqa: E402
 
 from sglang.srt.mem_cache.allocator import KVCacheExhausted  # noqa: E402
 from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool  # noqa: E402
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
+from sglang.test.runner_args import cpu_server_args  # noqa: E402
 
 P = 128
 
@@ -122,8 +123,8 @@ def test_request_slots_are_bounded_and_freeing_returns_everything():
 
 
 def test_running_requests_through_the_runner_leaves_no_pages_behind():
-    runner = ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", dtype="float32", device="cpu",
-                                           context_length=512, max_total_tokens=6 * P, max_num_reqs=4))
+    runner = ModelRunner(cpu_server_args(model_path="dsv4-tiny", dtype="float32", device="cpu",
+                                         context_length=512, max_total_tokens=6 * P, max_running_requests=4))
     rtp = runner.req_to_token_pool
     free_pages, free_slots = rtp.num_free_pages, rtp.slots.num_free
     assert free_pages == 6

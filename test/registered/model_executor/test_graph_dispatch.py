@@ -17,7 +17,8 @@ from sglang.srt.model_executor.graph_dispatch import (
     default_capture_num_tokens,
     describe,
 )
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.test.runner_args import cpu_server_args
 
 TABLES = GraphTables(bcg_buckets=(8, 16, 64), decode_bs_buckets=(1, 2, 4, 8))
 
@@ -96,10 +97,10 @@ def test_bucket_tables():
 
 @pytest.fixture(scope="module")
 def runner():
-    return ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096,
-                                         max_num_reqs=6, enable_breakable_cuda_graph=True,
-                                         breakable_cuda_graph_tokens=[4, 32], cuda_graph_on_cpu=True,
-                                         cuda_graph_max_bs=2))
+    return ModelRunner(cpu_server_args(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096,
+                                       max_running_requests=6, enable_breakable_cuda_graph=True,
+                                       breakable_cuda_graph_tokens=[4, 32], cuda_graph_max_bs=2),
+                       cuda_graph_on_cpu=True)
 
 
 def _batch(runner, chunks, mode=ForwardMode.EXTEND, prefixes=None):
@@ -136,8 +137,8 @@ def test_forward_refuses_a_path_it_cannot_run(runner):
     fb = _batch(runner, [[5, 6]])
     with pytest.raises(ValueError, match="IDLE"):
         runner.forward(fb, StepPath(PathKind.IDLE, 0, (0,)))
-    eager_only = ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096,
-                                               max_num_reqs=2))
+    eager_only = ModelRunner(cpu_server_args(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096,
+                                             max_running_requests=2))
     with pytest.raises(ValueError, match="no such graphs"):
         eager_only.forward(fb, StepPath(PathKind.BCG, 4, (2,), True))
     assert describe(fb) == StepInfo(2, int(ForwardMode.EXTEND), 1, False)

@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dsv4_harness import Session, prefill_in_chunks, run_step  # noqa: E402
 
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
+from sglang.test.runner_args import cpu_server_args  # noqa: E402
 
 # Full prefill + decode match the reference to ~5e-6. Chunked prefill changes the width of the
 # indexer's candidate rows, and with the reference's tie order (torch.topk) the exact ties
@@ -53,8 +54,8 @@ def expected(conformance_dir):
 
 @pytest.fixture(scope="module")
 def runner(conformance_dir):
-    return ModelRunner(ModelRunnerConfig(model_path=str(conformance_dir), context_length=512,
-                                         max_total_tokens=2048, dtype="float32", device="cpu"))
+    return ModelRunner(cpu_server_args(model_path=str(conformance_dir), context_length=512,
+                                       max_total_tokens=2048, dtype="float32", device="cpu"))
 
 
 def test_expected_file_layout(expected):

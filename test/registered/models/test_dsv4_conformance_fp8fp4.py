@@ -19,7 +19,8 @@ from dsv4_harness import Session, prefill_in_chunks, run_step  # noqa: E402
 
 from sglang.srt.layers.moe.experts import Fp4RoutedExperts  # noqa: E402
 from sglang.srt.layers.quantization.fp8_linear import Fp8BlockLinear  # noqa: E402
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
+from sglang.test.runner_args import cpu_server_args  # noqa: E402
 
 MIN_COSINE = 0.9999
 
@@ -35,8 +36,8 @@ def expected(fixture_dir):
 
 
 def _runner(fixture_dir, numerics, device="cpu"):
-    return ModelRunner(ModelRunnerConfig(model_path=str(fixture_dir), context_length=512, max_total_tokens=2048,
-                                         dtype="float32", device=device, quant_numerics=numerics))
+    return ModelRunner(cpu_server_args(model_path=str(fixture_dir), context_length=512, max_total_tokens=2048,
+                                       dtype="float32", device=device, quant_numerics=numerics))
 
 
 @pytest.fixture(scope="module")

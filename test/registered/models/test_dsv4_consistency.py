@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dsv4_harness import Session, prefill_in_chunks, run_step  # noqa: E402
 
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
+from sglang.test.runner_args import cpu_server_args  # noqa: E402
 
 SEQ_LEN = 300  # window 8 wraps ~37 times, c128 blocks 0 and 1 complete, up to 75 c4 candidates
 ATOL = 1e-4
@@ -26,8 +27,8 @@ def _tokens(n: int, seed: int) -> list:
 
 @pytest.fixture(scope="module")
 def runner():
-    return ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", dtype="float32", device="cpu",
-                                         context_length=512, max_total_tokens=4096, max_num_reqs=8))
+    return ModelRunner(cpu_server_args(model_path="dsv4-tiny", dtype="float32", device="cpu",
+                                       context_length=512, max_total_tokens=4096, max_running_requests=8))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dsv4_harness import Session, prefill_in_chunks, run_step  # noqa: E402
 
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
+from sglang.test.runner_args import cpu_server_args  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,8 +52,8 @@ def _assert_close_bf16(what, got, expect):
 
 @pytest.fixture(scope="module")
 def runner():
-    r = ModelRunner(ModelRunnerConfig(model_path="dsv4-mini", dtype="bfloat16", device="cuda",
-                                      context_length=2048, max_total_tokens=16384, max_num_reqs=8))
+    r = ModelRunner(cpu_server_args(model_path="dsv4-mini", dtype="bfloat16", device="cuda",
+                                    context_length=2048, max_total_tokens=16384, max_running_requests=8))
     yield r
     del r
     torch.cuda.empty_cache()
@@ -133,8 +134,8 @@ def test_mini_batch_independence(runner, tokens):
 @pytest.fixture(scope="module")
 def conformance(dsv4_reference_dir):
     d = dsv4_reference_dir / "conformance-tiny"
-    r = ModelRunner(ModelRunnerConfig(model_path=str(d), context_length=512, max_total_tokens=2048,
-                                      dtype="float32", device="cuda"))
+    r = ModelRunner(cpu_server_args(model_path=str(d), context_length=512, max_total_tokens=2048,
+                                    dtype="float32", device="cuda"))
     return r, load_file(str(d / "expected.safetensors"))
 
 
@@ -153,8 +154,8 @@ def test_conformance_tiny_on_cuda_float32_matches_cpu(conformance):
     conformance-tiny's exact ties differently from the CPU: argmax 155 vs 490 and 79 vs 411
     at decode rows 6 and 7), so CUDA reproduces the CPU run row for row, graphs included."""
     runner, expected = conformance
-    cpu = ModelRunner(ModelRunnerConfig(model_path=runner.runner_config.model_path, context_length=512,
-                                        max_total_tokens=2048, dtype="float32", device="cpu"))
+    cpu = ModelRunner(cpu_server_args(model_path=runner.server_args.model_path, context_length=512,
+                                      max_total_tokens=2048, dtype="float32", device="cpu"))
     got, want = _conformance_rows(runner, expected), _conformance_rows(cpu, expected)
     print(f"[conformance-tiny cuda fp32] vs CPU: max |diff| {(got - want).abs().max().item():.3e}")
     assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -173,8 +174,8 @@ def test_conformance_tiny_on_cuda_with_the_reference_tie_order(dsv4_reference_di
 
     monkeypatch.setattr(kernel_reference, "topk_indices", cpu_topk)
     d = dsv4_reference_dir / "conformance-tiny"
-    runner = ModelRunner(ModelRunnerConfig(model_path=str(d), context_length=512, max_total_tokens=2048,
-                                           dtype="float32", device="cuda", disable_cuda_graph=True))
+    runner = ModelRunner(cpu_server_args(model_path=str(d), context_length=512, max_total_tokens=2048,
+                                         dtype="float32", device="cuda", disable_cuda_graph=True))
     expected = load_file(str(d / "expected.safetensors"))
     got, ref = _conformance_rows(runner, expected), expected["logits"]
     print(f"[conformance-tiny cuda fp32, reference tie order] max |diff| {(got - ref).abs().max().item():.3e}")

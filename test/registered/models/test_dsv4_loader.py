@@ -18,17 +18,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dsv4_harness import prefill_in_chunks  # noqa: E402
 
 from sglang.srt.configs import load_model_config  # noqa: E402
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.srt.model_loader.random_init import init_random_weights  # noqa: E402
 from sglang.srt.model_loader.safetensors_io import save_checkpoint  # noqa: E402
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
+from sglang.test.runner_args import cpu_server_args  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
 
 def _runner(model_path, seed=0):
-    return ModelRunner(ModelRunnerConfig(model_path=str(model_path), random_seed=seed, dtype="float32",
-                                         device="cpu", context_length=512, max_total_tokens=1024, max_num_reqs=4))
+    return ModelRunner(cpu_server_args(model_path=str(model_path), random_seed=seed, dtype="float32",
+                                       device="cpu", context_length=512, max_total_tokens=1024, max_running_requests=4))
 
 
 TOKENS = torch.randint(2, 512, (140,), generator=torch.Generator().manual_seed(21)).tolist()
@@ -182,7 +183,7 @@ def test_mtp_layers_of_a_real_checkpoint_load_exactly_and_refuse_to_run(dsv4_ref
     from sglang.srt.model_loader.key_mapping import checkpoint_to_param
 
     ckpt = dsv4_reference_dir / "conformance-tiny"
-    model = ModelRunner(ModelRunnerConfig(model_path=str(ckpt), context_length=512, max_total_tokens=1024)).model
+    model = ModelRunner(cpu_server_args(model_path=str(ckpt), context_length=512, max_total_tokens=1024)).model
     assert len(model.mtp) == 1  # num_nextn_predict_layers, with its compress_ratios entry
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))

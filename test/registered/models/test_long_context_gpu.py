@@ -26,7 +26,8 @@ from sglang.srt.configs import get_preset  # noqa: E402
 from sglang.srt.configs.presets import write_config  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch  # noqa: E402
 from sglang.srt.model_executor.graph_dispatch import eager_path  # noqa: E402
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
+from sglang.test.runner_args import cpu_server_args  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,10 +51,11 @@ def _model_path(tmp_path) -> tuple[str, dict]:
 
 
 def _runner(model_path, context_length, **kw):
-    return ModelRunner(ModelRunnerConfig(
+    return ModelRunner(cpu_server_args(
         model_path=model_path, load_format="dummy", dtype="bfloat16", device="cuda", context_length=context_length,
-        max_total_tokens=context_length + CHUNK, max_num_reqs=2, chunked_prefill_size=CHUNK,
-        enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[CHUNK], disable_cuda_graph=True, **kw))
+        max_total_tokens=context_length + CHUNK, max_running_requests=2, chunked_prefill_size=CHUNK,
+        enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[CHUNK], breakable_cuda_graph_max_tokens=CHUNK,
+        disable_cuda_graph=True, **kw))
 
 
 def _prefill(runner, tokens, eager: bool) -> torch.Tensor:

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from dsv4_harness import prefill_in_chunks  # noqa: E402
 
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
+from sglang.test.runner_args import cpu_server_args  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -20,10 +21,10 @@ TOKENS = torch.randint(2, 32768, (600,), generator=torch.Generator().manual_seed
 
 
 def _runner(preset, bcg, numerics="release", kv="auto"):
-    return ModelRunner(ModelRunnerConfig(model_path=preset, dtype="bfloat16", device="cuda", context_length=2048,
-                                         max_total_tokens=8192, max_num_reqs=4, quant_numerics=numerics,
-                                         kv_cache_dtype=kv, enable_breakable_cuda_graph=bcg,
-                                         breakable_cuda_graph_tokens=[256] if bcg else None))
+    return ModelRunner(cpu_server_args(model_path=preset, dtype="bfloat16", device="cuda", context_length=2048,
+                                       max_total_tokens=8192, max_running_requests=4, quant_numerics=numerics,
+                                       kv_cache_dtype=kv, enable_breakable_cuda_graph=bcg,
+                                       breakable_cuda_graph_tokens=[256] if bcg else None))
 
 
 def _weight_bytes(model) -> int:

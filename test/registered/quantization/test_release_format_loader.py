@@ -21,10 +21,11 @@ from sglang.srt.configs.deepseek_v4 import ConfigError, DeepseekV4Config
 from sglang.srt.configs.presets import release_format, dsv4_tiny_fp8_dims
 from sglang.srt.layers.moe.experts import Fp4RoutedExperts
 from sglang.srt.layers.quantization.fp8_linear import Fp8BlockLinear
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_loader.random_init import init_random_weights
 from sglang.srt.model_loader.safetensors_io import CheckpointError, load_checkpoint, save_checkpoint
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+from sglang.test.runner_args import cpu_server_args
 
 HERE = Path(__file__).resolve().parent
 TOKENS = torch.randint(2, 512, (40,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -39,9 +40,9 @@ def _one_thread():
 
 
 def _runner(path, numerics="release", seed=0):
-    return ModelRunner(ModelRunnerConfig(model_path=str(path), random_seed=seed, dtype="float32", device="cpu",
-                                         context_length=256, max_total_tokens=512, max_num_reqs=2,
-                                         quant_numerics=numerics))
+    return ModelRunner(cpu_server_args(model_path=str(path), random_seed=seed, dtype="float32", device="cpu",
+                                       context_length=256, max_total_tokens=512, max_running_requests=2,
+                                       quant_numerics=numerics))
 
 
 def _logits(runner):

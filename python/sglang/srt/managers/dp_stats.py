@@ -9,8 +9,9 @@ _SHARED_STATS = {"page_size"}  # the same setting on every rank: reported once
 
 def aggregate_stats(per_rank: Sequence[dict]) -> dict:
     """All ranks' stats in one dict: numbers summed (counters and capacities; step counts such
-    as dp_bcg_steps then count rank-steps), dicts merged the same way, *_seconds as the max
-    (ranks capture in parallel), anything else kept when every rank agrees, else listed."""
+    as dp_bcg_steps then count rank-steps), dicts merged the same way, seconds (*_seconds and
+    the values of *_seconds_by_bucket) as the max (ranks capture in parallel), anything else
+    kept when every rank agrees, else listed."""
     if len(per_rank) == 1:
         return dict(per_rank[0])
     out = {}
@@ -20,11 +21,13 @@ def aggregate_stats(per_rank: Sequence[dict]) -> dict:
     return out
 
 
-def _merge(key: str, values: list):
+def _merge(key: str, values: list, seconds: bool = False):
+    seconds = seconds or "_seconds" in key
     if key in _SHARED_STATS or not values:
         return values[0] if values else None
     if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-        return max(values) if key.endswith("_seconds") else sum(values)
+        return max(values) if seconds else sum(values)
     if all(isinstance(v, dict) for v in values):
-        return aggregate_stats(values)
+        keys = dict.fromkeys(k for v in values for k in v)
+        return {k: _merge(k, [v[k] for v in values if k in v], seconds) for k in keys}
     return values[0] if all(v == values[0] for v in values) else list(values)

@@ -206,22 +206,23 @@ class MemoryPlan:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanSettings:
-    """The serving settings a plan depends on (ServerArgs names)."""
+    """The serving settings a plan depends on. Fields named like ServerArgs fields are those
+    settings, resolved, and have no defaults here: ServerArgs holds the only ones."""
 
     weight_format: str = "bfloat16"  # "bfloat16" | "float32" | "release" (loaded_weight_format)
     model_dtype: str = "bfloat16"  # activations and unquantized KV
-    kv_cache_dtype: str = "auto"  # "auto" (model dtype) | "fp8_e4m3" | ...
-    dp_size: int = 1  # DP attention ranks; routed experts are sharded dp_size ways (EP = DP)
-    page_size: int = 128
-    context_length: int = 4096
-    max_running_requests: int = 256
-    chunked_prefill_size: int = 2048
+    kv_cache_dtype: str  # "auto" (model dtype) | "fp8_e4m3" | ...
+    dp_size: int  # DP attention ranks; routed experts are sharded dp_size ways (EP = DP)
+    page_size: int
+    context_length: int
+    max_running_requests: int
+    chunked_prefill_size: int  # tokens per prefill step (no chunking: the context length)
     bcg_max_tokens: int = 0  # largest breakable-graph bucket; 0: breakable graphs off
     decode_graph_max_bs: int = 0  # largest decode-graph batch; 0: decode graphs off
-    mem_fraction_static: float = 0.8
-    max_total_tokens: Optional[int] = None  # the user's KV size; None: what the fraction leaves
+    mem_fraction_static: float
+    max_total_tokens: Optional[int]  # the user's KV size; None: what the fraction leaves
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -342,7 +343,7 @@ def report_startup_memory(runner, free_before: Optional[int]) -> Optional[Memory
     """Log this GPU's plan (from the free memory measured before the model was loaded) beside
     what the runner actually allocated. A plan that does not fit is logged as a warning here:
     ServerArgs.resolve() is where start-up refuses, before any rank loads weights."""
-    cfg = runner.runner_config
+    cfg = runner.server_args
     weights, kv = _resident_bytes(runner)
     measured = {"weights": weights, "kv_pool": kv,
                 "graph_pool": sum(r.graph_memory_bytes for r in runner.graph_runners.values())}
@@ -354,8 +355,8 @@ def report_startup_memory(runner, free_before: Optional[int]) -> Optional[Memory
     dtype = str(runner.dtype).removeprefix("torch.")
     settings = PlanSettings(
         weight_format=loaded_weight_format(runner.config, dtype), model_dtype=dtype,
-        kv_cache_dtype=getattr(cfg, "kv_cache_dtype", "auto"), dp_size=cfg.dp_size, page_size=cfg.page_size,
-        context_length=runner.max_context_len, max_running_requests=cfg.max_num_reqs,
+        kv_cache_dtype=cfg.kv_cache_dtype, dp_size=cfg.dp_size, page_size=cfg.page_size,
+        context_length=runner.max_context_len, max_running_requests=cfg.max_running_requests,
         # no chunking (-1): a whole prompt, up to the context length, is one step
         chunked_prefill_size=cfg.chunked_prefill_size if (cfg.chunked_prefill_size or 0) > 0 else runner.max_context_len,
         bcg_max_tokens=runner.bcg_runner.buckets[-1] if runner.bcg_runner else 0,
@@ -391,7 +392,7 @@ def capture_oom_error(runner, graph_runner) -> MemoryPlanError:
     """The start-up error for a graph capture that ran out of device memory: which graph, how the
     memory was divided, and the flags that leave more room for activations and graphs."""
     weights, kv = _resident_bytes(runner)
-    cfg = runner.runner_config
+    cfg = runner.server_args
     breakable = graph_runner.spec.buckets_are_tokens
     what = (f"the {graph_runner.capturing}-token breakable graph" if breakable
             else f"the batch-size-{graph_runner.capturing} decode graph")

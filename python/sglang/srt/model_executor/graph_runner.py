@@ -99,6 +99,11 @@ class GraphRunner:
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
         self.capture_memory_bytes = 0
+        # Per bucket, in capture order (largest first): the graph pool's growth and the
+        # seconds its capture took. Later buckets mostly reuse the first one's pool blocks, so
+        # their growth says what each smaller bucket really costs.
+        self.graph_memory_by_bucket: Dict[int, int] = {}
+        self.capture_seconds_by_bucket: Dict[int, float] = {}
         self.capturing: Optional[int] = None
 
     @property
@@ -110,21 +115,27 @@ class GraphRunner:
 
     # ---- capture --------------------------------------------------------------------------
     def capture(self) -> None:
-        pool = graph_memory_pool(self.device)
-        start = time.perf_counter()
+        pool = graph_memory_pool(self.device)  # None on CPU: every pool figure is 0 there
         free_before, pool_before = _free_memory(self.device), _pool_bytes(pool)
+        pool_now = pool_before
         for bucket in _progress(list(reversed(self.buckets)), self.device, f"{self.spec.name} capture"):
             self.capturing = bucket  # named by the out-of-memory error (memory_planner.capture_oom_error)
+            start = time.perf_counter()
             self._capture_one(bucket, pool)
+            self.capture_seconds_by_bucket[bucket] = time.perf_counter() - start
+            pool_before_bucket, pool_now = pool_now, _pool_bytes(pool)
+            self.graph_memory_by_bucket[bucket] = max(0, pool_now - pool_before_bucket)
         self.capturing = None
-        self.capture_seconds = time.perf_counter() - start
+        self.capture_seconds = sum(self.capture_seconds_by_bucket.values())
         # graph memory: what the graphs' pool grew by; capture memory: all the device memory the
         # capture took, the allocator's cache of eager warm-ups and breaks included
-        self.graph_memory_bytes = max(0, _pool_bytes(pool) - pool_before)
+        self.graph_memory_bytes = sum(self.graph_memory_by_bucket.values())
         self.capture_memory_bytes = max(0, free_before - _free_memory(self.device))
-        logger.info("captured %d %s graphs (%s) in %.1fs: graph pool %.1f MiB, device memory taken %.1f MiB",
-                    len(self.graphs), self.spec.name, self.buckets, self.capture_seconds,
-                    self.graph_memory_bytes / 2**20, self.capture_memory_bytes / 2**20)
+        logger.info("captured %d %s graphs (%s) in %.1fs: graph pool %.1f MiB, device memory taken %.1f MiB; "
+                    "per bucket, largest first: %s", len(self.graphs), self.spec.name, self.buckets,
+                    self.capture_seconds, self.graph_memory_bytes / 2**20, self.capture_memory_bytes / 2**20,
+                    ", ".join(f"{b}: {self.graph_memory_by_bucket[b] / 2**20:.1f} MiB "
+                              f"{self.capture_seconds_by_bucket[b]:.2f}s" for b in self.graph_memory_by_bucket))
 
     def _capture_one(self, bucket: int, pool) -> None:
         spec = self.spec
@@ -190,6 +201,9 @@ class GraphRunner:
             f"{p}_capture_seconds": round(self.capture_seconds, 3),
             f"{p}_graph_memory_bytes": self.graph_memory_bytes,
             f"{p}_capture_memory_bytes": self.capture_memory_bytes,
+            # keyed like replays_by_bucket; in capture order, largest bucket first
+            f"{p}_graph_memory_by_bucket": {str(b): n for b, n in self.graph_memory_by_bucket.items()},
+            f"{p}_capture_seconds_by_bucket": {str(b): round(s, 3) for b, s in self.capture_seconds_by_bucket.items()},
         }
 
     def release(self) -> None:

@@ -11,17 +11,18 @@ import torch
 
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
 from sglang.srt.model_executor.graph_dispatch import PathKind, decide_step_path, describe
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.test.runner_args import cpu_server_args
 
-TINY = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=16384, max_num_reqs=12)
+TINY = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=16384, max_running_requests=12)
 
 
 def make_runners(buckets, **over):
     cfg = dict(TINY, **over)
-    bcg = ModelRunner(ModelRunnerConfig(**cfg, enable_breakable_cuda_graph=True,
-                                        breakable_cuda_graph_tokens=list(buckets)))
-    padded = ModelRunner(ModelRunnerConfig(**cfg))
-    eager = ModelRunner(ModelRunnerConfig(**cfg))
+    bcg = ModelRunner(cpu_server_args(**cfg, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=list(buckets),
+                                      breakable_cuda_graph_max_tokens=max(buckets)))
+    padded = ModelRunner(cpu_server_args(**cfg))
+    eager = ModelRunner(cpu_server_args(**cfg))
     return bcg, padded, eager
 
 

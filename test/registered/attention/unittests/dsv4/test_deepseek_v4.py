@@ -26,8 +26,9 @@ from sglang.srt.layers.attention.dsv4.metadata import (  # noqa: E402
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch  # noqa: E402
 from sglang.srt.model_executor.graph_dispatch import PathKind, decide_step_path, describe  # noqa: E402
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
+from sglang.test.runner_args import cpu_server_args  # noqa: E402
 
 METADATA_TYPES = (DSV4Metadata, DSV4AttnMetadata, DSV4IndexerMetadata, DSV4CompressorMetadata)
 BUCKETS = (16, 48, 128)
@@ -35,8 +36,8 @@ BUCKETS = (16, 48, 128)
 
 @pytest.fixture
 def tiny_runner():
-    return ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", context_length=1024, max_total_tokens=8192,
-                                         max_num_reqs=8))
+    return ModelRunner(cpu_server_args(model_path="dsv4-tiny", context_length=1024, max_total_tokens=8192,
+                                       max_running_requests=8))
 
 
 def _batch(runner, chunks, prefixes=None):
@@ -51,7 +52,6 @@ def _batch(runner, chunks, prefixes=None):
 class TestDSV4BreakableCudaGraphMetadataContract:
     def test_bcg_is_off_by_default(self):
         assert ServerArgs().enable_breakable_cuda_graph is False
-        assert ModelRunnerConfig().enable_breakable_cuda_graph is False
 
     def test_only_the_dsv4_backend_opts_in(self):
         assert AttentionBackend.use_captured_forward_metadata_for_breakable_cuda_graph is False
@@ -181,8 +181,8 @@ def test_the_attention_break_op_gets_the_live_token_count_not_the_bucket(monkeyp
     padding is neither attended nor paid for), while q keeps the bucket's 16 rows."""
     from bcg_equivalence import TINY
 
-    runner = ModelRunner(ModelRunnerConfig(**TINY, enable_breakable_cuda_graph=True,
-                                           breakable_cuda_graph_tokens=[16]))
+    runner = ModelRunner(cpu_server_args(**TINY, enable_breakable_cuda_graph=True,
+                                         breakable_cuda_graph_tokens=[16]))
     seen = []
     real_forward = DeepseekV4AttnBackend.forward
 
@@ -239,9 +239,9 @@ def test_harness_catches_a_segment_that_branches_on_batch_data(monkeypatch):
 
 
 def test_input_embeds_batches_replay_through_the_static_embeddings_buffer():
-    cfg = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=8192, max_num_reqs=8)
-    graph = ModelRunner(ModelRunnerConfig(**cfg, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[32]))
-    eager = ModelRunner(ModelRunnerConfig(**cfg))
+    cfg = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=8192, max_running_requests=8)
+    graph = ModelRunner(cpu_server_args(**cfg, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[32]))
+    eager = ModelRunner(cpu_server_args(**cfg))
     ids = torch.randint(3, 500, (27,), generator=torch.Generator().manual_seed(1)).tolist()
     outs = []
     for m in (graph, eager):
@@ -286,9 +286,9 @@ def test_segment_kernels_path_replays_and_matches_the_model_torch_path(kv_cache_
 # ---- decode graphs -----------------------------------------------------------------------
 
 def test_decode_graphs_replay_the_same_logits_as_eager_decode():
-    cfg = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=8192, max_num_reqs=12)
-    graph = ModelRunner(ModelRunnerConfig(**cfg, cuda_graph_on_cpu=True, cuda_graph_max_bs=8))
-    eager = ModelRunner(ModelRunnerConfig(**cfg))
+    cfg = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=8192, max_running_requests=12)
+    graph = ModelRunner(cpu_server_args(**cfg, cuda_graph_max_bs=8), cuda_graph_on_cpu=True)
+    eager = ModelRunner(cpu_server_args(**cfg))
     decode_runner = graph.decode_graph_runner
     assert decode_runner.buckets == [1, 2, 4, 8]
     gen = torch.Generator().manual_seed(0)
@@ -326,9 +326,9 @@ def test_a_dp_batch_with_an_idle_peer_runs_the_path_it_is_given():
     from sglang.srt.model_executor.forward_batch_info import DPInfo
     from sglang.srt.model_executor.graph_dispatch import GraphTables, StepInfo
 
-    runner = ModelRunner(ModelRunnerConfig(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096,
-                                           max_num_reqs=4, enable_breakable_cuda_graph=True,
-                                           breakable_cuda_graph_tokens=[8], dp_idle_policy="eager"))
+    runner = ModelRunner(cpu_server_args(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096,
+                                         max_running_requests=4, enable_breakable_cuda_graph=True,
+                                         breakable_cuda_graph_tokens=[8], dp_idle_policy="eager"))
     fb = _batch(runner, [[5, 6, 7, 8, 9]])
     idle = StepInfo(0, int(ForwardMode.IDLE), 0)
     path = decide_step_path([describe(fb), idle], runner.graph_tables)

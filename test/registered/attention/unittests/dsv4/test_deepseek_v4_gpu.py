@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bcg_equivalence import make_runners, run_equivalence  # noqa: E402
 
 MINI = dict(model_path="dsv4-mini", device="cuda", dtype="bfloat16", context_length=2048,
-            max_total_tokens=96 * 1024, max_num_reqs=12)
+            max_total_tokens=96 * 1024, max_running_requests=12)
 BUCKETS = (64, 256, 1024)
 
 
@@ -34,7 +34,8 @@ def test_real_cuda_graph_replay_equals_padded_eager_on_dsv4_mini(debug):
 
 
 def test_triton_attention_matches_torch_reference_on_dsv4_mini():
-    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.test.runner_args import cpu_server_args
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "models"))
     from dsv4_harness import prefill_in_chunks
@@ -42,7 +43,7 @@ def test_triton_attention_matches_torch_reference_on_dsv4_mini():
     tok = torch.randint(3, 30000, (700,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {}
     for kernels in ("torch", "triton"):  # triton: attention core and segment kernels
-        r = ModelRunner(ModelRunnerConfig(**dict(MINI, attention_backend=kernels, disable_cuda_graph=True)))
+        r = ModelRunner(cpu_server_args(**dict(MINI, attention_backend=kernels, disable_cuda_graph=True)))
         out[kernels] = torch.stack(prefill_in_chunks(r, tok, [300, 1]))[-8:]
         r.shutdown()
     a, b = out["torch"].float(), out["triton"].float()
@@ -70,12 +71,13 @@ def test_breakable_replay_never_waits_for_the_gpu():
     """Dispatch, building metadata, padding, replaying and the logits head queue work without a single
     host sync, so the host prepares step i+1 while the GPU runs step i."""
     from sglang.bench_one_batch import make_batch
-    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.test.runner_args import cpu_server_args
 
-    r = ModelRunner(ModelRunnerConfig(**dict(MINI, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[64],
+    r = ModelRunner(cpu_server_args(**dict(MINI, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[64],
                                              disable_cuda_graph=True)))
     assert r.attn_backend.segment_kernels  # the default on CUDA
-    fb, _ = make_batch(r, "mixed", 60, 300, 1024, 8)  # 9 requests: max_num_reqs is 12
+    fb, _ = make_batch(r, "mixed", 60, 300, 1024, 8)  # 9 requests: max_running_requests is 12
     with torch.inference_mode():
         r.forward(fb)  # first use: lazy allocations outside the checked replay
         torch.cuda.set_sync_debug_mode("error")

@@ -18,7 +18,8 @@ from dsv4_harness import Session, prefill_in_chunks, run_step  # noqa: E402
 from sglang.srt.configs import get_preset  # noqa: E402
 from sglang.srt.configs.presets import write_config  # noqa: E402
 from sglang.srt.layers.attention.dsv4 import widths  # noqa: E402
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
+from sglang.test.runner_args import cpu_server_args  # noqa: E402
 
 BUCKETS = [64]  # one bucket: capture is most of these tests' time
 ONE_M = 1 << 20
@@ -46,9 +47,9 @@ def long_tiny(tmp_path_factory):
 
 
 def _bcg_runner(model_path, context_length, **kw):
-    return ModelRunner(ModelRunnerConfig(
+    return ModelRunner(cpu_server_args(
         model_path=model_path, load_format="dummy", context_length=context_length, max_total_tokens=4096,
-        max_num_reqs=4, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=BUCKETS, **kw))
+        max_running_requests=4, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=BUCKETS, **kw))
 
 
 def _tokens(n, seed):
@@ -57,8 +58,8 @@ def _tokens(n, seed):
 
 def test_graph_buffers_are_the_same_at_8k_and_1m_context(long_tiny):
     short, long = _bcg_runner(long_tiny, 8192), _bcg_runner(long_tiny, ONE_M)
-    eager = ModelRunner(ModelRunnerConfig(model_path=long_tiny, load_format="dummy", context_length=ONE_M,
-                                          max_total_tokens=4096, max_num_reqs=4))
+    eager = ModelRunner(cpu_server_args(model_path=long_tiny, load_format="dummy", context_length=ONE_M,
+                                        max_total_tokens=4096, max_running_requests=4))
     for bucket in BUCKETS:
         captured = [r.bcg_runner.captured_metadata[bucket] for r in (short, long)]
         assert captured[1].max_seq_len == ONE_M  # the long runner did capture for a 1M context
@@ -89,9 +90,9 @@ def test_chunked_prefill_through_graphs_matches_full_prefill(monkeypatch):
     monkeypatch.setattr(widths, "INDEXER_WORKSPACE_BYTES", 16 * (700 // 4) * widths.indexer_bytes_per_candidate(
         get_preset("dsv4-tiny"), kernels=False))
     assert widths.indexer_chunk_tokens(get_preset("dsv4-tiny"), 700 // 4, kernels=False) == 16
-    cfg = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=4096, max_num_reqs=4)
-    bcg = ModelRunner(ModelRunnerConfig(**cfg, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=BUCKETS))
-    eager = ModelRunner(ModelRunnerConfig(**cfg))
+    cfg = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=4096, max_running_requests=4)
+    bcg = ModelRunner(cpu_server_args(**cfg, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=BUCKETS))
+    eager = ModelRunner(cpu_server_args(**cfg))
     prompt = _tokens(700, seed=11)
     # Chunks of 60 replay in bucket 64; every chunk's candidate lists (up to 175 c4 entries)
     # are wider than the chunk itself.

@@ -9,12 +9,13 @@ from dsv4_kernels import ops
 from sglang.bench_one_batch import make_batch
 from sglang.srt.layers.attention.dsv4.metadata import DSV4Metadata
 from sglang.srt.layers.attention.dsv4.field_classes import COPY, field_classes
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.test.runner_args import cpu_server_args
 
 
 @pytest.fixture(scope="module")
 def runner():
-    r = ModelRunner(ModelRunnerConfig(context_length=512, max_num_reqs=8, max_total_tokens=8 * 640))
+    r = ModelRunner(cpu_server_args(context_length=512, max_running_requests=8, max_total_tokens=8 * 640))
     yield r
     r.shutdown()
 
