@@ -38,7 +38,8 @@ def make_requests(vocab, max_new_tokens=10, seed=0, lengths=LENGTHS, **params):
 
 
 def serve(runner, reqs, overlap, device="cpu", **kw):
-    """Run reqs to the end on a fresh scheduler over `runner`; rid -> (ids, finish reason)."""
+    """Run reqs to the end on a fresh scheduler over `runner`: (rid -> (ids, finish reason),
+    stats with "batches", each launched forward's (mode, extend lengths))."""
     args = dict(TINY, device=device, max_running_requests=runner.max_num_reqs,
                 max_total_tokens=(runner.req_to_token_pool.pages.capacity) * runner.req_to_token_pool.page_size)
     args.update(kw, disable_overlap_schedule=not overlap)
@@ -46,13 +47,15 @@ def serve(runner, reqs, overlap, device="cpu", **kw):
     free = s.pool.num_free_pages
     for r in reqs:
         s.add_request(r)
-    res = {}
+    res, batches = {}, []
     while s.has_work():
         for o in s.step():
             ids, _ = res.get(o.rid, ([], None))
             res[o.rid] = (ids + o.new_token_ids, o.finish_reason)
+        if s.last_batch is not None:
+            batches.append((s.last_batch.forward_mode, tuple(s.last_batch.extend_lens)))
     assert s.pool.num_free_pages == free and s.pool.slots.num_free == s.pool.slots.capacity
-    return res, s.get_stats()
+    return res, dict(s.get_stats(), batches=batches)
 
 
 @pytest.mark.parametrize("mixed, chunk", [(True, 32), (False, 16), (False, 512)])
@@ -123,8 +126,13 @@ def test_gpu_dsv4_mini_greedy_with_bcg_and_decode_graphs_is_the_same_with_and_wi
         kw = dict(model_path="dsv4-mini", context_length=2048, enable_mixed_chunk=True, chunked_prefill_size=256)
         before = runner.get_stats()
         on, stats = serve(runner, requests(), overlap=True, device="cuda", **kw)
-        off, _ = serve(runner, requests(), overlap=False, device="cuda", **kw)
+        off, off_stats = serve(runner, requests(), overlap=False, device="cuda", **kw)
+        again, _ = serve(runner, requests(), overlap=False, device="cuda", **kw)
         after = runner.get_stats()
+        # no resource limit binds, so both modes launch the same forwards: any difference
+        # below is the overlap path's, not the batch composition's or the kernels'
+        assert stats["batches"] == off_stats["batches"]
+        assert again == off, "the GPU path is not deterministic run to run: overlap equivalence cannot be judged"
         assert on == off and all(len(ids) == 24 for ids, _ in on.values())
         assert stats["num_overlap_steps"] > 0
         assert after["bcg_replays"] > before["bcg_replays"]
