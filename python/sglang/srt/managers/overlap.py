@@ -56,11 +56,11 @@ class FutureMap:
 
 @dataclass(eq=False)
 class LaunchedStep:
-    """A launched forward: `reqs[i]` sampled one token, held as placeholder output_ids
-    [`out_idx[i]`] on the host until `wait_tokens` reads the copy."""
+    """A launched forward: `reqs[i]` sampled one token, known on the host only as the
+    placeholder `placeholders[i]` (in its `pending_ids`) until `wait_tokens` reads the copy."""
 
     reqs: List = field(default_factory=list)
-    out_idx: List[int] = field(default_factory=list)
+    placeholders: List[int] = field(default_factory=list)
     host_ids: Optional[torch.Tensor] = None  # pinned on CUDA
     event: Optional[object] = None  # torch.cuda.Event recorded after the copy
     early_outs: List = field(default_factory=list)  # TokenOuts known at launch (max_new_tokens 0)

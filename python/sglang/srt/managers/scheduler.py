@@ -120,6 +120,9 @@ class Scheduler:
         req = self._live.get(rid)
         if req is None:
             return False
+        # Safe while a launched step still writes its KV: aborts arrive between steps, so that
+        # step is already enqueued, and whatever reuses the pages is enqueued after it on the
+        # same stream. Its in-flight token is dropped when that step is processed.
         self._finish(req, {"type": "abort", "message": "aborted by the client"}, count="aborted")
         self._pending_outs.append(self._token_out(req))
         return True
@@ -360,7 +363,7 @@ class Scheduler:
         for j, (i, req) in enumerate(zip(rows, reqs)):
             req.pending_ids.append(-(first + j))
             step.reqs.append(req)
-            step.out_idx.append(-(first + j))
+            step.placeholders.append(-(first + j))
             if i < batch.num_prefill_reqs:
                 self.running.append(req)  # its prefill just completed: it decodes from now on
         return step
@@ -370,7 +373,7 @@ class Scheduler:
         append, finish checks, stream outputs. A request that finished meanwhile (a stop seen
         one step late, an abort) drops its token."""
         outs = list(step.early_outs)
-        for req, placeholder, tok in zip(step.reqs, step.out_idx, step.wait_tokens()):
+        for req, placeholder, tok in zip(step.reqs, step.placeholders, step.wait_tokens()):
             if req.finished:
                 self.counters["dropped_tokens"] += 1
                 continue
