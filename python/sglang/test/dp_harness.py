@@ -214,7 +214,8 @@ def dp_scheduler_rank_main(rank: int, world: int, port: int, out_dir: str, stop_
         out = {}
         for overlap in (True, False):
             args = ServerArgs(**cfg, device="cpu", max_running_requests=6, chunked_prefill_size=32,
-                              enable_mixed_chunk=True, disable_overlap_schedule=not overlap).resolve(cuda_available=False)
+                              enable_mixed_chunk=True, disable_overlap_schedule=not overlap)
+            args = args.resolve(cuda_available=False)
             sched = Scheduler(args, runner)
             sync = DPStepSync(groups.cpu_group, rank, world, runner.graph_tables)
             for r in dp_scheduler_requests(rank, runner.config.vocab_size):

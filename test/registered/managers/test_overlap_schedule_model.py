@@ -4,6 +4,7 @@ static input buffer unresolved would change the output), and dsv4-mini on CUDA w
 graphs (`gpu`). Greedy and seeded outputs must be the same with and without overlap."""
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -111,31 +112,57 @@ def test_retraction_on_the_model_gives_the_no_overlap_outputs():
     assert stats["num_retracted_reqs"] >= 1 and stats["num_forced_resolves"] >= 1
 
 
-@pytest.mark.gpu
-def test_gpu_dsv4_mini_greedy_with_bcg_and_decode_graphs_is_the_same_with_and_without_overlap():
-    mini = dict(model_path="dsv4-mini", context_length=2048, max_total_tokens=65536)
-    runner = ModelRunner(ModelRunnerConfig(**mini, device="cuda", dtype="bfloat16", max_num_reqs=16,
+MINI_LENGTHS = [5, 300, 17, 64, 1, 200, 33, 90, 128, 7, 250, 40]
+MINI_ARGS = dict(model_path="dsv4-mini", context_length=2048, enable_mixed_chunk=True, chunked_prefill_size=256)
+
+
+@pytest.fixture(scope="module")
+def mini_cuda_runner():
+    runner = ModelRunner(ModelRunnerConfig(model_path="dsv4-mini", context_length=2048, max_total_tokens=65536,
+                                           device="cuda", dtype="bfloat16", max_num_reqs=16,
                                            enable_breakable_cuda_graph=True,
                                            breakable_cuda_graph_tokens=[16, 64, 256], cuda_graph_max_bs=16))
-    try:
-        def requests():
-            return make_requests(runner.config.vocab_size, max_new_tokens=24, seed=1,
-                                 lengths=[5, 300, 17, 64, 1, 200, 33, 90, 128, 7, 250, 40],
-                                 temperature=0.0, ignore_eos=True)
+    yield runner
+    runner.shutdown()
 
-        kw = dict(model_path="dsv4-mini", context_length=2048, enable_mixed_chunk=True, chunked_prefill_size=256)
-        before = runner.get_stats()
-        on, stats = serve(runner, requests(), overlap=True, device="cuda", **kw)
-        off, off_stats = serve(runner, requests(), overlap=False, device="cuda", **kw)
-        again, _ = serve(runner, requests(), overlap=False, device="cuda", **kw)
-        after = runner.get_stats()
-        # no resource limit binds, so both modes launch the same forwards: any difference
-        # below is the overlap path's, not the batch composition's or the kernels'
-        assert stats["batches"] == off_stats["batches"]
-        assert again == off, "the GPU path is not deterministic run to run: overlap equivalence cannot be judged"
-        assert on == off and all(len(ids) == 24 for ids, _ in on.values())
-        assert stats["num_overlap_steps"] > 0
-        assert after["bcg_replays"] > before["bcg_replays"]
-        assert after["decode_graph_replays"] > before["decode_graph_replays"]
-    finally:
-        runner.shutdown()
+
+def mini_requests(runner):
+    return make_requests(runner.config.vocab_size, max_new_tokens=24, seed=1, lengths=MINI_LENGTHS,
+                         temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.gpu
+def test_gpu_dsv4_mini_greedy_with_bcg_and_decode_graphs_is_the_same_with_and_without_overlap(mini_cuda_runner):
+    runner = mini_cuda_runner
+    before = runner.get_stats()
+    on, stats = serve(runner, mini_requests(runner), overlap=True, device="cuda", **MINI_ARGS)
+    off, off_stats = serve(runner, mini_requests(runner), overlap=False, device="cuda", **MINI_ARGS)
+    again, _ = serve(runner, mini_requests(runner), overlap=False, device="cuda", **MINI_ARGS)
+    after = runner.get_stats()
+    # no resource limit binds, so both modes launch the same forwards: any difference below
+    # is the overlap path's, not the batch composition's or the kernels'
+    assert stats["batches"] == off_stats["batches"]
+    assert again == off, "the GPU path is not deterministic run to run: overlap equivalence cannot be judged"
+    assert on == off and all(len(ids) == 24 for ids, _ in on.values())
+    assert stats["num_overlap_steps"] > 0
+    assert after["bcg_replays"] > before["bcg_replays"]
+    assert after["decode_graph_replays"] > before["decode_graph_replays"]
+
+
+@pytest.mark.gpu
+def test_gpu_overlapped_steps_never_wait_for_the_gpu(mini_cuda_runner):
+    """With overlap nothing in a step may wait for the GPU except reading the previous step's
+    ids (an event wait, which sync debug mode does not flag): a hidden sync anywhere in
+    scheduling, metadata, replay or sampling would serialise the host behind the GPU again."""
+    runner = mini_cuda_runner
+    warm, _ = serve(runner, mini_requests(runner), overlap=True, device="cuda", **MINI_ARGS)  # JIT, allocator
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            synced, _ = serve(runner, mini_requests(runner), overlap=True, device="cuda", **MINI_ARGS)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    assert synced == warm
+    assert not syncs, f"{len(syncs)} host syncs inside overlapped steps:\n" + "\n".join(syncs[:10])

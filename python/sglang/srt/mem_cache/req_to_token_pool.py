@@ -67,7 +67,8 @@ class ReqToTokenPool:
         offs = torch.arange(ps, dtype=torch.int32).repeat(len(new_pages))
         cols = min(end, self.max_context_len)
         # non-blocking: a blocking upload would wait for the forward in flight (overlap scheduling)
-        self.req_to_token[req_slot, start:cols] = to_device_async((base + offs)[: cols - start], self.req_to_token.device)
+        rows = (base + offs)[: cols - start]
+        self.req_to_token[req_slot, start:cols] = to_device_async(rows, self.req_to_token.device)
 
     def free_req(self, req_slot: int) -> None:
         pages = self._pages_of.pop(req_slot)
