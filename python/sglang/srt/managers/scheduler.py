@@ -303,6 +303,7 @@ class Scheduler:
         return plan
 
     def _retract(self, req: Req) -> None:
+        assert not req.pending_ids, "resolve the in-flight step before retracting (outputs re-prefill)"
         logger.info("retracting %s (%d tokens) to free KV pages", req.rid, req.seq_len)
         self._release_kv(req)
         req.num_retractions += 1
