@@ -4,7 +4,10 @@
         --random-input-len 64 --random-output-len 16 [--enable-mixed-chunk] [any server arg]
 
 Requests go straight to the engine's scheduler (streaming every token) so the first token of
-each request is timestamped when its step returns. ignore_eos keeps output lengths exact.
+each request is timestamped when the step() that reports it returns. ignore_eos keeps output
+lengths exact. With overlap scheduling (the default; --disable-overlap-schedule turns it off)
+step() reports the previous forward's tokens after launching the next one, i.e. once the host
+has read them: that is when a client could see them, so the timestamps stay right.
 
 A warm-up pass of the same prompt lengths runs first (untimed: Triton JIT compiles for every
 batch shape the scheduler produces must not land in a timing), then `--repeats` timed runs of
@@ -143,7 +146,8 @@ def run_benchmark(server_args: ServerArgs, bench_args: BenchArgs) -> dict:
             # scheduler counters of this run only
             run["forwards"] = {k[len("num_forwards_"):]: after[k] - before[k] for k in after
                                if k.startswith("num_forwards_")}
-            run["num_retracted_reqs"] = after["num_retracted_reqs"] - before["num_retracted_reqs"]
+            for key in ("num_retracted_reqs", "num_overlap_steps", "num_dropped_tokens", "num_forced_resolves"):
+                run[key] = after.get(key, 0) - before.get(key, 0)
             if dp:  # share of extend/mixed DP steps (idle-rank steps included) that replayed BCG
                 bcg = after.get("dp_bcg_steps", 0) - before.get("dp_bcg_steps", 0)
                 ext = after.get("dp_extend_steps", 0) - before.get("dp_extend_steps", 0)
@@ -160,7 +164,7 @@ def run_benchmark(server_args: ServerArgs, bench_args: BenchArgs) -> dict:
             **{k: getattr(engine.server_args, k) for k in (
                 "model_path", "device", "dtype", "enable_mixed_chunk", "enable_breakable_cuda_graph",
                 "chunked_prefill_size", "max_running_requests", "max_total_tokens", "disable_cuda_graph",
-                "dp_size", "dp_idle_policy")},
+                "dp_size", "dp_idle_policy", "disable_overlap_schedule")},
         }
         return result
     finally:
@@ -187,6 +191,9 @@ def format_result(r: dict) -> str:
         "TPOT ms p50/p90/p99:      {p50:.2f} / {p90:.2f} / {p99:.2f}".format(**r["tpot_ms"]),
         "forwards by mode:         " + ", ".join(f"{k}={v}" for k, v in r["forwards"].items()),
         f"retracted requests:       {r['num_retracted_reqs']}",
+        f"overlap scheduling:       {'off' if r['config']['disable_overlap_schedule'] else 'on'} "
+        f"({r['num_overlap_steps']} forwards launched before the previous one was read, "
+        f"{r['num_dropped_tokens']} tokens dropped after a stop, {r['num_forced_resolves']} forced resolves)",
         f"runner stats:             {json.dumps(r['runner_stats'])}",
     ]
     if "dp_bcg_replayed_fraction" in r:

@@ -63,6 +63,7 @@ class ServerArgs:
     chunked_prefill_size: Optional[int] = None
     enable_mixed_chunk: bool = False
     schedule_policy: str = "fcfs"
+    disable_overlap_schedule: bool = False
     # kernels and graphs
     attention_backend: str = "auto"
     enable_breakable_cuda_graph: bool = False
@@ -252,6 +253,8 @@ def _validate(a: ServerArgs) -> None:
     ):
         if getattr(a, name) not in choices:
             raise ValueError(f"--{_flag(name)} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
+    if not isinstance(a.disable_overlap_schedule, bool):
+        raise ValueError(f"--disable-overlap-schedule must be true or false, got {a.disable_overlap_schedule!r}")
     if not isinstance(a.model_path, str) or not a.model_path:
         raise ValueError("--model-path must be a preset name or a checkpoint directory")
     if a.page_size <= 0 or a.page_size % 128:
@@ -348,6 +351,9 @@ _HELP = {
     "mem_fraction_static": "fraction of free GPU memory for weights + KV cache",
     "chunked_prefill_size": "max prefill tokens per step (default 2048 CUDA / 256 CPU; -1: no chunking)",
     "enable_mixed_chunk": "run a prefill chunk and the running decodes in one MIXED forward",
+    "disable_overlap_schedule": "process each step's sampled tokens before launching the next step (by default "
+                                "the host schedules and launches step N+1 while the GPU runs step N, and "
+                                "finish checks and outputs lag one step)",
     "breakable_cuda_graph_max_tokens": "largest breakable-graph bucket (default 4096 CUDA / 512 CPU)",
     "breakable_cuda_graph_tokens": "explicit breakable-graph token buckets",
     "cuda_graph_max_bs": "largest decode graph batch size (default 256 CUDA / 16 CPU)",

@@ -172,6 +172,83 @@ def dp_rank_main(rank: int, world: int, port: int, steps: int, seed: int, idle_p
             f.write(traceback.format_exc())
 
 
+# ---- the scheduler under DP attention, with and without overlap scheduling --------------------
+
+
+def dp_scheduler_requests(rank: int, vocab: int):
+    """Rank 0 serves several requests of different lengths (one needs chunks, one stops on a
+    token); rank 1 one short request, so it is idle for most steps and still joins them."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    rng = random.Random(100 + rank)
+    lengths = [37, 5, 90, 12, 1] if rank == 0 else [6]
+    reqs = []
+    for i, n in enumerate(lengths):
+        params = SamplingParams(max_new_tokens=12 if rank == 0 else 3, temperature=0.0, ignore_eos=True)
+        reqs.append(GenerateReqInput(rid=f"rank{rank}-r{i}", input_ids=[rng.randrange(2, vocab) for _ in range(n)],
+                                     sampling_params=params))
+    return reqs
+
+
+def dp_scheduler_rank_main(rank: int, world: int, port: int, out_dir: str, stop_token_of: Optional[dict] = None,
+                           timeout_s: float = 60.0) -> None:
+    """One DP rank running the real Scheduler (dsv4-tiny, breakable and decode graphs on the
+    emulator) through `step(dp_sync)` in lockstep, once with overlap scheduling and once
+    without, over the same runner. Saves, per mode, the outputs, every step's agreed path
+    and the idle steps this rank joined. `stop_token_of` (rid -> token) adds stop tokens."""
+    torch.set_num_threads(1)
+    try:
+        import torch.distributed as dist
+
+        from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
+        from sglang.srt.managers.dp_sync import DPStepSync
+        from sglang.srt.managers.scheduler import Scheduler
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+        from sglang.srt.server_args import ServerArgs
+
+        groups = init_dp_groups(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s)
+        cfg = dict(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096)
+        runner = ModelRunner(ModelRunnerConfig(**cfg, max_num_reqs=6, dp_size=world, enable_breakable_cuda_graph=True,
+                                               breakable_cuda_graph_tokens=list(BUCKETS), cuda_graph_on_cpu=True,
+                                               cuda_graph_max_bs=4))
+        out = {}
+        for overlap in (True, False):
+            args = ServerArgs(**cfg, device="cpu", max_running_requests=6, chunked_prefill_size=32,
+                              enable_mixed_chunk=True, disable_overlap_schedule=not overlap)
+            args = args.resolve(cuda_available=False)
+            sched = Scheduler(args, runner)
+            sync = DPStepSync(groups.cpu_group, rank, world, runner.graph_tables)
+            for r in dp_scheduler_requests(rank, runner.config.vocab_size):
+                if stop_token_of and r.rid in stop_token_of:
+                    r.sampling_params.stop_token_ids = [stop_token_of[r.rid]]
+                    r.sampling_params.ignore_eos = False
+                sched.add_request(r)
+            results, paths = {}, []
+            while True:
+                busy = torch.tensor([int(sched.has_work())], dtype=torch.int64)
+                dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=groups.cpu_group)
+                if not busy.item():
+                    break
+                for o in sched.step(sync):
+                    ids, _ = results.get(o.rid, ([], None))
+                    results[o.rid] = (ids + o.new_token_ids, o.finish_reason)
+                paths.append(sync.last_path)
+            stats = sched.get_stats()
+            out[overlap] = dict(results=results, paths=paths, idle_forwards=sched.num_forwards[ForwardMode.IDLE],
+                                overlap_steps=stats["num_overlap_steps"], dropped=stats["num_dropped_tokens"],
+                                free_pages=(stats["num_free_pages"], stats["num_total_pages"]))
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        runner.shutdown()
+        del runner, sync, groups, sched
+        gc.collect()
+        destroy_dp_groups()
+    except BaseException:  # noqa: BLE001 - the parent asserts on the text
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+
+
 # ---- scripted DP steps: ranks with different inputs (consensus tests) --------------------------
 
 def script_infos(script, rank: int):

@@ -1,4 +1,5 @@
-"""Scheduler policy on CPU with a fake runner: chunked prefill, mixed chunk, alternation,
+"""Scheduler policy on CPU with a fake runner (overlap scheduling on, the default, except where
+a test counts tokens per step): chunked prefill, mixed chunk, alternation,
 admission caps, retraction and resume, abort, finish reasons, streaming, and KV accounting.
 
 The fake runner is a tiny "model" that really uses the KV cache: it writes each fed token at
@@ -197,7 +198,8 @@ def _start_three_decoders(s):
 
 
 def test_mixed_chunk_runs_prefill_rows_first_then_every_decode_row():
-    s = create_scheduler(chunked_prefill_size=64, enable_mixed_chunk=True)
+    # counts tokens per step: without overlap, so the host knows each step's tokens at its end
+    s = create_scheduler(chunked_prefill_size=64, enable_mixed_chunk=True, disable_overlap_schedule=True)
     short, long_req, results = _start_three_decoders(s)
     for _ in range(3):
         collect(s.step(), results)
@@ -315,7 +317,7 @@ def test_abort_frees_kv_at_once_and_leaves_others_unaffected():
 
 
 def test_abort_of_a_running_request_returns_its_unsent_tokens():
-    s = create_scheduler()
+    s = create_scheduler(disable_overlap_schedule=True)  # overlap: test_overlap_schedule.py
     (req,) = create_requests(1, 20, max_new_tokens=50)
     s.add_request(req)
     for _ in range(4):

@@ -6,6 +6,8 @@ previous one left, as Hugging Face's warpers do) and inverse-CDF sampling in sor
 The one random number a sampled row consumes per token comes from a CPU generator: the
 request's own (seeded) one, else the sampler's (seeded by --random-seed). Drawing it on the
 host makes a seeded row's tokens independent of its batch neighbours and of the device.
+Nothing here waits for the GPU: host-built tensors go up with non-blocking copies and the ids
+stay on the device (the overlap scheduler reads them one step later).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from sglang.srt.model_executor.host_to_device import to_device_async
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 
@@ -46,9 +49,9 @@ class Sampler:
         if len(greedy) == batch:
             return torch.argmax(logits, dim=-1)
         if greedy:
-            g_idx = torch.tensor(greedy, device=logits.device)
+            g_idx = to_device_async(torch.tensor(greedy, dtype=torch.int64), logits.device)
             out[g_idx] = torch.argmax(logits[g_idx], dim=-1)
-        s_idx = torch.tensor(sampled, device=logits.device)
+        s_idx = to_device_async(torch.tensor(sampled, dtype=torch.int64), logits.device)
         rows = logits if not greedy else logits[s_idx]
         uniforms = torch.cat([
             torch.rand(1, generator=self.generator if generators[i] is None else generators[i])
@@ -62,11 +65,13 @@ def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], uniform
     """Filtered sampling for non-greedy rows; uniforms: [S] in [0, 1) on the CPU."""
     dev = logits.device
     vocab = logits.shape[-1]
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-    # a top_k past the vocabulary means all of it (it may be any JSON integer)
-    top_ks = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev)
-    top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-    min_ps = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+    # one upload: temperature, top_k (a top_k past the vocabulary means all of it: it may be
+    # any JSON integer; exact in float32 below 2^24), top_p, min_p, uniform
+    table = torch.tensor([[p.temperature, min(p.top_k, vocab) if p.top_k > 0 else vocab, p.top_p, p.min_p]
+                          for p in params], dtype=torch.float32)
+    table = to_device_async(torch.cat([table, uniforms.float()[:, None]], dim=1), dev)
+    temps, top_ps, min_ps, u = table[:, 0], table[:, 2], table[:, 3], table[:, 4]
+    top_ks = table[:, 1].long()
 
     x = logits.float() / temps[:, None]
     # stable: among equal logits the lower id ranks first, matching argmax's tie-break
@@ -85,6 +90,6 @@ def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], uniform
     probs = probs * (probs >= min_ps[:, None] * probs[:, :1])
     # inverse CDF on the unnormalised kept mass: first index whose cumulative mass exceeds u
     cdf = torch.cumsum(probs, dim=-1)
-    target = uniforms.to(dev, torch.float32) * cdf[:, -1]
+    target = u * cdf[:, -1]
     choice = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=vocab - 1)
     return sorted_ids.gather(1, choice).squeeze(1)

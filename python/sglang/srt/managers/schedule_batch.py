@@ -4,6 +4,11 @@ KV invariant the scheduler keeps: a request holding a slot has positions [0, pre
 the KV cache and owns exactly ceil(prefix_len / page_size) pages between steps. The tokens
 still to be fed are `token_ids[prefix_len:]`: part of the prompt while prefilling, the last
 sampled token while decoding (one token), everything after a retraction.
+
+Overlap scheduling: a token sampled by a step the host has not processed yet is a negative
+placeholder in `pending_ids` (see managers/overlap.py); it counts in `seq_len` (its KV
+position is scheduled) and is fed as the placeholder, which the device resolves. Finish
+checks and outputs only ever read `output_ids`, the tokens the host knows.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ class Req:
     arrival_seq: int = 0  # set by the scheduler: FCFS order; the largest is the newest
     generator: Optional[torch.Generator] = None  # set by the scheduler when params.seed is given
 
-    output_ids: List[int] = field(default_factory=list)
+    output_ids: List[int] = field(default_factory=list)  # sampled tokens the host knows
+    pending_ids: List[int] = field(default_factory=list)  # placeholders of in-flight tokens (at most 2)
     req_pool_idx: Optional[int] = None  # request slot while it holds KV; None while waiting
     prefix_len: int = 0  # tokens already in the KV cache
     finish_reason: Optional[dict] = None
@@ -39,8 +45,14 @@ class Req:
 
     @property
     def seq_len(self) -> int:
-        """Prompt plus generated tokens (the last generated one is not in the KV cache yet)."""
-        return len(self.origin_input_ids) + len(self.output_ids)
+        """Prompt plus generated tokens, in-flight ones included (the last generated one is not
+        in the KV cache yet)."""
+        return len(self.origin_input_ids) + len(self.output_ids) + len(self.pending_ids)
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens sampled so far, known or in flight."""
+        return len(self.output_ids) + len(self.pending_ids)
 
     @property
     def num_pending_tokens(self) -> int:
@@ -51,13 +63,15 @@ class Req:
         return self.finish_reason is not None
 
     def token_slice(self, start: int, end: int) -> List[int]:
-        """token_ids[start:end] of prompt + output without concatenating the whole sequence."""
+        """token_ids[start:end] of prompt + output + placeholders without concatenating the
+        whole sequence."""
         n_in = len(self.origin_input_ids)
         if end <= n_in:
             return self.origin_input_ids[start:end]
+        out = self.output_ids if not self.pending_ids else self.output_ids + self.pending_ids
         if start >= n_in:
-            return self.output_ids[start - n_in : end - n_in]
-        return self.origin_input_ids[start:] + self.output_ids[: end - n_in]
+            return out[start - n_in : end - n_in]
+        return self.origin_input_ids[start:] + out[: end - n_in]
 
 
 @dataclass
@@ -88,6 +102,10 @@ class ScheduleBatch:
         a chunk that is not the request's final chunk samples nothing."""
         return self.reqs[i].prefix_len + self.extend_lens[i] == self.reqs[i].seq_len
 
+    def has_placeholders(self) -> bool:
+        """Whether a fed token is still in flight (the forward's ids need resolving)."""
+        return any(r.pending_ids for r in self.reqs)
+
     def to_forward_batch(self, device) -> ForwardBatch:
         return build_forward_batch(
             self.forward_mode,
@@ -106,8 +124,8 @@ def eos_ids_of(config) -> frozenset:
 
 
 def check_finished(req: Req, eos_token_ids: frozenset, context_length: int, decode_fn=None) -> Optional[dict]:
-    """Finish reason after `req` got a new token, or None. Stop conditions win over length when
-    both hold on the same token: the model did stop there."""
+    """Finish reason after `req` got a new known token (its output_ids[-1]), or None. Stop
+    conditions win over length when both hold on the same token: the model did stop there."""
     p = req.sampling_params
     tok = req.output_ids[-1]
     if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_token_ids):
@@ -116,7 +134,7 @@ def check_finished(req: Req, eos_token_ids: frozenset, context_length: int, deco
         matched = _match_stop_string(req.output_ids, p.stop, decode_fn)
         if matched is not None:
             return {"type": "stop", "matched": matched}
-    if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= context_length:
+    if len(req.output_ids) >= p.max_new_tokens or len(req.origin_input_ids) + len(req.output_ids) >= context_length:
         return {"type": "length", "length": len(req.output_ids)}
     return None
 

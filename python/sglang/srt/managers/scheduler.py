@@ -20,6 +20,22 @@ Policy, in order of precedence:
   prefill priority would stall every running request for the whole duration of a long queue.
 - A step that had to retract does no prefill, so a request is never retracted and
   re-admitted in the same step.
+
+Overlap scheduling (default; --disable-overlap-schedule turns it off): `step()` launches
+forward N+1 before it processes forward N's sampled tokens, so the host schedules, builds
+metadata and enqueues uploads while the GPU runs. Sampled ids stay on the device
+(managers/overlap.py); the host sees them one step late, so finish checks and outputs lag
+one step. Without overlap the same code runs with the step processed right after its launch.
+The contract (docs/overlap.md):
+- A request whose length limit (max_new_tokens, context) is reached by its in-flight tokens
+  is not scheduled again: that finish is known without the ids. A stop (token or string)
+  is seen one step late, so the request may already be in the next forward: that extra
+  token is dropped (never reported, counted in num_dropped_tokens).
+- KV is freed right after a later step was launched (finish at processing, abort between
+  steps): every forward that writes it is already enqueued, and any reuse of its pages or
+  slot (page-table writes, the next forward) is enqueued after it on the same stream.
+- Retraction and the unfittable-request failure need the host to know every output token:
+  when the decode rows do not fit, the in-flight step is processed first (a forced resolve).
 """
 
 from __future__ import annotations
@@ -30,6 +46,7 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from sglang.srt.layers.sampler import Sampler, make_generator
 from sglang.srt.managers.io_struct import GenerateReqInput, TokenOut, check_prompt_ids
+from sglang.srt.managers.overlap import FutureMap, LaunchedStep, rows_to_device
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, check_finished, eos_ids_of
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -56,6 +73,9 @@ class Scheduler:
         self.vocab_size = model_runner.config.vocab_size
         self.eos_token_ids = eos_ids_of(model_runner.config)
         self.sampler = Sampler(seed=server_args.random_seed)
+        self.overlap = not getattr(server_args, "disable_overlap_schedule", False)
+        self.future_map = FutureMap(self.pool.slots.capacity, self.device)
+        self._inflight: Optional[LaunchedStep] = None  # launched, sampled ids not read yet
 
         self.waiting: Deque[Req] = collections.deque()
         self.running: List[Req] = []  # prefilled requests, decoding
@@ -65,6 +85,7 @@ class Scheduler:
         self._next_arrival = 0
         self._last_was_prefill = False
         self.last_batch_mode: Optional[ForwardMode] = None
+        self.last_batch: Optional[ScheduleBatch] = None  # the batch the last step() launched
         self.num_forwards = {m: 0 for m in (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE)}
         self.counters = collections.Counter()
 
@@ -99,51 +120,72 @@ class Scheduler:
         req = self._live.get(rid)
         if req is None:
             return False
+        # Safe while a launched step still writes its KV: aborts arrive between steps, so that
+        # step is already enqueued, and whatever reuses the pages is enqueued after it on the
+        # same stream. Its in-flight token is dropped when that step is processed.
         self._finish(req, {"type": "abort", "message": "aborted by the client"}, count="aborted")
         self._pending_outs.append(self._token_out(req))
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self._pending_outs)
+        return bool(self.waiting or self.running or self.chunked_req or self._pending_outs
+                    or self._inflight is not None)
 
     # ---- one step --------------------------------------------------------------------
 
     def step(self, dp_sync=None) -> List[TokenOut]:
-        """Run at most one forward; return the TokenOuts it (and any abort since) produced.
+        """Launch at most one forward, then process the previous one (overlap) or this one;
+        return the TokenOuts that processing (and any abort since) produced.
 
         Under DP attention (`dp_sync` given) every rank calls this every iteration, with or
         without local work: the step's path is agreed first and idle ranks still join.
         """
-        batch = self._next_batch()
+        batch = self._next_batch()  # may force a resolve of the in-flight step (retraction)
         outs, self._pending_outs = self._pending_outs, []
         self.last_batch_mode = batch.forward_mode if batch else None
-        if dp_sync is not None:
-            return outs + self._step_dp(batch, dp_sync)
-        if batch is None:
-            return outs
-        self.num_forwards[batch.forward_mode] += 1
-        self._last_was_prefill = batch.forward_mode == ForwardMode.EXTEND
-        forward_batch = batch.to_forward_batch(self.device)
-        logits = self.model_runner.forward(forward_batch).next_token_logits
-        return outs + self._process_result(batch, logits)
+        self.last_batch = batch
+        launched = self._launch(batch, dp_sync)
+        previous, self._inflight = self._inflight, launched
+        if previous is not None:
+            if launched is not None:
+                self.counters["overlap_steps"] += 1  # this launch went out before the host waited
+            outs += self._process(previous)
+        if not self.overlap and self._inflight is not None:
+            outs += self._resolve_inflight()
+        return outs
 
-    def _step_dp(self, batch: Optional[ScheduleBatch], dp_sync) -> List[TokenOut]:
-        from sglang.srt.managers.dp_sync import dp_step
-        from sglang.srt.model_executor.forward_batch_info import build_forward_batch
+    def _resolve_inflight(self) -> List[TokenOut]:
+        launched, self._inflight = self._inflight, None
+        return self._process(launched) if launched is not None else []
 
+    def _launch(self, batch: Optional[ScheduleBatch], dp_sync) -> Optional[LaunchedStep]:
+        """Build the forward batch (placeholders resolved on the device), run it and sample on
+        the device; None when nothing was sampled for this rank (no batch, an idle DP step)."""
+        if batch is None and dp_sync is None:
+            return None
         if batch is not None:
             fb = batch.to_forward_batch(self.device)
+            if batch.has_placeholders():
+                fb.input_ids = self.future_map.resolve(fb.input_ids)
         else:
+            from sglang.srt.model_executor.forward_batch_info import build_forward_batch
+
             fb = build_forward_batch(ForwardMode.IDLE, [], [], [], self.device)
-        _, out = dp_step(self.model_runner, fb, dp_sync)
-        if out is None:  # no rank had work
-            return []
-        if batch is None:
-            self.num_forwards[ForwardMode.IDLE] += 1
-            return []
+        if dp_sync is None:
+            logits = self.model_runner.forward(fb).next_token_logits
+        else:
+            from sglang.srt.managers.dp_sync import dp_step
+
+            _, out = dp_step(self.model_runner, fb, dp_sync)
+            if out is None:  # no rank had work
+                return None
+            if batch is None:
+                self.num_forwards[ForwardMode.IDLE] += 1
+                return None
+            logits = out.next_token_logits
         self.num_forwards[batch.forward_mode] += 1
         self._last_was_prefill = batch.forward_mode == ForwardMode.EXTEND
-        return self._process_result(batch, out.next_token_logits)
+        return self._sample(batch, logits)
 
     def _next_batch(self) -> Optional[ScheduleBatch]:
         batch = self._schedule()
@@ -166,7 +208,11 @@ class Scheduler:
             if prefill:
                 return self._make_batch(prefill, [])
         if self.running:
-            return self._make_batch([], self._prepare_decode()[0])
+            batch = self._make_batch([], self._prepare_decode()[0])
+            if batch is not None or not has_prefill:
+                return batch
+            # every running request is finishing on its in-flight tokens (overlap): prefill now
+            return self._make_batch(self._plan_prefill(self.chunked_prefill_size, decode_allocated=False), [])
         return None
 
     @staticmethod
@@ -192,18 +238,31 @@ class Scheduler:
         until that fits. Returns (decode rows, whether anything was retracted)."""
         retracted = False
         while self.running:
-            need = sum(self.pool.pages_needed(r.req_pool_idx, r.seq_len) for r in self.running)
+            need = sum(self.pool.pages_needed(r.req_pool_idx, r.seq_len) for r in self._decodable())
             if need <= self.pool.num_free_pages:
                 break
+            if self._inflight is not None:
+                # retraction re-prefills prompt + outputs, and a failure reports them: both
+                # need every output on the host, and the finishes may free enough pages
+                self.counters["forced_resolves"] += 1
+                self._pending_outs += self._resolve_inflight()
+                continue
             holders = self._holders()
             if len(holders) == 1:
                 self._fail_unfittable(holders[0])
                 continue
             self._retract(max(holders, key=lambda r: r.arrival_seq))
             retracted = True
-        for r in self.running:
+        decode = self._decodable()
+        for r in decode:
             self.pool.ensure_capacity(r.req_pool_idx, r.seq_len)
-        return list(self.running), retracted
+        return decode, retracted
+
+    def _decodable(self) -> List[Req]:
+        """Running requests that need another token: one whose in-flight tokens reach its
+        length limit finishes when they are processed, whatever they are."""
+        return [r for r in self.running if not (r.pending_ids and (
+            r.num_generated >= r.sampling_params.max_new_tokens or r.seq_len >= self.context_length))]
 
     def _plan_prefill(self, token_budget: Optional[int], decode_allocated: bool) -> List[Tuple[Req, int]]:
         """Admit chunks FCFS and allocate their slots and pages. Returns (req, num_tokens)."""
@@ -244,6 +303,7 @@ class Scheduler:
         return plan
 
     def _retract(self, req: Req) -> None:
+        assert not req.pending_ids, "resolve the in-flight step before retracting (outputs re-prefill)"
         logger.info("retracting %s (%d tokens) to free KV pages", req.rid, req.seq_len)
         self._release_kv(req)
         req.num_retractions += 1
@@ -270,6 +330,7 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: dict, count: str) -> None:
         req.finish_reason = reason
+        req.pending_ids.clear()  # in-flight tokens after the finish: dropped when processed
         was_waiting = req.req_pool_idx is None  # every request holding no slot is queued
         self._release_kv(req)
         if was_waiting:
@@ -279,31 +340,51 @@ class Scheduler:
 
     # ---- results ---------------------------------------------------------------------
 
-    def _process_result(self, batch: ScheduleBatch, logits) -> List[TokenOut]:
+    def _sample(self, batch: ScheduleBatch, logits) -> LaunchedStep:
+        """Advance the KV bookkeeping of a launched forward and sample its completing rows on
+        the device; their tokens become placeholders until the step is processed."""
         rows = [i for i in range(len(batch.reqs)) if batch.completes(i)]
         for req, n in zip(batch.reqs, batch.extend_lens):
             req.prefix_len += n
-        # max_new_tokens == 0 ends right after prefill: its logits are not sampled
-        done_now = [batch.reqs[i] for i in rows if batch.reqs[i].sampling_params.max_new_tokens == 0]
-        rows = [i for i in rows if batch.reqs[i].sampling_params.max_new_tokens > 0]
-        outs: List[TokenOut] = []
-        for req in done_now:
+        step = LaunchedStep()
+        # max_new_tokens == 0 ends right after prefill: its logits are not sampled. Its KV is
+        # freed after this forward was launched (stream order keeps that safe).
+        for req in [batch.reqs[i] for i in rows if batch.reqs[i].sampling_params.max_new_tokens == 0]:
             self._finish(req, {"type": "length", "length": 0}, count="finished")
-            outs.append(self._token_out(req))
+            step.early_outs.append(self._token_out(req))
+        rows = [i for i in rows if batch.reqs[i].sampling_params.max_new_tokens > 0]
         if not rows:
-            return outs
+            return step
         reqs = [batch.reqs[i] for i in rows]
         if len(rows) < logits.shape[0]:
-            logits = logits[rows]
-        tokens = self.sampler(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs]).tolist()
-        for i, req, tok in zip(rows, reqs, tokens):
+            logits = logits[rows_to_device(rows, logits.device)]
+        ids = self.sampler(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
+        first = self.future_map.store(ids)
+        step.host_ids, step.event = LaunchedStep.copy_to_host(ids)
+        for j, (i, req) in enumerate(zip(rows, reqs)):
+            req.pending_ids.append(-(first + j))
+            step.reqs.append(req)
+            step.placeholders.append(-(first + j))
+            if i < batch.num_prefill_reqs:
+                self.running.append(req)  # its prefill just completed: it decodes from now on
+        return step
+
+    def _process(self, step: LaunchedStep) -> List[TokenOut]:
+        """Read a launched step's sampled ids (waits for that step only) and apply them:
+        append, finish checks, stream outputs. A request that finished meanwhile (a stop seen
+        one step late, an abort) drops its token."""
+        outs = list(step.early_outs)
+        for req, placeholder, tok in zip(step.reqs, step.placeholders, step.wait_tokens()):
+            if req.finished:
+                self.counters["dropped_tokens"] += 1
+                continue
+            assert req.pending_ids and req.pending_ids[0] == placeholder, "in-flight tokens resolve in order"
+            req.pending_ids.pop(0)
             req.output_ids.append(tok)
             self.counters["generated_tokens"] += 1
             reason = check_finished(req, self.eos_token_ids, self.context_length, self.decode_fn)
             if reason is not None:
                 self._finish(req, reason, count="finished")
-            elif i < batch.num_prefill_reqs:
-                self.running.append(req)  # its prefill just completed: it decodes from now on
             unsent = len(req.output_ids) - req.num_sent
             if req.finished or (req.stream and (req.num_sent == 0 or unsent >= self.stream_interval)):
                 outs.append(self._token_out(req))
@@ -344,4 +425,8 @@ class Scheduler:
             "num_aborted_reqs": self.counters["aborted"],
             "num_failed_reqs": self.counters["failed"],
             "num_generated_tokens": self.counters["generated_tokens"],
+            "overlap_schedule": self.overlap,
+            "num_overlap_steps": self.counters["overlap_steps"],
+            "num_dropped_tokens": self.counters["dropped_tokens"],
+            "num_forced_resolves": self.counters["forced_resolves"],
         }

@@ -13,6 +13,7 @@ from typing import Dict, List
 import torch
 
 from sglang.srt.mem_cache.allocator import FreeListAllocator, KVCacheExhausted
+from sglang.srt.model_executor.host_to_device import to_device_async
 
 PADDING_PAGE = 0  # never handed to a request; padded rows read it and write nothing
 
@@ -65,7 +66,9 @@ class ReqToTokenPool:
         base = torch.tensor(new_pages, dtype=torch.int32).repeat_interleave(ps) * ps
         offs = torch.arange(ps, dtype=torch.int32).repeat(len(new_pages))
         cols = min(end, self.max_context_len)
-        self.req_to_token[req_slot, start:cols] = (base + offs)[: cols - start].to(self.req_to_token.device)
+        # non-blocking: a blocking upload would wait for the forward in flight (overlap scheduling)
+        rows = (base + offs)[: cols - start]
+        self.req_to_token[req_slot, start:cols] = to_device_async(rows, self.req_to_token.device)
 
     def free_req(self, req_slot: int) -> None:
         pages = self._pages_of.pop(req_slot)
