@@ -205,14 +205,15 @@ def dp_scheduler_rank_main(rank: int, world: int, port: int, out_dir: str, stop_
         from sglang.srt.managers.dp_sync import DPStepSync
         from sglang.srt.managers.scheduler import Scheduler
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
-        from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+        from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.srt.server_args import ServerArgs
+        from sglang.test.runner_args import cpu_server_args
 
         groups = init_dp_groups(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s)
         cfg = dict(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096)
-        runner = ModelRunner(ModelRunnerConfig(**cfg, max_num_reqs=6, dp_size=world, enable_breakable_cuda_graph=True,
-                                               breakable_cuda_graph_tokens=list(BUCKETS), cuda_graph_on_cpu=True,
-                                               cuda_graph_max_bs=4))
+        runner = ModelRunner(cpu_server_args(**cfg, max_running_requests=6, dp_size=world, enable_dp_attention=True,
+                                             enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=list(BUCKETS),
+                                             cuda_graph_max_bs=4), cuda_graph_on_cpu=True)
         out = {}
         for overlap in (True, False):
             args = ServerArgs(**cfg, device="cpu", max_running_requests=6, chunked_prefill_size=32,

@@ -11,9 +11,10 @@ import torch
 
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
-from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerConfig
+from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
+from sglang.test.runner_args import cpu_server_args
 
 TINY = dict(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096)
 LENGTHS = [5, 40, 70, 3, 20, 9, 130, 1]
@@ -26,9 +27,9 @@ def detok(ids):
 @pytest.fixture(scope="module")
 def graph_runner():
     torch.manual_seed(0)
-    return ModelRunner(ModelRunnerConfig(**TINY, max_num_reqs=6, enable_breakable_cuda_graph=True,
-                                         breakable_cuda_graph_tokens=[8, 32, 64], cuda_graph_on_cpu=True,
-                                         cuda_graph_max_bs=4))
+    return ModelRunner(cpu_server_args(**TINY, max_running_requests=6, enable_breakable_cuda_graph=True,
+                                       breakable_cuda_graph_tokens=[8, 32, 64], cuda_graph_max_bs=4),
+                       cuda_graph_on_cpu=True)
 
 
 def make_requests(vocab, max_new_tokens=10, seed=0, lengths=LENGTHS, **params):
@@ -41,7 +42,7 @@ def make_requests(vocab, max_new_tokens=10, seed=0, lengths=LENGTHS, **params):
 def serve(runner, reqs, overlap, device="cpu", **kw):
     """Run reqs to the end on a fresh scheduler over `runner`: (rid -> (ids, finish reason),
     stats with "batches", each launched forward's (mode, extend lengths))."""
-    args = dict(TINY, device=device, max_running_requests=runner.max_num_reqs,
+    args = dict(TINY, device=device, max_running_requests=runner.server_args.max_running_requests,
                 max_total_tokens=(runner.req_to_token_pool.pages.capacity) * runner.req_to_token_pool.page_size)
     args.update(kw, disable_overlap_schedule=not overlap)
     s = Scheduler(ServerArgs(**args).resolve(cuda_available=device == "cuda"), runner, decode_fn=detok)
@@ -103,7 +104,7 @@ def test_seeded_sampling_with_graphs_is_the_same_with_and_without_overlap(graph_
 
 def test_retraction_on_the_model_gives_the_no_overlap_outputs():
     # 2 pages of 128 tokens; 3 requests that grow to 150 tokens each: retraction is forced
-    runner = ModelRunner(ModelRunnerConfig(**dict(TINY, max_total_tokens=256), max_num_reqs=3))
+    runner = ModelRunner(cpu_server_args(**dict(TINY, max_total_tokens=256), max_running_requests=3))
     reqs = lambda: make_requests(runner.config.vocab_size, max_new_tokens=40, lengths=[110, 100, 90],  # noqa: E731
                                  temperature=0.0, ignore_eos=True)
     on, stats = serve(runner, reqs(), overlap=True, chunked_prefill_size=64)
@@ -118,10 +119,10 @@ MINI_ARGS = dict(model_path="dsv4-mini", context_length=2048, enable_mixed_chunk
 
 @pytest.fixture(scope="module")
 def mini_cuda_runner():
-    runner = ModelRunner(ModelRunnerConfig(model_path="dsv4-mini", context_length=2048, max_total_tokens=65536,
-                                           device="cuda", dtype="bfloat16", max_num_reqs=16,
-                                           enable_breakable_cuda_graph=True,
-                                           breakable_cuda_graph_tokens=[16, 64, 256], cuda_graph_max_bs=16))
+    runner = ModelRunner(cpu_server_args(model_path="dsv4-mini", context_length=2048, max_total_tokens=65536,
+                                         device="cuda", dtype="bfloat16", max_running_requests=16,
+                                         enable_breakable_cuda_graph=True,
+                                         breakable_cuda_graph_tokens=[16, 64, 256], cuda_graph_max_bs=16))
     yield runner
     runner.shutdown()
 
