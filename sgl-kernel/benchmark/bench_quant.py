@@ -319,14 +319,14 @@ def _moe_compile_report():
         tag = (f"gemv bm={c['block_m']} bn={c['block_n_up']}/{c['block_n_down']} "
                f"k={32 * c['chunks']} w{c['num_warps']} s{c['num_stages']}")
         _sm90_report(f"moe gate_up {tag}", fp4_moe._gemv_gate_up_kernel,
-                     dict(a_ptr="*bf16", w1_ptr="*i8", w1s_ptr="*u8", w3_ptr="*i8",
+                     dict(a_ptr="*bf16", w1_ptr="*i32", w1s_ptr="*u8", w3_ptr="*i32",
                           w3s_ptr="*u8", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
                           weights_ptr="*fp32", h_ptr="*bf16", limit="fp32"),
                      dict(kw, HAS_LIMIT=True, BLOCK_N=c["block_n_up"], X_DTYPE=tl.bfloat16,
                           CHUNKS=fp4_moe._chunks(MOE_D, c["chunks"])),
                      c["num_warps"], c["num_stages"], ("M", "topk"))
         _sm90_report(f"moe down {tag}", fp4_moe._gemv_down_kernel,
-                     dict(h_ptr="*bf16", w2_ptr="*i8", w2s_ptr="*u8", sorted_ids_ptr="*i32",
+                     dict(h_ptr="*bf16", w2_ptr="*i32", w2s_ptr="*u8", sorted_ids_ptr="*i32",
                           block_expert_ptr="*i32", partial_ptr="*fp32"),
                      dict(kw, BLOCK_N=c["block_n_down"],
                           CHUNKS=fp4_moe._chunks(MOE_I, c["chunks"])),

@@ -20,10 +20,11 @@ fixed order.
   owns BLOCK_M (1, 2 or 4) rows of one expert and BLOCK_N weight rows, and walks K in steps
   of CHUNKS x 32 inputs (up to 512: 256 contiguous packed bytes per weight row, one wide
   load, so tens of KB are in flight per SM even when only the 6 experts of one token are
-  hit), the next step's bytes loaded before this step's math. Codes are decoded once per step
-  to exact fp32 values x 2^-14 (placed as fp16 bits and converted: ~5 integer instructions
-  per code in an sm_90 compile against ~9 for _e2m1_scaled's compares and selects) and shared
-  by the block's rows: per row one FMA per weight and an in-thread sum per 32-input chunk, the
+  hit), the next step's bytes loaded before this step's math, as int32 words. Codes are
+  decoded once per step to exact fp32 values x 2^-14, two per shift-and-merge (codes i and
+  i + 4 of a word sit 16 bits apart, as the halves of an fp16 pair: built as fp16 bits, each
+  half converted; ~3.5 integer instructions per code in an sm_90 compile, against ~9 for
+  _e2m1_scaled's compares and selects), and shared by the block's rows: per row one FMA per weight and an in-thread sum per 32-input chunk, the
   chunk sum times the chunk's weight scale (a power of two: exact) added to a
   [BLOCK_N, CHUNKS] fp32 accumulator reduced (and x 2^14) once at the end. A 1-2 row expert block costs 1-2 FMAs per weight element instead of a 16-row MMA
   tile. Activations (x, and h before the down GEMM) are rounded to FP8 per 128 by the host
@@ -227,36 +228,51 @@ def _fp4_down_kernel(
 # "gemv": decode-sized batches (see the module docstring)
 # ---------------------------------------------------------------------------------------
 @triton.jit
-def _e2m1_x2m14(code):
-    """e2m1 codes -> their values x 2^-14 in fp32, exact: the 3 magnitude bits placed at bits
-    9-11 of an fp16 (the two exponent bits at the bottom of fp16's exponent, the mantissa bit
-    at the top of its mantissa) give e2m1 x 2^-14 for every code, e2m1's own subnormal 0.5
-    becoming an fp16 subnormal; the fp16 -> fp32 conversion is exact (no flush: subnormal
-    only on the fp16 side). About half the integer work of _e2m1_scaled's compares/selects."""
-    bits = ((code & 7) << 9) | ((code & 8) << 12)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _gemv_load(w_ptr, s_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn, stride_se,
                stride_sn, CHUNKS: tl.constexpr):
-    """Raw weight rows n of expert e at inputs k0 .. k0 + 32 * CHUNKS - 1: (packed bytes
-    [BN, CHUNKS, 16], 16 * CHUNKS contiguous per row; e8m0 bytes [BN, CHUNKS])."""
-    j = k0 // 2 + tl.arange(0, CHUNKS)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-    byte = tl.load(w_ptr + e * stride_we + offs_n[:, None, None] * stride_wn + j,
+    """Raw weight rows n of expert e at inputs k0 .. k0 + 32 * CHUNKS - 1: (packed int32 words
+    [BN, CHUNKS, 4], 16 * CHUNKS contiguous bytes per row, w_ptr and stride_* in words; e8m0
+    bytes [BN, CHUNKS])."""
+    j = k0 // 8 + tl.arange(0, CHUNKS)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    word = tl.load(w_ptr + e * stride_we + offs_n[:, None, None] * stride_wn + j,
                    mask=n_mask[:, None, None], other=0)
     c = k0 // 32 + tl.arange(0, CHUNKS)
     sb = tl.load(s_ptr + e * stride_se + offs_n[:, None] * stride_sn + c[None, :],
                  mask=n_mask[:, None], other=0)
-    return byte, sb
+    return word, sb
 
 
 @triton.jit
-def _gemv_decode(byte, sb):
-    """_gemv_load's bytes -> (fp32 e2m1 values x 2^-14 [BN, CHUNKS, 32], fp32 chunk scales
-    [BN, CHUNKS] = 2^(byte - 127), byte 0 -> 0)."""
-    byte = byte.to(tl.int32) & 0xFF
-    w = _e2m1_x2m14(tl.interleave(byte & 0xF, byte >> 4))
+def _nibbles_x2m14(word, i: tl.constexpr):
+    """Codes i and i + 4 (bits 4i .. 4i + 3 and 16 higher) of each int32 word as their e2m1
+    values x 2^-14 in fp32, exact: a code's 3 magnitude bits placed at bits 9-11 of an fp16
+    (the two exponent bits at the bottom of fp16's exponent, the mantissa bit at the top of
+    its mantissa) and its sign at bit 15 give e2m1 x 2^-14 for every code, e2m1's own
+    subnormal 0.5 becoming an fp16 subnormal; fp16 -> fp32 is exact (no flush: subnormal only
+    on the fp16 side). The two codes sit 16 bits apart, as the halves of an fp16 pair do, so
+    one shift-and-merge builds both patterns; each half then converts alone."""
+    x = (word >> (4 * i)) if i > 0 else word  # arithmetic shift: the masks drop the sign fill
+    pair = ((x << 9) & 0x0E000E00) | ((x << 12) & -0x7FFF8000)  # 0x80008000 as an int32
+    lo = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = ((pair >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _gemv_decode(word, sb):
+    """_gemv_load's words -> (fp32 e2m1 values x 2^-14 [BN, CHUNKS, 32], fp32 chunk scales
+    [BN, CHUNKS] = 2^(byte - 127), byte 0 -> 0). Code i of a word (little-endian, element 2j
+    in byte j's low nibble) is input 8 * word + i: three rounds of interleaving put them in
+    order (interleave(a, b)[2j + t] = (a, b)[t][j]; in-thread, no data moves)."""
+    n0, n4 = _nibbles_x2m14(word, 0)
+    n1, n5 = _nibbles_x2m14(word, 1)
+    n2, n6 = _nibbles_x2m14(word, 2)
+    n3, n7 = _nibbles_x2m14(word, 3)
+    c0 = tl.interleave(n0, n4)
+    c1 = tl.interleave(n1, n5)
+    c2 = tl.interleave(n2, n6)
+    c3 = tl.interleave(n3, n7)
+    w = tl.interleave(tl.interleave(c0, c2), tl.interleave(c1, c3))
     return w, ((sb.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)
 
 
@@ -329,7 +345,7 @@ def _gemv_rows(a_ptr, a_rows, valid, stride_a, w_ptr, s_ptr, w3_ptr, s3_ptr, e, 
         if BLOCK_M > 2:
             g2, u2 = _gemv_row(g2, u2, w, s, w3, s3, a_ptr, r2, n2, k0, stride_a, PAIR, CHUNKS)
             g3, u3 = _gemv_row(g3, u3, w, s, w3, s3, a_ptr, r3, n3, k0, stride_a, PAIR, CHUNKS)
-    # The weights were decoded x 2^-14 (_e2m1_x2m14): undo it once per output (exact).
+    # The weights were decoded x 2^-14 (_nibbles_x2m14): undo it once per output (exact).
     return (tl.sum(g0, axis=1) * 16384.0, tl.sum(g1, axis=1) * 16384.0,
             tl.sum(g2, axis=1) * 16384.0, tl.sum(g3, axis=1) * 16384.0,
             tl.sum(u0, axis=1) * 16384.0, tl.sum(u1, axis=1) * 16384.0,
@@ -600,18 +616,19 @@ def _gemv_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, 
               num_stages=cfg["num_stages"])
     bn = cfg["block_n_up"]
     _gemv_gate_up_kernel[(max_blocks, triton.cdiv(I, bn))](
-        a, w1.view(torch.int8), w1_scale.view(torch.uint8), w3.view(torch.int8),
+        a, w1.view(torch.int32), w1_scale.view(torch.uint8), w3.view(torch.int32),
         w3_scale.view(torch.uint8), sorted_ids, block_expert, weights_flat, h,
-        M, d, I, topk, a.stride(0), w1.stride(0), w1.stride(1), w1_scale.stride(0),
+        M, d, I, topk, a.stride(0), w1.stride(0) // 4, w1.stride(1) // 4, w1_scale.stride(0),
         w1_scale.stride(1), h.stride(0), float(limit), HAS_LIMIT=limit > 0, BLOCK_N=bn,
         X_DTYPE=_TL_DTYPE[x.dtype], CHUNKS=_chunks(d, cfg["chunks"]), **kw)
     if act_quant:  # padding rows are rounded too, never read
         h = round_act(h)
     bn = cfg["block_n_down"]
     _gemv_down_kernel[(max_blocks, triton.cdiv(d, bn))](
-        h, w2.view(torch.int8), w2_scale.view(torch.uint8), sorted_ids, block_expert, partial,
-        M, d, I, h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        partial.stride(0), BLOCK_N=bn, CHUNKS=_chunks(I, cfg["chunks"]), **kw)
+        h, w2.view(torch.int32), w2_scale.view(torch.uint8), sorted_ids, block_expert, partial,
+        M, d, I, h.stride(0), w2.stride(0) // 4, w2.stride(1) // 4, w2_scale.stride(0),
+        w2_scale.stride(1), partial.stride(0), BLOCK_N=bn, CHUNKS=_chunks(I, cfg["chunks"]),
+        **kw)
     block_d = min(SUM_BLOCK_D, triton.next_power_of_2(d))
     _sum_topk_kernel[(T, triton.cdiv(d, block_d))](
         partial, ids.reshape(-1).contiguous(), out, d, topk, partial.stride(0), out.stride(0),
