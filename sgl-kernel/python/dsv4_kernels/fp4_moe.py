@@ -24,13 +24,15 @@ fixed order.
   decoded once per step to exact fp32 values x 2^-14, two per shift-and-merge (codes i and
   i + 4 of a word sit 16 bits apart, as the halves of an fp16 pair: built as fp16 bits, each
   half converted; ~3.5 integer instructions per code in an sm_90 compile, against ~9 for
-  _e2m1_scaled's compares and selects), and shared by the block's rows: per row one FMA per weight and an in-thread sum per 32-input chunk, the
-  chunk sum times the chunk's weight scale (a power of two: exact) added to a
-  [BLOCK_N, CHUNKS] fp32 accumulator reduced (and x 2^14) once at the end. A 1-2 row expert block costs 1-2 FMAs per weight element instead of a 16-row MMA
-  tile. Activations (x, and h before the down GEMM) are rounded to FP8 per 128 by the host
-  kernels and read in x's dtype (e4m3 x a pow2 scale is exact there), so products are exact
-  e2m1 x e4m3 values in fp32 as in the release; without act_quant, x and h as they are. Same
-  alignment (moe_align at BLOCK_M), h layout, partials and top-k sum as the other variants.
+  _e2m1_scaled's compares and selects), and shared by the block's rows: per row one FMA per
+  weight and an in-thread sum per 32-input chunk, the chunk sum times the chunk's weight
+  scale (a power of two: exact) added to a [BLOCK_N, CHUNKS] fp32 accumulator reduced (and
+  x 2^14) once at the end. A 1-2 row expert block costs 1-2 FMAs per weight element instead
+  of a 16-row MMA tile. Activations (x, and h before the down GEMM) are rounded to FP8 per
+  128 by the host kernels and read in x's dtype (e4m3 x a pow2 scale is exact there), so
+  products are exact e2m1 x e4m3 values in fp32 as in the release; without act_quant, x and
+  h as they are. Same alignment (moe_align at BLOCK_M), h layout, partials and top-k sum as
+  the other variants.
   N is split finely (16-32 rows per program); K is not split (a split would need a second
   fp32 reduction pass; at Flash's dims T = 1 already gives hundreds of programs).
   default_variant picks it at T * topk <= GEMV_MAX_ASSIGNMENTS, 0 (off) until measured.
