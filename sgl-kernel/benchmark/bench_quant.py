@@ -5,8 +5,8 @@
   TFLOP/s vs the dense FP8 (1979) and bf16 (989) peaks; GB/s (weight + scales + x + out) vs
   4.8 TB/s HBM.
 - FP4 MoE (fp4_moe.fp4_fused_moe, all decodes; the gemv one at T <= GEMV_MAX_T, with two
-  tile alternatives: gemv_release_bm1 = one row per expert block, gemv_release_w4 = 4 warps
-  and 256-input K steps) at Flash's expert dims (hidden 4096, inter
+  tile alternatives: gemv_release_bm1 / _bm4 = 1 / 4 rows per expert block,
+  gemv_release_w4 = 4 warps and 256-input K steps) at Flash's expert dims (hidden 4096, inter
   2048, top-6 of 256, uniformly random ids): one rank's 128 experts (ids >= 128 skipped, as a
   shard sees them) and all 256. GB/s counts the weight bytes actually touched (distinct local
   experts hit x bytes per expert, scales included); TFLOP/s counts the local assignments'
@@ -184,6 +184,7 @@ def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
                 gemv = fp4_moe.gemv_config(T, MOE_TOPK)
                 runs += [("gemv", True, None, ""), ("gemv", False, None, ""),
                          ("gemv", True, dict(gemv, block_m=1), "_bm1"),
+                         ("gemv", True, dict(gemv, block_m=4), "_bm4"),
                          ("gemv", True, dict(gemv, num_warps=4, chunks=8), "_w4")]
             for variant, act_quant, cfg, tag in runs:
                 impl = f"{variant}_{'release' if act_quant else 'weight_only'}{tag}"
@@ -312,7 +313,7 @@ def _moe_compile_report():
                               block_expert_ptr="*i32", partial_ptr="*fp32"),
                          dict(kw, BLOCK_N=c["block_n_down"]), c["num_warps"], c["num_stages"],
                          ("M",))
-    gemv_configs = [fp4_moe.gemv_config(T, MOE_TOPK) for T in (1, 16, 64)]
+    gemv_configs = [fp4_moe.gemv_config(T, MOE_TOPK) for T in (1, 16, 256)]  # bm 1, 2, 4
     gemv_configs += [dict(c, num_warps=4, chunks=8) for c in gemv_configs]  # bench's _w4
     for c in gemv_configs:
         kw = dict(NUM_EXPERTS=MOE_E // 2, BLOCK_M=c["block_m"])

@@ -478,14 +478,16 @@ def moe_config(T: int, topk: int, variant: str = "bf16") -> dict:
 
 def gemv_config(T: int, topk: int) -> dict:
     """The gemv variant's tiles (fixed per shape: graph capture). block_m follows the rows an
-    expert block is likely to hold (uniform routing over a 128-expert shard, top-6: ~1 real
-    row per hit expert up to T = 16, ~2 at T = 64): every row of a block costs one FMA per
-    weight element, real or padding. chunks: 32-input chunks per K step (16: 256 packed bytes
+    expert holds (uniform routing over a 128-expert shard, top-6: ~1.2 per hit expert at
+    T = 16, ~1.6 at T = 64): every row of a block costs one FMA per weight element, real or
+    padding, and every extra block of an expert one more decode of its weights (~4.5
+    instructions per element), so 2-row blocks from T * topk > 32 and 4-row ones only past
+    T * topk = 384, where experts commonly hold 3 or more. chunks: 32-input chunks per K step (16: 256 packed bytes
     per weight row and step, 8 KB per program and step over 16 rows of gate + up or 32 rows of
     down; capped to divide K). 8 warps carry the [block_n, 16 x 32] decoded fp32 step. Not
     tuned on a GPU yet (bench_quant.py --only moe --quick times it)."""
     M = T * topk
-    block_m = 1 if M <= 32 else 2 if M <= 192 else 4
+    block_m = 1 if M <= 32 else 2 if M <= 384 else 4
     return dict(block_m=block_m, block_n_up=16, block_n_down=32, chunks=16, num_warps=8,
                 num_stages=2)
 
