@@ -279,13 +279,13 @@ def _gemv_decode(word, sb):
 
 
 @triton.jit
-def _gemv_row(acc, acc3, w, s, w3, s3, a_ptr, a_row, n_valid, k0, stride_a,
-              PAIR: tl.constexpr, CHUNKS: tl.constexpr):
+def _gemv_row(acc, acc3, w, s, w3, s3, a_ptr, a_row, k0, stride_a, PAIR: tl.constexpr,
+              CHUNKS: tl.constexpr):
     """acc [BN, CHUNKS] += (chunk sums of w x this row's inputs) x s, and with PAIR acc3 the
-    same with w3/s3 (one activation load for both). n_valid: K for a real row, 0 for padding
-    (an int bound rather than a scalar bool in the mask: the interpreter rejects those)."""
+    same with w3/s3 (one activation load for both). Unmasked (vector loads): a padding row
+    points at a real row of A and its sums are never stored."""
     kk = k0 + tl.arange(0, CHUNKS)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    a = tl.load(a_ptr + a_row * stride_a + kk, mask=kk < n_valid, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + a_row * stride_a + kk).to(tl.float32)
     acc += tl.sum(w * a[None, :, :], axis=2) * s
     if PAIR:
         acc3 += tl.sum(w3 * a[None, :, :], axis=2) * s3
@@ -293,24 +293,18 @@ def _gemv_row(acc, acc3, w, s, w3, s3, a_ptr, a_row, n_valid, k0, stride_a,
 
 
 @triton.jit
-def _gemv_rows(a_ptr, a_rows, valid, stride_a, w_ptr, s_ptr, w3_ptr, s3_ptr, e, offs_n,
-               n_mask, K, stride_we, stride_wn, stride_se, stride_sn, PAIR: tl.constexpr,
+def _gemv_rows(a_ptr, a_rows, stride_a, w_ptr, s_ptr, w3_ptr, s3_ptr, e, offs_n, n_mask, K,
+               stride_we, stride_wn, stride_se, stride_sn, PAIR: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
-    """[BLOCK_N] fp32 dots of rows a_rows[m] (m < BLOCK_M <= 4; valid[m] False: padding) of A
-    with W_e's rows n (and with PAIR W3_e's), K = CHUNKS * 32 per step. Returns
+    """[BLOCK_N] fp32 dots of rows a_rows[m] (m < BLOCK_M <= 4; each a row A holds, padding
+    rows too) of A with W_e's rows n (and with PAIR W3_e's), K = CHUNKS * 32 per step. Returns
     (g0, g1, g2, g3, u0, u1, u2, u3): g for W, u for W3; rows past BLOCK_M stay 0. One
     accumulator per row (not a [BLOCK_M, ...] tensor) keeps every row's update in the weights'
     register layout: a row-select would move data between threads every step."""
-    pick = tl.arange(0, 4)
-    r0 = tl.sum(tl.where(pick == 0, a_rows, 0))
-    r1 = tl.sum(tl.where(pick == 1, a_rows, 0))
-    r2 = tl.sum(tl.where(pick == 2, a_rows, 0))
-    r3 = tl.sum(tl.where(pick == 3, a_rows, 0))
-    vk = valid.to(tl.int32) * K
-    n0 = tl.sum(tl.where(pick == 0, vk, 0))
-    n1 = tl.sum(tl.where(pick == 1, vk, 0))
-    n2 = tl.sum(tl.where(pick == 2, vk, 0))
-    n3 = tl.sum(tl.where(pick == 3, vk, 0))
+    r0 = _pick(a_rows, 0)
+    r1 = _pick(a_rows, 1)
+    r2 = _pick(a_rows, 2)
+    r3 = _pick(a_rows, 3)
     g0 = tl.zeros([BLOCK_N, CHUNKS], tl.float32)
     g1 = tl.zeros([BLOCK_N, CHUNKS], tl.float32)
     g2 = tl.zeros([BLOCK_N, CHUNKS], tl.float32)
@@ -341,12 +335,12 @@ def _gemv_rows(a_ptr, a_rows, valid, stride_a, w_ptr, s_ptr, w3_ptr, s3_ptr, e, 
         w3, s3 = w, s
         if PAIR:
             w3, s3 = _gemv_decode(cb3, cs3)
-        g0, u0 = _gemv_row(g0, u0, w, s, w3, s3, a_ptr, r0, n0, k0, stride_a, PAIR, CHUNKS)
+        g0, u0 = _gemv_row(g0, u0, w, s, w3, s3, a_ptr, r0, k0, stride_a, PAIR, CHUNKS)
         if BLOCK_M > 1:
-            g1, u1 = _gemv_row(g1, u1, w, s, w3, s3, a_ptr, r1, n1, k0, stride_a, PAIR, CHUNKS)
+            g1, u1 = _gemv_row(g1, u1, w, s, w3, s3, a_ptr, r1, k0, stride_a, PAIR, CHUNKS)
         if BLOCK_M > 2:
-            g2, u2 = _gemv_row(g2, u2, w, s, w3, s3, a_ptr, r2, n2, k0, stride_a, PAIR, CHUNKS)
-            g3, u3 = _gemv_row(g3, u3, w, s, w3, s3, a_ptr, r3, n3, k0, stride_a, PAIR, CHUNKS)
+            g2, u2 = _gemv_row(g2, u2, w, s, w3, s3, a_ptr, r2, k0, stride_a, PAIR, CHUNKS)
+            g3, u3 = _gemv_row(g3, u3, w, s, w3, s3, a_ptr, r3, k0, stride_a, PAIR, CHUNKS)
     # The weights were decoded x 2^-14 (_nibbles_x2m14): undo it once per output (exact).
     return (tl.sum(g0, axis=1) * 16384.0, tl.sum(g1, axis=1) * 16384.0,
             tl.sum(g2, axis=1) * 16384.0, tl.sum(g3, axis=1) * 16384.0,
@@ -401,7 +395,7 @@ def _gemv_gate_up_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     g0, g1, g2, g3, u0, u1, u2, u3 = _gemv_rows(
-        a_ptr, token, ok, stride_a, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, e, offs_n, n_mask, d,
+        a_ptr, token, stride_a, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, e, offs_n, n_mask, d,
         stride_we, stride_wn, stride_se, stride_sn, True, BLOCK_M, BLOCK_N, CHUNKS)
     _gemv_h_store(g0, u0, _pick(rows, 0), _pick(assign, 0), _pick(ok.to(tl.int32), 0) > 0,
                   weights_ptr, h_ptr, stride_h, offs_n, I, limit, HAS_LIMIT, X_DTYPE)
@@ -438,7 +432,7 @@ def _gemv_down_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < d
     g0, g1, g2, g3, _, _, _, _ = _gemv_rows(
-        h_ptr, rows.to(tl.int64), ok, stride_h, w2_ptr, w2s_ptr, w2_ptr, w2s_ptr, e, offs_n,
+        h_ptr, rows.to(tl.int64), stride_h, w2_ptr, w2s_ptr, w2_ptr, w2s_ptr, e, offs_n,
         n_mask, I, stride_we, stride_wn, stride_se, stride_sn, False, BLOCK_M, BLOCK_N, CHUNKS)
     oki = ok.to(tl.int32)
     _gemv_partial_store(g0, _pick(assign, 0), _pick(oki, 0) > 0, partial_ptr, stride_p, offs_n, d)
