@@ -253,7 +253,7 @@ def _nibbles_x2m14(word, i: tl.constexpr):
     subnormal 0.5 becoming an fp16 subnormal; fp16 -> fp32 is exact (no flush: subnormal only
     on the fp16 side). The two codes sit 16 bits apart, as the halves of an fp16 pair do, so
     one shift-and-merge builds both patterns; each half then converts alone."""
-    x = (word >> (4 * i)) if i > 0 else word  # arithmetic shift: the masks drop the sign fill
+    x = word >> (4 * i)  # arithmetic shift: the masks below drop the sign fill
     pair = ((x << 9) & 0x0E000E00) | ((x << 12) & -0x7FFF8000)  # 0x80008000 as an int32
     lo = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = ((pair >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
