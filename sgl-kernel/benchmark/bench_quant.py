@@ -4,9 +4,10 @@
   weight-only) at DSV4-Flash shapes, with bf16 torch.mm on a bf16 copy of the weight beside it.
   TFLOP/s vs the dense FP8 (1979) and bf16 (989) peaks; GB/s (weight + scales + x + out) vs
   4.8 TB/s HBM.
-- FP4 MoE (fp4_moe.fp4_fused_moe, all decodes; the gemv one at T <= GEMV_MAX_T, with two
-  tile alternatives: gemv_release_bm1 / _bm4 = 1 / 4 rows per expert block,
-  gemv_release_w4 = 4 warps and 256-input K steps) at Flash's expert dims (hidden 4096, inter
+- FP4 MoE (fp4_moe.fp4_fused_moe, all decodes; the gemv one at T <= GEMV_MAX_T, with tile
+  alternatives where they differ from gemv_config's: gemv_release_bm1 / _bm4 = 1 / 4 rows
+  per expert block, _narrow / _wide = the small-batch (16/32 x 512) / larger-batch
+  (64 x 128) N x K tiles) at Flash's expert dims (hidden 4096, inter
   2048, top-6 of 256, uniformly random ids): one rank's 128 experts (ids >= 128 skipped, as a
   shard sees them) and all 256. GB/s counts the weight bytes actually touched (distinct local
   experts hit x bytes per expert, scales included); TFLOP/s counts the local assignments'
@@ -182,10 +183,11 @@ def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
             runs = [("bf16", True, None, ""), ("fp8", True, None, ""), ("bf16", False, None, "")]
             if T <= GEMV_MAX_T:
                 gemv = fp4_moe.gemv_config(T, MOE_TOPK)
-                runs += [("gemv", True, None, ""), ("gemv", False, None, ""),
-                         ("gemv", True, dict(gemv, block_m=1), "_bm1"),
-                         ("gemv", True, dict(gemv, block_m=4), "_bm4"),
-                         ("gemv", True, dict(gemv, num_warps=4, chunks=8), "_w4")]
+                alts = [(dict(gemv, block_m=1), "_bm1"), (dict(gemv, block_m=4), "_bm4"),
+                        (dict(gemv, block_n_up=16, block_n_down=32, chunks=16), "_narrow"),
+                        (dict(gemv, block_n_up=64, block_n_down=64, chunks=4), "_wide")]
+                runs += [("gemv", True, None, ""), ("gemv", False, None, "")]
+                runs += [("gemv", True, c, tag) for c, tag in alts if c != gemv]
             for variant, act_quant, cfg, tag in runs:
                 impl = f"{variant}_{'release' if act_quant else 'weight_only'}{tag}"
                 fn = (lambda x=x, ws=ws, ids=ids, weights=weights, out=out, v=variant,
@@ -314,7 +316,8 @@ def _moe_compile_report():
                          dict(kw, BLOCK_N=c["block_n_down"]), c["num_warps"], c["num_stages"],
                          ("M",))
     gemv_configs = [fp4_moe.gemv_config(T, MOE_TOPK) for T in (1, 16, 256)]  # bm 1, 2, 4
-    gemv_configs += [dict(c, num_warps=4, chunks=8) for c in gemv_configs]  # bench's _w4
+    gemv_configs += [dict(gemv_configs[0], block_m=m) for m in (2, 4)]  # bench's _narrow
+    gemv_configs += [dict(gemv_configs[1], block_m=1)]  # bench's _wide / _bm1
     for c in gemv_configs:
         kw = dict(NUM_EXPERTS=MOE_E // 2, BLOCK_M=c["block_m"])
         tag = (f"gemv bm={c['block_m']} bn={c['block_n_up']}/{c['block_n_down']} "

@@ -188,7 +188,7 @@ def test_gemv_duplicate_experts_in_a_row_add_up_without_swiglu_limit(device):
     ids = torch.tensor([[1, 1, 1], [-1, 3, 7], [2, 0, -1]], dtype=torch.int32, device=device)
     weights = torch.tensor([[0.5, 0.25, 2.0], [1.0, 1.0, 1.0], [0.75, 1.5, 9.0]],
                            device=device)
-    cfg = dict(fp4_moe.gemv_config(3, 3), block_m=4)
+    cfg = dict(fp4_moe.gemv_config(64, 6), block_m=4)  # the larger-batch tiles
     out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 0.0, torch.empty(3, d, device=device),
                                 False, "gemv", config=cfg)
     assert out[1].eq(0).all()
@@ -208,6 +208,8 @@ def test_gemv_is_picked_only_below_its_switch(device, monkeypatch):
     monkeypatch.setattr(fp4_moe, "GEMV_MAX_ASSIGNMENTS", 64 * 6)
     assert [fp4_moe.default_variant(T, 6) for T in (1, 64, 65)] == ["gemv", "gemv", "fp8"]
     assert [fp4_moe.gemv_config(T, 6)["block_m"] for T in (1, 16, 64, 65)] == [1, 2, 2, 4]
+    # Narrow N tiles with long K steps while few experts are hit, then 64 x 128.
+    assert [fp4_moe.gemv_config(T, 6)["block_n_up"] for T in (5, 6)] == [16, 64]
     # variant=None then takes gemv for weight-only numerics too (exact fp32 products).
     calls = []
     real = fp4_moe._gemv_moe

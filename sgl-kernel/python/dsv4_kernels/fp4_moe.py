@@ -282,8 +282,8 @@ def _gemv_decode(word, sb):
 def _gemv_row(acc, acc3, w, s, w3, s3, a_ptr, a_row, k0, stride_a, PAIR: tl.constexpr,
               CHUNKS: tl.constexpr):
     """acc [BN, CHUNKS] += (chunk sums of w x this row's inputs) x s, and with PAIR acc3 the
-    same with w3/s3 (one activation load for both). Unmasked (vector loads): a padding row
-    points at a real row of A and its sums are never stored."""
+    same with w3/s3 (one activation load for both). Unmasked (vector loads): the callers point
+    a padding row at a real row of A, and its sums are never stored."""
     kk = k0 + tl.arange(0, CHUNKS)[:, None] * 32 + tl.arange(0, 32)[None, :]
     a = tl.load(a_ptr + a_row * stride_a + kk).to(tl.float32)
     acc += tl.sum(w * a[None, :, :], axis=2) * s
@@ -431,8 +431,11 @@ def _gemv_down_kernel(
     rows, assign, ok = _gemv_block_rows(sorted_ids_ptr, b, M, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < d
+    # A padding row reads the block's first row (always a real one): h's padding rows are
+    # uninitialised, and garbage (NaN) need not flow through the math even unstored.
+    h_rows = tl.where(ok, rows, b * BLOCK_M).to(tl.int64)
     g0, g1, g2, g3, _, _, _, _ = _gemv_rows(
-        h_ptr, rows.to(tl.int64), stride_h, w2_ptr, w2s_ptr, w2_ptr, w2s_ptr, e, offs_n,
+        h_ptr, h_rows, stride_h, w2_ptr, w2s_ptr, w2_ptr, w2s_ptr, e, offs_n,
         n_mask, I, stride_we, stride_wn, stride_se, stride_sn, False, BLOCK_M, BLOCK_N, CHUNKS)
     oki = ok.to(tl.int32)
     _gemv_partial_store(g0, _pick(assign, 0), _pick(oki, 0) > 0, partial_ptr, stride_p, offs_n, d)
@@ -476,14 +479,23 @@ def gemv_config(T: int, topk: int) -> dict:
     T = 16, ~1.6 at T = 64): every row of a block costs one FMA per weight element, real or
     padding, and every extra block of an expert one more decode of its weights (~4.5
     instructions per element), so 2-row blocks from T * topk > 32 and 4-row ones only past
-    T * topk = 384, where experts commonly hold 3 or more. chunks: 32-input chunks per K step (16: 256 packed bytes
-    per weight row and step, 8 KB per program and step over 16 rows of gate + up or 32 rows of
-    down; capped to divide K). 8 warps carry the [block_n, 16 x 32] decoded fp32 step. Not
-    tuned on a GPU yet (bench_quant.py --only moe --quick times it)."""
+    T * topk = 384, where experts commonly hold 3 or more.
+
+    Tiles: at T * topk <= 32 (a handful of experts hit) narrow N tiles with long K steps
+    (16 / 32 weight rows x 512 inputs = 256 contiguous bytes per row and step, 8 KB per
+    program and step), so the few experts still give hundreds of programs. Beyond, 64 x 128
+    input tiles (64 bytes per row and step, 8 KB over gate + up): a quarter of the programs
+    (the static grid is max_blocks x N tiles, most blocks empty padding when few experts are
+    hit, and an empty program still costs a launch) and fewer registers (sm_90: 120-130
+    gate/up, 70-80 down at block_m 2-4, where the narrow tiles took 128-215). chunks: 32-input
+    chunks per K step (capped to divide K). 8 warps. Not tuned on a GPU yet (bench_quant.py
+    --only moe --quick times these beside alternatives)."""
     M = T * topk
-    block_m = 1 if M <= 32 else 2 if M <= 384 else 4
-    return dict(block_m=block_m, block_n_up=16, block_n_down=32, chunks=16, num_warps=8,
-                num_stages=2)
+    if M <= 32:
+        return dict(block_m=1, block_n_up=16, block_n_down=32, chunks=16, num_warps=8,
+                    num_stages=2)
+    return dict(block_m=2 if M <= 384 else 4, block_n_up=64, block_n_down=64, chunks=4,
+                num_warps=8, num_stages=2)
 
 
 def _chunks(K: int, most: int = 4) -> int:
