@@ -18,9 +18,11 @@ fixed order.
 
 - "gemv": for decode-sized batches (a few assignments per expert), no MMA: each program
   owns BLOCK_M (1, 2 or 4) rows of one expert and BLOCK_N weight rows, and walks K in steps
-  of CHUNKS x 32 inputs (up to 512: 256 contiguous packed bytes per weight row, one wide
-  load, so tens of KB are in flight per SM even when only the 6 experts of one token are
-  hit), the next step's bytes loaded before this step's math, as int32 words. Codes are
+  of CHUNKS x 32 inputs, 8 KB of weights per program and step (gemv_config: while few
+  experts are hit, 16-32 rows x 512 inputs = 256 contiguous packed bytes per row, so even the
+  6 experts of one token give hundreds of programs with tens of KB in flight per SM; beyond,
+  64 rows x 128 inputs: fewer programs of a grid that is mostly empty padding blocks), the
+  next step's bytes loaded before this step's math, as int32 words. Codes are
   decoded once per step to exact fp32 values x 2^-14, two per shift-and-merge (codes i and
   i + 4 of a word sit 16 bits apart, as the halves of an fp16 pair: built as fp16 bits, each
   half converted; ~3.5 integer instructions per code in an sm_90 compile, against ~9 for
@@ -33,8 +35,8 @@ fixed order.
   products are exact e2m1 x e4m3 values in fp32 as in the release; without act_quant, x and
   h as they are. Same alignment (moe_align at BLOCK_M), h layout, partials and top-k sum as
   the other variants.
-  N is split finely (16-32 rows per program); K is not split (a split would need a second
-  fp32 reduction pass; at Flash's dims T = 1 already gives hundreds of programs).
+  N is split finely at small batches; K is not split (a split would need a second fp32
+  reduction pass; at Flash's dims T = 1 already gives hundreds of programs).
   default_variant picks it at T * topk <= GEMV_MAX_ASSIGNMENTS, 0 (off) until measured.
 
 Graph-safe: buffers sized by (T, topk, E) only, no host syncs, tiles fixed per shape.
