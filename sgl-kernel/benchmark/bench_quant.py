@@ -4,7 +4,10 @@
   weight-only) at DSV4-Flash shapes, with bf16 torch.mm on a bf16 copy of the weight beside it.
   TFLOP/s vs the dense FP8 (1979) and bf16 (989) peaks; GB/s (weight + scales + x + out) vs
   4.8 TB/s HBM.
-- FP4 MoE (fp4_moe.fp4_fused_moe, both decodes) at Flash's expert dims (hidden 4096, inter
+- FP4 MoE (fp4_moe.fp4_fused_moe, all decodes; the gemv one at T <= GEMV_MAX_T, with tile
+  alternatives where they differ from gemv_config's: gemv_release_bm1 / _bm4 = 1 / 4 rows
+  per expert block, _narrow / _wide = the small-batch (16/32 x 512) / larger-batch
+  (64 x 128) N x K tiles) at Flash's expert dims (hidden 4096, inter
   2048, top-6 of 256, uniformly random ids): one rank's 128 experts (ids >= 128 skipped, as a
   shard sees them) and all 256. GB/s counts the weight bytes actually touched (distinct local
   experts hit x bytes per expert, scales included); TFLOP/s counts the local assignments'
@@ -15,6 +18,7 @@ REPS graph replays, with the 10th-90th percentile spread.
 
     python sgl-kernel/benchmark/bench_quant.py --out quant.json [--quick]
     python sgl-kernel/benchmark/bench_quant.py --compile-report   # sm_90 compile, no GPU
+    python sgl-kernel/benchmark/bench_quant.py --only moe --quick --moe-t 1 16 64  # decode
 """
 
 import argparse
@@ -46,6 +50,7 @@ QUICK_SIZES = [16, 64, 2048, 8192]  # --quick: M and T
 ALT_LARGE_TILE = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)
 MOE_D, MOE_I, MOE_E, MOE_TOPK = 4096, 2048, 256, 6
 MOE_T = [1, 16, 64, 256, 1024, 4096, 8192]
+GEMV_MAX_T = 256  # the gemv decode is for decode-sized batches: not timed beyond
 
 
 def _graph(fn):
@@ -175,10 +180,19 @@ def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
             n_assign = int(local.sum())
             nbytes = hit * expert_bytes
             flops = 2 * n_assign * 3 * MOE_D * MOE_I
-            for variant, act_quant in (("bf16", True), ("fp8", True), ("bf16", False)):
-                impl = f"{variant}_{'release' if act_quant else 'weight_only'}"
+            runs = [("bf16", True, None, ""), ("fp8", True, None, ""), ("bf16", False, None, "")]
+            if T <= GEMV_MAX_T:
+                gemv = fp4_moe.gemv_config(T, MOE_TOPK)
+                alts = [(dict(gemv, block_m=1), "_bm1"), (dict(gemv, block_m=4), "_bm4"),
+                        (dict(gemv, block_n_up=16, block_n_down=32, chunks=16), "_narrow"),
+                        (dict(gemv, block_n_up=64, block_n_down=64, chunks=4), "_wide")]
+                runs += [("gemv", True, None, ""), ("gemv", False, None, "")]
+                runs += [("gemv", True, c, tag) for c, tag in alts if c != gemv]
+            for variant, act_quant, cfg, tag in runs:
+                impl = f"{variant}_{'release' if act_quant else 'weight_only'}{tag}"
                 fn = (lambda x=x, ws=ws, ids=ids, weights=weights, out=out, v=variant,
-                      a=act_quant: fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, out, a, v))
+                      a=act_quant, c=cfg: fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, out,
+                                                                a, v, config=c))
                 cases.append((f"moe_E{e_local}", T, impl, fn, nbytes, flops, hit))
     for case in cases:
         case[3]()
@@ -189,7 +203,8 @@ def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
         for T in t_list:
             ms = {r["impl"]: r["ms"] for r in rows
                   if r["kind"] == "moe" and r["name"] == name and r["size"] == T}
-            won = min(("bf16", "fp8"), key=lambda v: ms[f"{v}_release"])
+            won = min((v for v in ("bf16", "fp8", "gemv") if f"{v}_release" in ms),
+                      key=lambda v: ms[f"{v}_release"])
             print(f"variant {name} T={T:<5} faster: {won:<4}  default_variant picks: "
                   f"{fp4_moe.default_variant(T, MOE_TOPK)}", flush=True)
 
@@ -300,6 +315,26 @@ def _moe_compile_report():
                               block_expert_ptr="*i32", partial_ptr="*fp32"),
                          dict(kw, BLOCK_N=c["block_n_down"]), c["num_warps"], c["num_stages"],
                          ("M",))
+    gemv_configs = [fp4_moe.gemv_config(T, MOE_TOPK) for T in (1, 16, 256)]  # bm 1, 2, 4
+    gemv_configs += [dict(gemv_configs[0], block_m=m) for m in (2, 4)]  # bench's _narrow
+    gemv_configs += [dict(gemv_configs[1], block_m=1)]  # bench's _wide / _bm1
+    for c in gemv_configs:
+        kw = dict(NUM_EXPERTS=MOE_E // 2, BLOCK_M=c["block_m"])
+        tag = (f"gemv bm={c['block_m']} bn={c['block_n_up']}/{c['block_n_down']} "
+               f"k={32 * c['chunks']} w{c['num_warps']} s{c['num_stages']}")
+        _sm90_report(f"moe gate_up {tag}", fp4_moe._gemv_gate_up_kernel,
+                     dict(a_ptr="*bf16", w1_ptr="*i32", w1s_ptr="*u8", w3_ptr="*i32",
+                          w3s_ptr="*u8", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
+                          weights_ptr="*fp32", h_ptr="*bf16", limit="fp32"),
+                     dict(kw, HAS_LIMIT=True, BLOCK_N=c["block_n_up"], X_DTYPE=tl.bfloat16,
+                          CHUNKS=fp4_moe._chunks(MOE_D, c["chunks"])),
+                     c["num_warps"], c["num_stages"], ("M", "topk"))
+        _sm90_report(f"moe down {tag}", fp4_moe._gemv_down_kernel,
+                     dict(h_ptr="*bf16", w2_ptr="*i32", w2s_ptr="*u8", sorted_ids_ptr="*i32",
+                          block_expert_ptr="*i32", partial_ptr="*fp32"),
+                     dict(kw, BLOCK_N=c["block_n_down"],
+                          CHUNKS=fp4_moe._chunks(MOE_I, c["chunks"])),
+                     c["num_warps"], c["num_stages"], ("M",))
 
 
 def main(argv=None) -> int:
@@ -309,6 +344,8 @@ def main(argv=None) -> int:
                     help=f"M/T in {QUICK_SIZES}, the 128-expert shard only, plus an alternative "
                          "FP8 tile at M >= 2048 (under a minute)")
     ap.add_argument("--only", choices=("gemm", "moe"), default=None)
+    ap.add_argument("--moe-t", type=int, nargs="+", default=None,
+                    help="MoE token counts to time (default: --quick's or the full list)")
     ap.add_argument("--compile-report", action="store_true",
                     help="no GPU needed: compile every kernel config for sm_90 and print "
                          "registers / spills / shared memory")
@@ -325,10 +362,11 @@ def main(argv=None) -> int:
         bench_gemm(rows, QUICK_SIZES if args.quick else GEMM_M, alt_tile=args.quick)
     if args.only in (None, "moe"):
         print(f"== FP4 MoE d={MOE_D} I={MOE_I} top-{MOE_TOPK} of {MOE_E} (bf16 x)")
+        t_list = args.moe_t or (QUICK_SIZES if args.quick else MOE_T)
         if args.quick:
-            bench_moe(rows, QUICK_SIZES, (MOE_E // 2,))
+            bench_moe(rows, t_list, (MOE_E // 2,))
         else:
-            bench_moe(rows, MOE_T)
+            bench_moe(rows, t_list)
     print(f"done in {time.time() - t0:.0f} s")
     if args.out:
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -1,7 +1,7 @@
-"""Triton FP4 MoE (fp4_moe.py, both decodes) against quant_reference.fp4_moe_ref.
+"""Triton FP4 MoE (fp4_moe.py, all three variants) against quant_reference.fp4_moe_ref.
 
-Tolerance: the decoded weights and (act_quant) the FP8-rounded activations are exact in both
-variants, so only the fp32 summation order differs from the reference (rtol 1e-5). One caveat
+Tolerance: the decoded weights and (act_quant) the FP8-rounded activations are exact in every
+variant, so only the fp32 summation order differs from the reference (rtol 1e-5). One caveat
 makes act_quant fragile in principle: the down GEMM's input is rounded to FP8 after an fp32
 sum, so a sum that lands differently by one ulp right at a rounding midpoint flips one code;
 random data does not hit that at these sizes. bf16 runs on the GPU only (the interpreter's
@@ -135,6 +135,97 @@ def test_fp8_variant_needs_act_quant_and_shapes_are_checked(device):
 
 
 # ---------------------------------------------------------------------------------------
+# The gemv variant (decode-sized batches): block_m 1, 2 and 4 rows per expert block
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("block_m", [1, 2, 4])
+def test_gemv_variant_matches_reference_at_each_block_m(device, block_m, act_quant):
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    E, d, inter, T, topk = 4, 128, 256, 6, 3
+    torch.manual_seed(block_m)
+    ws = _experts(E, d, inter, device)
+    x = torch.randn(T, d, device=device)
+    # ids in [-1, E + 2): a third of them skipped (-1 or another shard's), so expert blocks
+    # hold 1-4 real rows and padding rows at every block_m.
+    ids = _distinct_ids(T, topk, -1, E + 2, device)
+    weights = torch.rand(T, topk, device=device)
+    # Wider N tiles than the default (fewer programs under the interpreter), K steps of 64
+    # inputs (2 and 4 steps: the prefetch of the next step's bytes).
+    cfg = dict(fp4_moe.gemv_config(T, topk), block_m=block_m, block_n_up=64, block_n_down=64,
+               chunks=2)
+    out = torch.full((T, d), float("nan"), device=device)
+    res = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 1.5, out, act_quant, "gemv", config=cfg)
+    assert res is out
+    torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 1.5, act_quant),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_gemv_variant_at_one_token_with_its_default_tiles(device, act_quant):
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    E, d, inter, topk = 8, 256, 128, 6  # K steps of 256 (gate/up) and 128 (down) inputs
+    ws = _experts(E, d, inter, device)
+    x = torch.randn(1, d, device=device) * 3
+    ids = torch.tensor([[5, 0, 11, 7, -1, 2]], dtype=torch.int32, device=device)
+    weights = torch.rand(1, topk, device=device)
+    out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 2.0, torch.empty(1, d, device=device),
+                                act_quant, "gemv")
+    torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 2.0, act_quant),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_duplicate_experts_in_a_row_add_up_without_swiglu_limit(device):
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    E, d, inter = 3, 128, 128
+    ws = _experts(E, d, inter, device)
+    x = torch.randn(3, d, device=device) * 4
+    # Row 0: expert 1 three times (three rows of one block, same token); row 1: nothing local;
+    # row 2: experts 2 and 0 once each. Weight-only fp32: h is not rounded, so the duplicates'
+    # sum equals the reference's one pass with their summed weight.
+    ids = torch.tensor([[1, 1, 1], [-1, 3, 7], [2, 0, -1]], dtype=torch.int32, device=device)
+    weights = torch.tensor([[0.5, 0.25, 2.0], [1.0, 1.0, 1.0], [0.75, 1.5, 9.0]],
+                           device=device)
+    cfg = dict(fp4_moe.gemv_config(64, 6), block_m=4)  # the larger-batch tiles
+    out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 0.0, torch.empty(3, d, device=device),
+                                False, "gemv", config=cfg)
+    assert out[1].eq(0).all()
+    torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 0.0, False),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="block_m 1, 2 or 4"):
+        fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 0.0, out, False, "gemv",
+                              config=dict(cfg, block_m=3))
+
+
+def test_gemv_is_picked_only_below_its_switch(device, monkeypatch):
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    # Off until measured: every batch keeps the measured variants.
+    assert fp4_moe.GEMV_MAX_ASSIGNMENTS == 0
+    assert fp4_moe.default_variant(1, 6) == "fp8"
+    monkeypatch.setattr(fp4_moe, "GEMV_MAX_ASSIGNMENTS", 64 * 6)
+    assert [fp4_moe.default_variant(T, 6) for T in (1, 64, 65)] == ["gemv", "gemv", "fp8"]
+    assert [fp4_moe.gemv_config(T, 6)["block_m"] for T in (1, 16, 64, 65)] == [1, 2, 2, 4]
+    # Narrow N tiles with long K steps while few experts are hit, then 64 x 128.
+    assert [fp4_moe.gemv_config(T, 6)["block_n_up"] for T in (5, 6)] == [16, 64]
+    # variant=None then takes gemv for weight-only numerics too (exact fp32 products).
+    calls = []
+    real = fp4_moe._gemv_moe
+    monkeypatch.setattr(fp4_moe, "_gemv_moe", lambda *a: calls.append(a[-1]) or real(*a))
+    ws = _experts(2, 128, 128, device)
+    x = torch.randn(2, 128, device=device)
+    ids = torch.tensor([[0, 5], [1, 0]], dtype=torch.int32, device=device)
+    weights = torch.rand(2, 2, device=device)
+    out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 1.0, torch.empty(2, 128, device=device),
+                                False)
+    assert [c["block_m"] for c in calls] == [1]
+    torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 1.0, False),
+                               rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
 # Compiled on an H200: Flash's expert dims, a shard, bf16 activations, graphs
 # ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
@@ -194,3 +285,47 @@ def test_gpu_fp4_moe_replays_in_a_cuda_graph(act_quant):
     torch.cuda.synchronize()
     want = ops.fp4_fused_moe(x, *ws, ids, weights, 10.0, torch.empty_like(out), act_quant)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("T", [1, 16, 100])  # gemv_config's block_m 1, 2, 4
+def test_gpu_gemv_fp4_moe_at_flash_dims(flash_experts, act_quant, T):
+    ws, E, d, topk = flash_experts, 8, 4096, 6
+    from dsv4_kernels import fp4_moe
+    x = torch.randn(T, d, device="cuda").bfloat16()
+    ids = _distinct_ids(T, topk, 0, 2 * E, "cuda")
+    weights = torch.rand(T, topk, device="cuda")
+    out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, torch.empty(T, d, device="cuda"),
+                                act_quant, "gemv")
+    ref = Q.fp4_moe_ref(x, *ws, ids, weights, 10.0, act_quant)
+    # As test_gpu_bf16_fp4_moe_at_flash_dims: exact products in fp32, so only summation order
+    # and (act_quant) an occasional FP8 flip of h differ from the reference.
+    if not act_quant:
+        torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+    else:
+        assert ((out - ref).norm() / ref.norm()).item() < 5e-3
+        assert (out - ref).abs().max().item() < 0.05
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_fp4_moe_replays_in_a_cuda_graph():
+    from dsv4_kernels import fp4_moe
+    E, d, inter, T, topk = 16, 1024, 512, 8, 6
+    ws = _experts(E, d, inter, "cuda")
+    x = torch.randn(T, d, device="cuda").bfloat16()
+    ids = _distinct_ids(T, topk, -1, 2 * E, "cuda")
+    weights = torch.rand(T, topk, device="cuda")
+    out = torch.empty(T, d, device="cuda")
+
+    def run(o):
+        return fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, o, True, "gemv")
+    run(out)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(out)
+    x.copy_(torch.randn_like(x))
+    ids.copy_(_distinct_ids(T, topk, -1, 2 * E, "cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, run(torch.empty_like(out)), rtol=0, atol=0)
