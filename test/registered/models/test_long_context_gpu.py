@@ -96,6 +96,7 @@ def test_128k_prompt_chunked_prefill_with_breakable_graphs(tmp_path):
     eager_s = time.perf_counter() - start
     cos = F.cosine_similarity(replayed, eager, dim=0).item()
     graph_mem = runner.bcg_runner.graph_memory_bytes
+    static_mem = runner.bcg_runner.static_buffer_bytes()
     print(f"[128K prefill] {model_path} {extra or ''}: BCG {elapsed:.2f}s ({PROMPT / elapsed:.0f} tok/s), eager "
           f"{eager_s:.2f}s ({PROMPT / eager_s:.0f} tok/s); peak transient {peak / GiB:.2f} GiB; graph memory "
           f"{graph_mem / GiB:.3f} GiB; KV pool {runner.kv_pool.nbytes() / GiB:.2f} GiB; replay vs eager cosine {cos:.5f}")
@@ -106,7 +107,11 @@ def test_128k_prompt_chunked_prefill_with_breakable_graphs(tmp_path):
     if extra:  # capturing a second model at Flash dims would not fit beside the first
         return
     short = _runner(model_path, 8192)
-    short_mem = short.bcg_runner.graph_memory_bytes
-    print(f"[128K prefill] graph memory at 8K context {short_mem / GiB:.3f} GiB vs {graph_mem / GiB:.3f} GiB at 132K")
-    assert graph_mem <= 1.1 * short_mem + 64 * 2**20
+    # The graphs' own buffers (static batch + captured metadata, outside the pool) must not
+    # grow with the context. The pool's growth cannot be compared here: this second runner
+    # captures into the process's shared pool, which the first one already grew.
+    short_static = short.bcg_runner.static_buffer_bytes()
+    print(f"[128K prefill] static graph buffers at 8K context {short_static / 2**20:.1f} MiB vs "
+          f"{static_mem / 2**20:.1f} MiB at 132K; graph pool of the 132K runner {graph_mem / GiB:.3f} GiB")
+    assert static_mem <= 1.1 * short_static + 16 * 2**20
     short.shutdown()

@@ -14,6 +14,7 @@ live rows. Which kind and bucket a step uses is decided elsewhere (graph_dispatc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -191,6 +192,12 @@ class GraphRunner:
         return self.buffers.forward_batch(fb, bucket)
 
     # ---- bookkeeping ----------------------------------------------------------------------
+    def static_buffer_bytes(self) -> int:
+        """Bytes of what the graphs read and write outside their pool: the static batch buffers
+        and every bucket's captured metadata (allocated before capture, so not in the pool's
+        growth). This is what must not scale with the context length (long-context contract)."""
+        return tensor_bytes([vars(self.buffers), list(self.captured_metadata.values())])
+
     def get_stats(self) -> dict:
         p = self.spec.name
         return {
@@ -201,6 +208,7 @@ class GraphRunner:
             f"{p}_capture_seconds": round(self.capture_seconds, 3),
             f"{p}_graph_memory_bytes": self.graph_memory_bytes,
             f"{p}_capture_memory_bytes": self.capture_memory_bytes,
+            f"{p}_static_buffer_bytes": self.static_buffer_bytes(),
             # keyed like replays_by_bucket; in capture order, largest bucket first
             f"{p}_graph_memory_by_bucket": {str(b): n for b, n in self.graph_memory_by_bucket.items()},
             f"{p}_capture_seconds_by_bucket": {str(b): round(s, 3) for b, s in self.capture_seconds_by_bucket.items()},
@@ -212,6 +220,24 @@ class GraphRunner:
         self.graphs.clear()
         self.outputs.clear()
         self.captured_metadata.clear()
+
+
+def tensor_bytes(value, seen: Optional[set] = None) -> int:
+    """Bytes of the distinct storages of every tensor in `value` (dataclasses, dicts, lists)."""
+    seen = set() if seen is None else seen
+    if isinstance(value, torch.Tensor):
+        key = value.untyped_storage().data_ptr()
+        if key in seen or value.device.type == "meta":
+            return 0
+        seen.add(key)
+        return value.untyped_storage().nbytes()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    elif isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v, seen) for v in value)
+    return 0
 
 
 def _pool_bytes(pool) -> int:

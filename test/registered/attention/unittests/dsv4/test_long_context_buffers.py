@@ -18,24 +18,12 @@ from dsv4_harness import Session, prefill_in_chunks, run_step  # noqa: E402
 from sglang.srt.configs import get_preset  # noqa: E402
 from sglang.srt.configs.presets import write_config  # noqa: E402
 from sglang.srt.layers.attention.dsv4 import widths  # noqa: E402
+from sglang.srt.model_executor.graph_runner import tensor_bytes  # noqa: E402
 from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.test.runner_args import cpu_server_args  # noqa: E402
 
 BUCKETS = [64]  # one bucket: capture is most of these tests' time
 ONE_M = 1 << 20
-
-
-def _tensor_bytes(obj, seen=None) -> int:
-    """Bytes of every tensor reachable through dataclass fields (a captured metadata object)."""
-    seen = set() if seen is None else seen
-    if isinstance(obj, torch.Tensor):
-        if id(obj) in seen:
-            return 0
-        seen.add(id(obj))
-        return obj.numel() * obj.element_size()
-    if dataclasses.is_dataclass(obj):
-        return sum(_tensor_bytes(getattr(obj, f.name), seen) for f in dataclasses.fields(obj))
-    return 0
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +51,11 @@ def test_graph_buffers_are_the_same_at_8k_and_1m_context(long_tiny):
     for bucket in BUCKETS:
         captured = [r.bcg_runner.captured_metadata[bucket] for r in (short, long)]
         assert captured[1].max_seq_len == ONE_M  # the long runner did capture for a 1M context
-        assert _tensor_bytes(captured[0]) == _tensor_bytes(captured[1])
+        assert tensor_bytes(captured[0]) == tensor_bytes(captured[1])
         # Before: the c4 candidate list alone was bucket x 1M/4 int32 (64 MiB at bucket 64).
-        assert _tensor_bytes(captured[1]) < 64 * 1024 * bucket
+        assert tensor_bytes(captured[1]) < 64 * 1024 * bucket
+    # what the runner reports (static batch buffers + every bucket's captured metadata)
+    assert short.bcg_runner.static_buffer_bytes() == long.bcg_runner.static_buffer_bytes()
     # The same live batch replays identically on both, and as eager computes it.
     prompt = _tokens(300, seed=5)
     outs = []
