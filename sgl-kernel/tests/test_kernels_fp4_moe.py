@@ -95,8 +95,10 @@ def test_default_variant_follows_the_batch():
     require_triton()
     from dsv4_kernels import fp4_moe
     # e4m3 decode up to T = 2048 at top-6 (measured faster there), bf16 decode beyond.
-    assert [fp4_moe.default_variant(T, 6) for T in (1, 64, 2048, 2049, 8192)] == \
-        ["fp8", "fp8", "fp8", "bf16", "bf16"]
+    # gemv up to T = 64 at top-6, e4m3 decode up to T = 2048, bf16 decode beyond (each measured
+    # faster there on an H200).
+    assert [fp4_moe.default_variant(T, 6) for T in (1, 64, 65, 2048, 2049, 8192)] == \
+        ["gemv", "gemv", "fp8", "fp8", "bf16", "bf16"]
     assert fp4_moe.moe_config(1, 6)["block_n_up"] < fp4_moe.moe_config(8192, 6)["block_n_up"]
     assert fp4_moe.moe_config(8192, 6)["block_m"] == 128
     assert fp4_moe.moe_config(8192, 6, "fp8")["block_m"] == 64  # 128 rows spill there
@@ -202,15 +204,20 @@ def test_gemv_duplicate_experts_in_a_row_add_up_without_swiglu_limit(device):
 def test_gemv_is_picked_only_below_its_switch(device, monkeypatch):
     require_triton()
     from dsv4_kernels import fp4_moe
-    # Off until measured: every batch keeps the measured variants.
-    assert fp4_moe.GEMV_MAX_ASSIGNMENTS == 0
-    assert fp4_moe.default_variant(1, 6) == "fp8"
-    monkeypatch.setattr(fp4_moe, "GEMV_MAX_ASSIGNMENTS", 64 * 6)
-    assert [fp4_moe.default_variant(T, 6) for T in (1, 64, 65)] == ["gemv", "gemv", "fp8"]
+    # Release numerics on bf16/fp16 activations take gemv up to its switch; fp32 and
+    # weight-only calls keep the bf16 decode.
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert [fp4_moe.select_variant(T, 6, True, bf16) for T in (1, 64, 65)] == ["gemv", "gemv", "fp8"]
+    assert [fp4_moe.select_variant(1, 6, q, dt) for q, dt in ((False, bf16), (True, fp32), (False, fp32))] == \
+        ["bf16"] * 3
+    monkeypatch.setattr(fp4_moe, "GEMV_MAX_ASSIGNMENTS", 0)
+    assert fp4_moe.select_variant(1, 6, True, bf16) == "fp8"
     assert [fp4_moe.gemv_config(T, 6)["block_m"] for T in (1, 16, 64, 65)] == [1, 2, 2, 4]
     # Narrow N tiles with long K steps while few experts are hit, then 64 x 128.
     assert [fp4_moe.gemv_config(T, 6)["block_n_up"] for T in (5, 6)] == [16, 64]
-    # variant=None then takes gemv for weight-only numerics too (exact fp32 products).
+    # the wiring: a weight-only fp32 call with variant=None does not reach the gemv kernels,
+    # and variant="gemv" does
+    monkeypatch.setattr(fp4_moe, "GEMV_MAX_ASSIGNMENTS", 64 * 6)
     calls = []
     real = fp4_moe._gemv_moe
     monkeypatch.setattr(fp4_moe, "_gemv_moe", lambda *a: calls.append(a[-1]) or real(*a))
@@ -218,11 +225,14 @@ def test_gemv_is_picked_only_below_its_switch(device, monkeypatch):
     x = torch.randn(2, 128, device=device)
     ids = torch.tensor([[0, 5], [1, 0]], dtype=torch.int32, device=device)
     weights = torch.rand(2, 2, device=device)
-    out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 1.0, torch.empty(2, 128, device=device),
-                                False)
+    want = Q.fp4_moe_ref(x, *ws, ids, weights, 1.0, False)
+    out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 1.0, torch.empty(2, 128, device=device), False)
+    assert calls == []
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 1.0, torch.empty(2, 128, device=device), False,
+                                variant="gemv")
     assert [c["block_m"] for c in calls] == [1]
-    torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 1.0, False),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ fixed order.
   the other variants.
   N is split finely at small batches; K is not split (a split would need a second fp32
   reduction pass; at Flash's dims T = 1 already gives hundreds of programs).
-  default_variant picks it at T * topk <= GEMV_MAX_ASSIGNMENTS, 0 (off) until measured.
+  default_variant picks it at T * topk <= GEMV_MAX_ASSIGNMENTS (release numerics on bf16/fp16
+  activations: where it was measured; fp32 and weight-only calls keep the bf16 decode).
 
 Graph-safe: buffers sized by (T, topk, E) only, no host syncs, tiles fixed per shape.
 An e8m0 byte 0 or 1 (2^-127, 2^-126) decodes as 0 here in the bf16 variant, 0 alone in the
@@ -56,9 +57,11 @@ SUM_BLOCK_D = 1024
 VARIANTS = ("bf16", "fp8", "gemv")
 # Release numerics at T * topk <= this: the fp8 variant (default_variant).
 FP8_MAX_ASSIGNMENTS = 2048 * 6  # see default_variant
-# ... and the gemv variant at T * topk <= this (0: never by default). Not measured yet: set it
-# (e.g. 64 * 6) once bench_quant.py --only moe --quick shows gemv faster at those T.
-GEMV_MAX_ASSIGNMENTS = 0
+# ... and the gemv variant at T * topk <= this. Measured on an H200 (bench_quant.py --only moe
+# --quick --moe-t 1 16 64, 128-expert shard, release numerics; benchmark/results/session4/
+# call4_final/moe_gemv.log): gemv 47.8 / 642 / 1867 us against fp8's 248 / 1565 / 2183 us at
+# T = 1 / 16 / 64. Larger T: not measured, so the switch sits at the last point gemv won.
+GEMV_MAX_ASSIGNMENTS = 64 * 6
 
 
 @triton.jit
@@ -512,23 +515,27 @@ def default_variant(T: int, topk: int) -> str:
     per-32-input rescale of the fp32 partial costs more than the bf16 decode
     (benchmark/results/session3_h200x2/bench_quant_quick.log). Between 2048 and 8192: not
     measured; the switch sits at the last point fp8 was measured faster. The gemv decode
-    below GEMV_MAX_ASSIGNMENTS (0 until it is measured)."""
+    at T * topk <= GEMV_MAX_ASSIGNMENTS (measured faster at T = 1, 16, 64)."""
     if 0 < T * topk <= GEMV_MAX_ASSIGNMENTS:
         return "gemv"
     return "fp8" if T * topk <= FP8_MAX_ASSIGNMENTS else "bf16"
 
 
+def select_variant(T: int, topk: int, act_quant: bool, x_dtype: torch.dtype) -> str:
+    """The decode fp4_fused_moe uses when none is given: default_variant for release numerics
+    on bf16/fp16 activations (where the variants were measured), else "bf16" (fp32 x stays on
+    exact fp32 products, the FP8 tensor cores' in-block accumulation is not fp32-exact; and
+    weight-only numerics keep the decode they were validated with)."""
+    return default_variant(T, topk) if act_quant and x_dtype != torch.float32 else "bf16"
+
+
 def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, out,
                   act_quant: bool, variant: str | None = None, config: dict | None = None):
     """out fp32 [T, d] <- quant_reference.fp4_moe_ref(...) (see the module docstring).
-    variant None: default_variant(T, topk) for bf16/fp16 x with act_quant, else "bf16" (fp32 x
-    stays on exact fp32 products: the FP8 tensor cores' in-block accumulation is not
-    fp32-exact), or "gemv" where default_variant picks it (exact fp32 products for any x).
+    variant None: select_variant (default_variant for bf16/fp16 x with act_quant, else "bf16").
     config: moe_config's keys, or gemv_config's for the gemv variant."""
     if variant is None:
-        variant = default_variant(*ids.shape)
-        if variant != "gemv" and (not act_quant or x.dtype == torch.float32):
-            variant = "bf16"
+        variant = select_variant(*ids.shape, act_quant, x.dtype)
     if variant not in VARIANTS:
         raise ValueError(f"fp4_fused_moe: variant must be one of {VARIANTS}, got {variant!r}")
     if variant == "fp8" and not act_quant:
