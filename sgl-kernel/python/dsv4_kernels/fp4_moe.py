@@ -493,14 +493,23 @@ def gemv_config(T: int, topk: int) -> dict:
     (the static grid is max_blocks x N tiles, most blocks empty padding when few experts are
     hit, and an empty program still costs a launch) and fewer registers (sm_90: 120-130
     gate/up, 70-80 down at block_m 2-4, where the narrow tiles took 128-215). chunks: 32-input
-    chunks per K step (capped to divide K). 8 warps. Not tuned on a GPU yet (bench_quant.py
-    --only moe --quick times these beside alternatives)."""
+    chunks per K step (capped to divide K). 8 warps.
+
+    Tuned on an H200 (bench_quant.py --only moe --quick --moe-t 1 16 64, the alternatives it
+    times; benchmark/results/session4/call4_final/moe_gemv.log): at T * topk = 96 1-row blocks
+    on the 64 x 128 tiles beat 2-row ones (571 vs 642 us), at 384 the narrow tiles with 2-row
+    blocks beat the 64 x 128 ones (1761 vs 1867 us); at 6 the narrow 1-row tiles stay (48 us,
+    against 65-114 for the others). Past 384 (4-row blocks): not measured."""
     M = T * topk
+    narrow = dict(block_n_up=16, block_n_down=32, chunks=16, num_warps=8, num_stages=2)
+    wide = dict(block_n_up=64, block_n_down=64, chunks=4, num_warps=8, num_stages=2)
     if M <= 32:
-        return dict(block_m=1, block_n_up=16, block_n_down=32, chunks=16, num_warps=8,
-                    num_stages=2)
-    return dict(block_m=2 if M <= 384 else 4, block_n_up=64, block_n_down=64, chunks=4,
-                num_warps=8, num_stages=2)
+        return dict(narrow, block_m=1)
+    if M <= 96:
+        return dict(wide, block_m=1)
+    if M <= 384:
+        return dict(narrow, block_m=2)
+    return dict(wide, block_m=4)
 
 
 def _chunks(K: int, most: int = 4) -> int:
