@@ -4,6 +4,7 @@ records every live row's logits so the parent can compare with one process run e
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
@@ -24,6 +25,17 @@ def device_config(device: str) -> dict:
     if device == "cuda":
         return dict(TINY_DP, device="cuda", dtype="float32", attention_backend="torch")
     return dict(TINY_DP)
+
+
+@contextlib.contextmanager
+def _errors_to(path: str):
+    """A rank process's body: any error (its traceback) goes to `path`, where the parent test
+    asserts on the text, instead of dying with the child process."""
+    try:
+        yield
+    except BaseException:  # noqa: BLE001 - the parent asserts on the text
+        with open(path, "w") as f:
+            f.write(traceback.format_exc())
 
 
 @dataclass
@@ -130,7 +142,7 @@ def dp_rank_main(rank: int, world: int, port: int, steps: int, seed: int, idle_p
     """Body of one DP rank process; writes its records (or its error text) to out_dir.
     device "cuda": rank r on GPU r with NCCL and real CUDA graphs (float32, torch kernels)."""
     torch.set_num_threads(1)
-    try:
+    with _errors_to(os.path.join(out_dir, f"rank{rank}.err")):
         from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
         from sglang.srt.managers.dp_sync import DPStepSync, dp_step
         from sglang.srt.model_executor.graph_dispatch import PathKind, decide_step_path
@@ -167,9 +179,6 @@ def dp_rank_main(rank: int, world: int, port: int, steps: int, seed: int, idle_p
         del runner, sync, groups, table
         gc.collect()
         destroy_dp_groups()
-    except BaseException:  # noqa: BLE001 - the parent asserts on the text
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
 
 
 # ---- the scheduler under DP attention, with and without overlap scheduling --------------------
@@ -198,7 +207,7 @@ def dp_scheduler_rank_main(rank: int, world: int, port: int, out_dir: str, stop_
     without, over the same runner. Saves, per mode, the outputs, every step's agreed path
     and the idle steps this rank joined. `stop_token_of` (rid -> token) adds stop tokens."""
     torch.set_num_threads(1)
-    try:
+    with _errors_to(os.path.join(out_dir, f"rank{rank}.err")):
         import torch.distributed as dist
 
         from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
@@ -245,9 +254,6 @@ def dp_scheduler_rank_main(rank: int, world: int, port: int, out_dir: str, stop_
         del runner, sync, groups, sched
         gc.collect()
         destroy_dp_groups()
-    except BaseException:  # noqa: BLE001 - the parent asserts on the text
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
 
 
 # ---- scripted DP steps: ranks with different inputs (consensus tests) --------------------------
@@ -288,7 +294,7 @@ def dp_scripted_rank_main(rank: int, world: int, port: int, out_dir: str, script
     injects a deliberately rank-dependent decision (the local description only). A
     `DPConsensusError` at start-up (different buckets, before capture) is saved with step None."""
     torch.set_num_threads(1)
-    try:
+    with _errors_to(os.path.join(out_dir, f"rank{rank}.err")):
         import torch.distributed as dist
 
         from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
@@ -337,9 +343,6 @@ def dp_scripted_rank_main(rank: int, world: int, port: int, out_dir: str, script
         del runner, groups
         gc.collect()
         destroy_dp_groups()
-    except BaseException:  # noqa: BLE001 - the parent asserts on the text
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
 
 
 def _contrary_decision(infos, tables):
@@ -432,7 +435,7 @@ def ep_rank_main(rank: int, world: int, port: int, seed: int, out_dir: str) -> N
     [0, dp) in a subgroup), hold experts [start, end) of a dp-way split only, run both MoE
     paths through the dispatcher, save this rank's outputs (or the error text)."""
     torch.set_num_threads(1)
-    try:
+    with _errors_to(os.path.join(out_dir, f"ep{rank}.err")):
         import torch.distributed as dist
 
         from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
@@ -463,6 +466,3 @@ def ep_rank_main(rank: int, world: int, port: int, seed: int, out_dir: str) -> N
         del groups, subgroups
         gc.collect()
         destroy_dp_groups()
-    except BaseException:  # noqa: BLE001 - the parent asserts on the text
-        with open(os.path.join(out_dir, f"ep{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())

@@ -1,7 +1,7 @@
 """Triton FP4 MoE: the routed experts in the release format (packed e2m1 int8 [E, out, in/2],
 two codes per byte with element 2j in the low nibble, e8m0 uint8 scales [E, out, in/32]),
 decoded inside the GEMM kernels. quant_reference.fp4_moe_ref is the contract; the routing,
-alignment and top-k sum are moe.py's (moe_align, _sum_topk_kernel): same skipped-id and
+alignment and top-k sum are moe.py's (moe_align, sum_topk): same skipped-id and
 weight-order semantics as fused_moe.
 
 Hopper has no FP4 MMA, so two decodes, picked by `variant`:
@@ -51,9 +51,8 @@ import triton.language as tl
 
 from ._dot import dot_precision
 from .fp8_gemm import QBLOCK, quantize_act, round_act
-from .moe import _sum_topk_kernel, moe_align
+from .moe import moe_align, sum_topk
 
-SUM_BLOCK_D = 1024
 VARIANTS = ("bf16", "fp8", "gemv")
 # Release numerics at T * topk <= this: the fp8 variant (default_variant).
 FP8_MAX_ASSIGNMENTS = 2048 * 6  # see default_variant
@@ -589,7 +588,6 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
     h = torch.empty(rows, I, dtype=x.dtype, device=dev)
     partial = torch.empty(M, d, dtype=torch.float32, device=dev)
     weights_flat = weights.reshape(-1).float().contiguous()
-    ids_flat = ids.reshape(-1).contiguous()
     xdt = _TL_DTYPE[x.dtype]
     prec = dot_precision(x.dtype)
     kw = dict(NUM_EXPERTS=E, FP8_DOT=fp8_dot, BLOCK_M=bm, DOT_PREC=prec, X_DTYPE=xdt,
@@ -615,11 +613,7 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
         partial, M, d, I, h.stride(0), hs.stride(0), hs.stride(1), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), partial.stride(0), BLOCK_N=bn,
         CHUNKS=_chunks(I), **kw)
-    block_d = min(SUM_BLOCK_D, triton.next_power_of_2(d))
-    _sum_topk_kernel[(T, triton.cdiv(d, block_d))](
-        partial, ids_flat, out, d, topk, partial.stride(0), out.stride(0),
-        NUM_EXPERTS=E, BLOCK_D=block_d, num_warps=4)
-    return out
+    return sum_topk(partial, ids, out, E)
 
 
 def _gemv_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, out,
@@ -657,8 +651,4 @@ def _gemv_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, 
         M, d, I, h.stride(0), w2.stride(0) // 4, w2.stride(1) // 4, w2_scale.stride(0),
         w2_scale.stride(1), partial.stride(0), BLOCK_N=bn, CHUNKS=_chunks(I, cfg["chunks"]),
         **kw)
-    block_d = min(SUM_BLOCK_D, triton.next_power_of_2(d))
-    _sum_topk_kernel[(T, triton.cdiv(d, block_d))](
-        partial, ids.reshape(-1).contiguous(), out, d, topk, partial.stride(0), out.stride(0),
-        NUM_EXPERTS=E, BLOCK_D=block_d, num_warps=4)
-    return out
+    return sum_topk(partial, ids, out, E)

@@ -190,6 +190,19 @@ def _sum_topk_kernel(
     tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+def sum_topk(partial, ids, out, num_experts: int):
+    """out [T, d] <- each token's top-k partial rows (partial [T * topk, d], ids [T, topk])
+    summed in fp32, in top-k order (deterministic); assignments whose id is outside
+    [0, num_experts) add nothing. Shared by every MoE here (fused_moe and the FP4 variants)."""
+    T, d = out.shape
+    block_d = min(SUM_BLOCK_D, triton.next_power_of_2(d))
+    _sum_topk_kernel[(T, triton.cdiv(d, block_d))](
+        partial, ids.reshape(-1).contiguous(), out, d, ids.shape[1], partial.stride(0), out.stride(0),
+        NUM_EXPERTS=num_experts, BLOCK_D=block_d, num_warps=4,
+    )
+    return out
+
+
 def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out, block_n: int = 64,
               block_k: int = 64, num_warps: int = 8, num_stages: int = 3):
     """out [T, d] (any float dtype) <- the routed experts' sum (see the module docstring).
@@ -213,7 +226,6 @@ def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out, block_n: int = 64,
     h = torch.empty(sorted_ids.shape[0], I, dtype=x.dtype, device=x.device)
     partial = torch.empty(M, d, dtype=x.dtype, device=x.device)
     weights_flat = weights.reshape(-1).contiguous()
-    ids_flat = ids.reshape(-1).contiguous()
     _gate_up_kernel[(max_blocks, triton.cdiv(I, block_n))](
         x, w1, w3, sorted_ids, block_expert, weights_flat, h, M, d, I, topk, x.stride(0),
         w1.stride(0), w1.stride(1), h.stride(0), float(swiglu_limit),
@@ -227,9 +239,4 @@ def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out, block_n: int = 64,
         NUM_EXPERTS=E, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PREC=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
     )
-    block_d = min(SUM_BLOCK_D, triton.next_power_of_2(d))
-    _sum_topk_kernel[(T, triton.cdiv(d, block_d))](
-        partial, ids_flat, out, d, topk, partial.stride(0), out.stride(0),
-        NUM_EXPERTS=E, BLOCK_D=block_d, num_warps=4,
-    )
-    return out
+    return sum_topk(partial, ids, out, E)
