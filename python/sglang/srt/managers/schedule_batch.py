@@ -63,15 +63,15 @@ class Req:
         return self.finish_reason is not None
 
     def token_slice(self, start: int, end: int) -> List[int]:
-        """token_ids[start:end] of prompt + output + placeholders without concatenating the
-        whole sequence."""
-        n_in = len(self.origin_input_ids)
-        if end <= n_in:
-            return self.origin_input_ids[start:end]
-        out = self.output_ids if not self.pending_ids else self.output_ids + self.pending_ids
-        if start >= n_in:
-            return out[start - n_in : end - n_in]
-        return self.origin_input_ids[start:] + out[: end - n_in]
+        """token_ids[start:end] of prompt + output + placeholders, copying only the slice (a
+        decode row's one token every step: never the whole output)."""
+        parts, offset = [], 0
+        for seq in (self.origin_input_ids, self.output_ids, self.pending_ids):
+            lo, hi = max(start - offset, 0), min(end - offset, len(seq))
+            if lo < hi:
+                parts.append(seq[lo:hi])
+            offset += len(seq)
+        return parts[0] if len(parts) == 1 else [t for part in parts for t in part]
 
 
 @dataclass
