@@ -164,6 +164,8 @@ def test_gpu_overlapped_steps_never_wait_for_the_gpu(mini_cuda_runner):
             synced, _ = serve(runner, mini_requests(runner), overlap=True, device="cuda", **MINI_ARGS)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    # torch's own notice on entering the mode ("... is a prototype feature ...") is not a sync
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+             if "called a synchronizing CUDA operation" in str(w.message)]
     assert synced == warm
     assert not syncs, f"{len(syncs)} host syncs inside overlapped steps:\n" + "\n".join(syncs[:10])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+import numpy as np
 import torch
 
 from sglang.srt.mem_cache.allocator import FreeListAllocator, KVCacheExhausted
@@ -63,11 +64,11 @@ class ReqToTokenPool:
         owned.extend(new_pages)
         end = len(owned) * self.page_size
         ps = self.page_size
-        base = torch.tensor(new_pages, dtype=torch.int32).repeat_interleave(ps) * ps
-        offs = torch.arange(ps, dtype=torch.int32).repeat(len(new_pages))
         cols = min(end, self.max_context_len)
-        # non-blocking: a blocking upload would wait for the forward in flight (overlap scheduling)
-        rows = (base + offs)[: cols - start]
+        # numpy (torch's CPU repeat_interleave wakes the OpenMP pool at any size); non-blocking
+        # upload: a blocking one would wait for the forward in flight (overlap scheduling)
+        pages = np.asarray(new_pages, dtype=np.int32)
+        rows = torch.from_numpy((pages[:, None] * ps + np.arange(ps, dtype=np.int32)).reshape(-1)[: cols - start])
         self.req_to_token[req_slot, start:cols] = to_device_async(rows, self.req_to_token.device)
 
     def free_req(self, req_slot: int) -> None:

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from sglang.srt.model_executor.host_to_device import to_device_async
@@ -123,8 +124,8 @@ def build_forward_batch(
     ) if ext else torch.zeros(0, dtype=torch.int64)
     if not ext:  # an idle DP rank's dummy batch: no requests, no tokens
         forward_mode = ForwardMode.IDLE
-    slots = torch.tensor(list(req_pool_indices), dtype=torch.int64)
-    tok_slot = torch.repeat_interleave(slots, torch.tensor(ext, dtype=torch.int64))
+    # numpy's repeat: torch's CPU repeat_interleave wakes the OpenMP pool at any size
+    tok_slot = torch.from_numpy(np.repeat(np.asarray(req_pool_indices, dtype=np.int64), ext))
     # One non-blocking upload of everything (the step's host work never waits for the GPU), then views.
     T = ids.shape[0]
     up = to_device_async(torch.cat([ids, pos, tok_slot]), torch.device(device))

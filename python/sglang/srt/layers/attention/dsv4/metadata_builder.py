@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional
 
+import numpy as np
 import torch
 from dsv4_kernels import ops as kernel_ops
 from dsv4_kernels import reference as kernel_reference
@@ -44,11 +45,13 @@ class HostLayout:
     @staticmethod
     def from_forward_batch(fb, emissions: Dict[int, Optional[int]]) -> "HostLayout":
         T = fb.num_tokens
-        ext = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64)
+        # numpy, not torch: torch's CPU repeat_interleave fans out to the OpenMP pool at any
+        # size, which cost milliseconds per call on a busy 16-core host (profile_bcg_step.py).
+        ext = np.asarray(fb.extend_seq_lens_cpu, dtype=np.int64)
         n_real = int(ext.sum())
-        starts = torch.cumsum(ext, 0) - ext
-        prefix = torch.repeat_interleave(torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64), ext)
-        start = torch.repeat_interleave(starts, ext)
+        starts = np.cumsum(ext) - ext
+        prefix = torch.from_numpy(np.repeat(np.asarray(fb.extend_prefix_lens_cpu, dtype=np.int64), ext))
+        start = torch.from_numpy(np.repeat(starts, ext))
         pos = prefix + torch.arange(n_real, dtype=torch.int64) - start
         rows, counts, widths = [], {}, {}
         for ratio in sorted(emissions):
@@ -61,7 +64,7 @@ class HostLayout:
         host = torch.zeros(4 * T + sum(widths.values()), dtype=torch.int64)
         host[0:n_real] = prefix
         host[T:T + n_real] = start
-        host[2 * T:2 * T + n_real] = torch.repeat_interleave(torch.tensor(fb.seq_lens_cpu, dtype=torch.int64), ext)
+        host[2 * T:2 * T + n_real] = torch.from_numpy(np.repeat(np.asarray(fb.seq_lens_cpu, dtype=np.int64), ext))
         host[3 * T:3 * T + n_real] = 1
         if rows:
             host[4 * T:] = torch.cat(rows)
