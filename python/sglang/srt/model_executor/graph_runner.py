@@ -152,7 +152,11 @@ class GraphRunner:
         embeds = self.buffers.input_embeds[:bucket] if spec.from_embeddings else None
         inline = break_ops_inline() if spec.inline_breaks else nullcontext()
         with torch.inference_mode(), forward_context(static_fb, self.attn_backend, live, dp_moe), inline:
-            for _ in range(2 if self.device.type == "cuda" else 1):  # warm-up outside the capture
+            # Warm-up outside the capture (JIT compiles, cuBLAS workspaces, allocator blocks for
+            # this bucket's shapes): twice for the first bucket, which meets every kernel for the
+            # first time, once for the others. Warm-ups were most of the capture time at Flash
+            # dims (three eager forwards per bucket).
+            for _ in range(2 if self.device.type == "cuda" and not self.graphs else 1):
                 self.model(static_fb.input_ids, embeds)
             graph = create_breakable_graph(self.device, pool=pool, debug=self.debug)
             with graph.capture():
