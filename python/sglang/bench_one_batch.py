@@ -1,11 +1,17 @@
 """Breakable CUDA graph microbenchmark: one extend or mixed batch, timed three ways.
 
     python -m sglang.bench_one_batch --model-path dsv4-mini --num-tokens 16 64 256 1024 4096
+    python -m sglang.bench_one_batch --modes decode --num-tokens 1 16 64   # decode graphs
 
 eager: the whole step launched from Python. bcg: breakable-graph replay (metadata refresh,
 padding, segments replayed, attention eager, logits head eager). ideal: one full CUDA graph
 captured for that exact batch, attention included (GPU work only, the no-break bound).
 Reports ms per step, eager/bcg and bcg/ideal, breaks per step, capture time, graph memory.
+In decode mode (`--num-tokens` = batch sizes, one token per request) the bcg column is the
+decode graph's replay, which holds the whole step; there is no separate ideal.
+The limit column is the physical bound of the step on one H200 (configs/step_cost.py): HBM
+bytes / bandwidth for decode, FLOPs / peak for extend and mixed (the FP8 peak for a
+release-format model, bf16 otherwise); "% limit" is limit / (ideal, or the decode graph).
 
 Every mode is warmed up before it is timed (Triton JIT compiles and autotuning must not land
 in a timing), then timed in `--repeats` runs of `--iters` steps; the table gives the median
@@ -20,6 +26,7 @@ import time
 
 import torch
 
+from sglang.srt.configs import step_cost
 from sglang.srt.configs.deepseek_v4 import load_model_config
 from sglang.srt.model_executor.breakable_cuda_graph import break_ops_inline, create_breakable_graph
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
@@ -31,10 +38,13 @@ from sglang.srt.server_args import ServerArgs
 
 def make_batch(runner, mode: str, n: int, prefix: int, max_chunk: int, n_decode: int):
     """Extend: prefill chunks of <= max_chunk tokens on top of `prefix` cached tokens.
-    Mixed: one prefill chunk plus `n_decode` decode rows (all with `prefix` cached tokens)."""
+    Mixed: one prefill chunk plus `n_decode` decode rows (all with `prefix` cached tokens).
+    Decode: n requests of one new token each."""
     rtp = runner.req_to_token_pool
     rows = []
-    if mode == "mixed":
+    if mode == "decode":
+        rows = [1] * n
+    elif mode == "mixed":
         rows.append(n - n_decode)
         rows += [1] * n_decode
     else:
@@ -46,7 +56,7 @@ def make_batch(runner, mode: str, n: int, prefix: int, max_chunk: int, n_decode:
         rtp.ensure_capacity(s, prefix + r)
     gen = torch.Generator().manual_seed(0)
     toks = [torch.randint(3, runner.config.vocab_size, (r,), generator=gen).tolist() for r in rows]
-    fb_mode = ForwardMode.MIXED if mode == "mixed" else ForwardMode.EXTEND
+    fb_mode = {"mixed": ForwardMode.MIXED, "decode": ForwardMode.DECODE}.get(mode, ForwardMode.EXTEND)
     fb = build_forward_batch(fb_mode, slots, [prefix] * len(rows), toks, runner.device)
     return fb, slots
 
@@ -101,6 +111,14 @@ def ideal_graph(runner, fb):
     return graph, replay
 
 
+def limit_ms(config, mode: str, n: int, prefix: int, fp8_kv: bool) -> float:
+    """The step's physical bound on one H200, in ms (see the module docstring)."""
+    if mode == "decode":
+        return step_cost.decode_step_cost(config, n, prefix, kv_row_bytes=584 if fp8_kv else None).seconds() * 1e3
+    peak = step_cost.H200_FP8_FLOPS if config.fp8_linears else step_cost.H200_BF16_FLOPS
+    return n * step_cost.flops_per_token(config, prefix) / peak * 1e3
+
+
 def print_capture_table(bcg) -> None:
     """Graph pool growth and capture seconds of each bucket, in capture order (largest first:
     the first allocates the pool, the later ones mostly reuse it)."""
@@ -119,7 +137,7 @@ def main(argv=None):
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights) | safetensors")
     p.add_argument("--num-layers", type=int, default=None, help="only the model's first N layers (same dims)")
     p.add_argument("--num-tokens", type=int, nargs="+", default=[16, 64, 256, 512, 1024, 2048, 4096])
-    p.add_argument("--modes", nargs="+", default=["extend", "mixed"])
+    p.add_argument("--modes", nargs="+", default=["extend", "mixed"], choices=["extend", "mixed", "decode"])
     p.add_argument("--prefix", type=int, default=1024, help="cached tokens per request")
     p.add_argument("--max-chunk", type=int, default=1024)
     p.add_argument("--decode-rows", type=int, default=32)
@@ -137,6 +155,9 @@ def main(argv=None):
     a = p.parse_args(argv)
     max_tokens = max(a.num_tokens)
     n_reqs = 2 * (max_tokens // a.max_chunk + a.decode_rows + 2)
+    decode = "decode" in a.modes
+    if decode:  # a decode batch is one request per row
+        n_reqs = max(n_reqs, max_tokens + 2)
     # a smaller model than --context-length allows runs at its own limit
     max_positions = load_model_config(a.model_path, a.num_layers).max_position_embeddings
     args = ServerArgs(
@@ -144,16 +165,17 @@ def main(argv=None):
         dtype=a.dtype or "auto", context_length=min(a.context_length, max_positions),
         max_running_requests=n_reqs, max_total_tokens=n_reqs * (a.prefix + a.max_chunk + 128),
         enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=sorted(set(a.num_tokens)),
-        breakable_cuda_graph_max_tokens=max_tokens, disable_cuda_graph=True, attention_backend=a.attention_backend,
+        breakable_cuda_graph_max_tokens=max_tokens, disable_cuda_graph=not decode,
+        cuda_graph_max_bs=max_tokens if decode else None, attention_backend=a.attention_backend,
         segment_kernels=a.segment_kernels, quant_numerics=a.quant_numerics, kv_cache_dtype=a.kv_cache_dtype,
     ).resolve(cuda_available=torch.cuda.is_available())
     dtype = args.dtype
-    runner = ModelRunner(args)
+    runner = ModelRunner(args, cuda_graph_on_cpu=decode)  # on CPU: the emulator, for a smoke run
     bcg = runner.bcg_runner
     dev = runner.device
     rows = []
     header = (f"{'mode':6} {'tokens':>6} {'eager ms':>9} {'bcg ms':>8} {'ideal ms':>9} {'eager/bcg':>9} "
-              f"{'bcg/ideal':>9} {'breaks':>6} {'spread e/b/i':>17}")
+              f"{'bcg/ideal':>9} {'breaks':>6} {'spread e/b/i':>17} {'limit ms':>9} {'% limit':>7}")
     print(f"model {a.model_path} on {dev} ({dtype}); BCG capture {bcg.capture_seconds:.1f}s for "
           f"{len(bcg.buckets)} buckets, graph memory {bcg.graph_memory_bytes / 2**20:.0f} MiB")
     print_capture_table(bcg)
@@ -166,20 +188,26 @@ def main(argv=None):
             with torch.inference_mode():
                 eager_runs = timed(lambda: runner.forward(fb, eager_path(fb)), dev, **t)
                 path = decide_step_path((describe(fb),), runner.graph_tables)
-                assert path.kind == PathKind.BCG, path.reason
+                want = PathKind.DECODE_GRAPH if mode == "decode" else PathKind.BCG
+                assert path.kind == want, path.reason
                 bcg_runs = timed(lambda: runner.forward(fb, path), dev, **t)
-                graph, replay_ideal = ideal_graph(runner, fb)
-                ideal_runs = timed(replay_ideal, dev, **t)
-                graph.release()
+                if mode == "decode":  # the decode graph is the whole step already
+                    ideal_runs = bcg_runs
+                else:
+                    graph, replay_ideal = ideal_graph(runner, fb)
+                    ideal_runs = timed(replay_ideal, dev, **t)
+                    graph.release()
             eager, replay, ideal = median(eager_runs), median(bcg_runs), median(ideal_runs)
-            breaks = bcg.graphs[bcg.bucket_for(n)].num_breaks
+            breaks = 0 if mode == "decode" else bcg.graphs[bcg.bucket_for(n)].num_breaks
+            bound = limit_ms(runner.config, mode, n, a.prefix, a.kv_cache_dtype == "fp8_e4m3")
             row = dict(mode=mode, tokens=n, eager_ms=eager, bcg_ms=replay, ideal_ms=ideal,
                        eager_over_bcg=eager / replay, bcg_over_ideal=replay / ideal, breaks=breaks,
+                       limit_ms=bound, ideal_over_limit=ideal / bound,
                        eager_runs_ms=eager_runs, bcg_runs_ms=bcg_runs, ideal_runs_ms=ideal_runs)
             rows.append(row)
             noise = "/".join(f"{spread(r):.0%}" for r in (eager_runs, bcg_runs, ideal_runs))
             print(f"{mode:6} {n:6d} {eager:9.2f} {replay:8.2f} {ideal:9.2f} {eager / replay:9.2f} "
-                  f"{replay / ideal:9.2f} {breaks:6d} {noise:>17}", flush=True)
+                  f"{replay / ideal:9.2f} {breaks:6d} {noise:>17} {bound:9.3g} {bound / ideal:7.1%}", flush=True)
             for s in slots:
                 runner.req_to_token_pool.free_req(s)
     if a.result_file:
