@@ -133,11 +133,12 @@ def test_probe_verdict_is_cached_per_key(monkeypatch):
     assert S.probe_failures() == {("cpu", -1, torch.float16, True): "no fp16 here"}
 
 
-def test_quantize_act_pads_rows_with_zeros():
+def test_quantize_act_pads_rows_with_zeros(device):
     require_triton()
     from dsv4_kernels import fp8_gemm
     x = torch.randn(5, 384) * 3
-    q, s = fp8_gemm.quantize_act(x, rows=8)
+    q, s = fp8_gemm.quantize_act(x.to(device), rows=8)
+    q, s = q.cpu(), s.cpu()
     q_ref, s_ref = Q.quantize_fp8_blocks(x)
     assert q.shape == (8, 384) and s.shape == (8, 3) and s.stride() == (1, 8)
     assert torch.equal(q[:5].view(torch.uint8), q_ref.view(torch.uint8))
@@ -145,12 +146,13 @@ def test_quantize_act_pads_rows_with_zeros():
     assert not q[5:].view(torch.uint8).any()  # e4m3 +0
     assert torch.isfinite(s[5:]).all() and (s[5:] > 0).all()
     with pytest.raises(ValueError, match="rows=4 is fewer than x's 5"):
-        fp8_gemm.quantize_act(x, rows=4)
+        fp8_gemm.quantize_act(x.to(device), rows=4)
 
 
 @pytest.mark.parametrize("K", [384, 512])  # K/128 = 3 (padded scales) and 4 (the view)
 @pytest.mark.parametrize("lead", [(6,), (2, 3), (1,)])  # M = 6 and 1: rows padded to 8 / 4
-def test_cublas_route_pads_rows_hands_the_contract_layouts_and_slices(monkeypatch, K, lead):
+def test_cublas_route_pads_rows_hands_the_contract_layouts_and_slices(monkeypatch, device, K,
+                                                                      lead):
     require_triton()
     from dsv4_kernels import fp8_gemm
     seen = []
@@ -161,8 +163,8 @@ def test_cublas_route_pads_rows_hands_the_contract_layouts_and_slices(monkeypatc
 
     monkeypatch.setattr(S, "use_cublas", lambda *args: True)
     monkeypatch.setattr(S, "block_scaled_mm", mm)
-    w, ws = _weight(256, K)
-    x = torch.randn(*lead, K).bfloat16()
+    w, ws = _weight(256, K, device)
+    x = torch.randn(*lead, K, device=device).bfloat16()
     y = fp8_gemm.fp8_block_linear(x, w, ws, True)
     assert y.shape == (*lead, 256) and y.dtype == torch.bfloat16 and y.is_contiguous()
     assert seen == [S.round_up(x[..., 0].numel(), 4)]

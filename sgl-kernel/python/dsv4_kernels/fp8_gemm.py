@@ -77,8 +77,9 @@ def _act_quant_kernel(
     kb = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     offs = kb[:, None] * QB + tl.arange(0, QB)[None, :]
     mask = offs < K
-    k_row = tl.where(m < M, K, 0)  # padding rows read nothing
-    x = tl.load(x_ptr + m * stride_x + offs, mask=offs < k_row, other=0.0).to(tl.float32)
+    # Padding rows read row M-1 (the load and its mask stay those of a real row) and zero it.
+    x = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_x + offs, mask=mask, other=0.0)
+    x = tl.where(m < M, x.to(tl.float32), 0.0)
     scale = pow2_scale(tl.max(tl.abs(x), axis=1), INV_E4M3_MAX)
     v = tl.minimum(tl.maximum(x * pow2_recip(scale)[:, None], -448.0), 448.0)
     if ROUND_ONLY:
@@ -249,8 +250,8 @@ def quantize_act(x2: torch.Tensor, rows: int | None = None):
     both strides. Rows M..R-1 (rows > M pads for cuBLAS) hold zeros with finite scales."""
     M, K = x2.shape
     R = M if rows is None else rows
-    if R < M:
-        raise ValueError(f"quantize_act: rows={rows} is fewer than x's {M}")
+    if R < M or (R and not M):
+        raise ValueError(f"quantize_act: rows={rows} is fewer than x's {M} (or x has none)")
     q = torch.empty(R, K, dtype=torch.uint8, device=x2.device)
     s = torch.empty(K // QBLOCK, R, dtype=torch.float32, device=x2.device).t()
     if R:
