@@ -173,5 +173,6 @@ def test_cublas_route_pads_rows_hands_the_contract_layouts_and_slices(monkeypatc
     # A layout built once and passed in gives the same; a wrong one is named.
     layout = S.weight_scale_layout(ws)
     assert torch.equal(fp8_gemm.fp8_block_linear(x, w, ws, True, cublas_scale=layout), y)
-    with pytest.raises(ValueError, match="cublas_scale must be weight_scale_layout"):
-        fp8_gemm.fp8_block_linear(x, w, ws, True, cublas_scale=ws)
+    for wrong in (ws, layout.contiguous()):  # the weight's own shape; the right shape row-major
+        with pytest.raises(ValueError, match="cublas_scale must be weight_scale_layout"):
+            fp8_gemm.fp8_block_linear(x, w, ws, True, cublas_scale=wrong)

@@ -305,7 +305,8 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, config: dict | No
         x2 = x2.contiguous()
     M = x2.shape[0]
     if M and fp8_scaled_mm.use_cublas(x2, weight, act_quant, "triton" if config else backend):
-        scale_b = fp8_scaled_mm.weight_scale_layout(weight_scale) if cublas_scale is None else cublas_scale
+        scale_b = (fp8_scaled_mm.weight_scale_layout(weight_scale) if cublas_scale is None
+                   else cublas_scale)
         return fp8_scaled_mm.block_linear(x2, weight, scale_b).view(*x.shape[:-1], N)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:

@@ -37,7 +37,7 @@ FP8 = torch.float8_e4m3fn
 BLOCK = 128
 BACKENDS = ("auto", "triton", "cublas")
 
-_SUPPORT: dict[tuple, bool] = {}  # (device index, out dtype, padded) -> probe passed
+_SUPPORT: dict[tuple, bool] = {}  # (device type, index, out dtype, padded) -> probe passed
 _FAILURES: dict[tuple, str] = {}  # the same keys -> why the probe failed
 
 
@@ -98,9 +98,9 @@ def block_linear(x2: torch.Tensor, weight: torch.Tensor, scale_b: torch.Tensor) 
     M, K = x2.shape
     N = weight.shape[0]
     L = K // BLOCK
-    if (scale_b.dtype != torch.float32 or tuple(scale_b.shape) not in ((L, N // BLOCK),
-                                                                       (round_up(L, 4), N // BLOCK))
-            or (scale_b.stride(0) != 1 and scale_b.shape[0] > 1)):
+    rows_b, nb = scale_b.shape if scale_b.dim() == 2 else (-1, -1)
+    if (scale_b.dtype != torch.float32 or nb != N // BLOCK or rows_b not in (L, round_up(L, 4))
+            or (rows_b > 1 and scale_b.stride(0) != 1) or (nb > 1 and scale_b.stride(1) != rows_b)):
         raise ValueError(f"fp8_block_linear: cublas_scale must be weight_scale_layout's fp32 "
                          f"[{round_up(L, 4)}, {N // BLOCK}] (strides (1, L4)), got {scale_b.dtype} "
                          f"{tuple(scale_b.shape)} strides {scale_b.stride()}")
