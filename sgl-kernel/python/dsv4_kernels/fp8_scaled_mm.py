@@ -31,7 +31,11 @@ depend only on M, N, K.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 BLOCK = 128
@@ -160,8 +164,15 @@ def device_supports(device: torch.device, out_dtype: torch.dtype, padded: bool) 
         why = _probe(torch.device(key[0], key[1]) if key[1] >= 0 else torch.device(key[0]),
                      out_dtype, padded)
         _SUPPORT[key] = why is None
-        if why is not None:
+        layout = "zero-padded" if padded else "unpadded"
+        if why is None:
+            logger.info("FP8 block linears on %s:%d (%s out, %s weight scales): cuBLAS",
+                        key[0], key[1], out_dtype, layout)
+        else:
             _FAILURES[key] = why
+            logger.warning("FP8 block linears on %s:%d (%s out, %s weight scales) stay on "
+                           "Triton: the cuBLAS probe failed (%s)", key[0], key[1], out_dtype,
+                           layout, why)
     return _SUPPORT[key]
 
 
