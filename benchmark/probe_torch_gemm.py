@@ -55,9 +55,9 @@ def probe_scaled_mm():
             line += f" cublas_block {med:.1f} us ({flop / med / 1e6:.0f} TFLOP/s, {lo:.0f}-{hi:.0f}) rel_err {err:.2e};"
         except Exception as e:  # noqa: BLE001 - a probe: report why the path is unavailable
             line += f" cublas_block unavailable ({type(e).__name__}: {str(e)[:160]});"
-        y2 = fp8_block_linear(x, w, w_s, True)
+        y2 = fp8_block_linear(x, w, w_s, True, backend="triton")
         err2 = ((y2.float() - ref).norm() / ref.norm()).item()
-        med, lo, hi = timed(lambda: fp8_block_linear(x, w, w_s, True))
+        med, lo, hi = timed(lambda: fp8_block_linear(x, w, w_s, True, backend="triton"))
         line += f" triton {med:.1f} us ({flop / med / 1e6:.0f} TFLOP/s) rel_err {err2:.2e};"
         wb = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
         med, lo, hi = timed(lambda: x @ wb.t())

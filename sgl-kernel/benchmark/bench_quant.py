@@ -2,6 +2,9 @@
 
 - FP8 block-scaled linear (ops.fp8_block_linear, act_quant on = release numerics, off =
   weight-only) at DSV4-Flash shapes, with bf16 torch.mm on a bf16 copy of the weight beside it.
+  fp8_release is the Triton kernel (backend="triton"); cublas_block the same release numerics
+  through cuBLAS block scaling (backend="cublas", fp8_scaled_mm: what "auto" runs where the
+  device passed its probe; skipped with the reason elsewhere).
   TFLOP/s vs the dense FP8 (1979) and bf16 (989) peaks; GB/s (weight + scales + x + out) vs
   4.8 TB/s HBM.
 - FP4 MoE (fp4_moe.fp4_fused_moe, all decodes; the gemv one at T <= GEMV_MAX_T, with tile
@@ -111,13 +114,17 @@ def bench_gemm(rows, ms_list, alt_tile=False):
             bf16_bytes = N * K * 2 + M * K * 2 + M * N * 2
             flops = 2 * M * N * K
             for impl, fn, nbytes in (
-                ("fp8_release", lambda x=x, q=q, s=s: ops.fp8_block_linear(x, q, s, True),
+                ("fp8_release",
+                 lambda x=x, q=q, s=s: ops.fp8_block_linear(x, q, s, True, backend="triton"),
                  fp8_bytes),
                 ("fp8_weight_only", lambda x=x, q=q, s=s: ops.fp8_block_linear(x, q, s, False),
                  fp8_bytes),
                 ("bf16_torch_mm", lambda x=x, wb=wb: torch.mm(x, wb.t()), bf16_bytes),
             ):
                 cases.append((name, M, impl, fn, nbytes, flops))
+            cublas = _cublas_case(x, q, s)
+            if cublas is not None:
+                cases.append((name, M, "cublas_block", cublas, fp8_bytes, flops))
             if alt_tile and M >= 2048:
                 alt = dict(fp8_gemm.gemm_config(M, N, K, True), **ALT_LARGE_TILE)
                 cases.append((name, M, "fp8_release_128x128",
@@ -132,6 +139,19 @@ def bench_gemm(rows, ms_list, alt_tile=False):
     torch.cuda.synchronize()
     for name, M, impl, fn, nbytes, flops in cases:
         _record(rows, "gemm", name, M, impl, _time(fn), nbytes, flops)
+
+
+def _cublas_case(x, q, s):
+    """ops.fp8_block_linear forced onto cuBLAS, with its scale layout built once (as
+    Fp8BlockLinear keeps it), or None with the reason printed."""
+    from dsv4_kernels import fp8_scaled_mm, ops
+    try:
+        ops.fp8_block_linear(x, q, s, True, backend="cublas")
+    except ValueError as exc:
+        print(f"cublas_block M={x.shape[0]} skipped: {exc}", flush=True)
+        return None
+    layout = fp8_scaled_mm.weight_scale_layout(s)
+    return lambda: ops.fp8_block_linear(x, q, s, True, backend="cublas", cublas_scale=layout)
 
 
 def _tma_case(x, q, s):

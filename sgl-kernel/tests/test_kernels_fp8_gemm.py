@@ -7,7 +7,9 @@ reference is the order of the fp32 sums: rtol 1e-5 on fp32 outputs, one bf16 ulp
 interpreter's fp32 -> bf16 cast truncates where the GPU rounds to nearest). bf16 x with act_quant is
 the FP8 tensor-core kernel; fp32 x always takes the exact fp32 kernel (x rounded to FP8 values
 first with act_quant). The interpreter's bf16 tl.dot is wrong, so weight-only bf16 (a bf16
-dot) is checked on the GPU only; the FP8 kernel's dot is e4m3 and runs here.
+dot) is checked on the GPU only; the FP8 kernel's dot is e4m3 and runs here. On an H200,
+release numerics on bf16/fp16 x take cuBLAS by default (fp8_scaled_mm): the GPU tests run the
+Triton kernel forced and auto, and the cuBLAS path at its edge shapes and under graph capture.
 """
 
 import pytest
@@ -128,11 +130,12 @@ GPU_CASES = ([(K, N, M) for K, N in FLASH for M in (16, 64)]
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("K,N,M", GPU_CASES)
-@pytest.mark.parametrize("act_quant", [True, False])
-def test_gpu_bf16_fp8_linear_at_flash_shapes(K, N, M, act_quant):
+@pytest.mark.parametrize("act_quant,backend", [(True, "triton"), (True, "auto"), (False, "auto")])
+def test_gpu_bf16_fp8_linear_at_flash_shapes(K, N, M, act_quant, backend):
+    # Release numerics twice: the Triton kernel forced, and auto (cuBLAS on an H200).
     q, s = Q.quantize_fp8_weight(torch.randn(N, K, device="cuda") / K ** 0.5)
     x = torch.randn(M, K, device="cuda").bfloat16()
-    y = ops.fp8_block_linear(x, q, s, act_quant)
+    y = ops.fp8_block_linear(x, q, s, act_quant, backend=backend)
     # The reference in fp32 (its own output rounded to bf16 would hide a 1-ulp sum difference).
     ref = Q.fp8_block_linear_ref(x.float(), q, s, act_quant)
     assert y.dtype == torch.bfloat16
@@ -140,15 +143,84 @@ def test_gpu_bf16_fp8_linear_at_flash_shapes(K, N, M, act_quant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("act_quant", [True, False])
-def test_gpu_fp8_linear_replays_in_a_cuda_graph(act_quant):
+@pytest.mark.parametrize("act_quant,backend", [(True, "triton"), (False, "triton"), (True, "auto")])
+def test_gpu_fp8_linear_replays_in_a_cuda_graph(act_quant, backend):
     q, s = Q.quantize_fp8_weight(torch.randn(1024, 4096, device="cuda") / 64)
     x = torch.randn(16, 4096, device="cuda").bfloat16()
-    out = ops.fp8_block_linear(x, q, s, act_quant)  # compile outside the capture
+    out = ops.fp8_block_linear(x, q, s, act_quant, backend=backend)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops.fp8_block_linear(x, q, s, act_quant)
+        out = ops.fp8_block_linear(x, q, s, act_quant, backend=backend)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(out, ops.fp8_block_linear(x, q, s, act_quant), rtol=0, atol=0)
+    torch.testing.assert_close(out, ops.fp8_block_linear(x, q, s, act_quant, backend=backend),
+                               rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------
+# cuBLAS block scaling (fp8_scaled_mm) on an H200
+# ---------------------------------------------------------------------------------------
+# (M, N, K): K/128 = 4 / 8 / 32 / 64 (scales as they are), 3 / 5 (zero-padded to 8 blocks:
+# the explicit-recipe API), 1 with N/128 = 1 (size-1 scale dims); M = 1 and M % 4 != 0 (rows
+# padded and sliced), decode and prefill sizes.
+CUBLAS_CASES = [(1, 1024, 4096), (5, 256, 384), (7, 512, 640), (3, 128, 128), (16, 2048, 512),
+                (64, 32768, 1024), (200, 4096, 2048), (2048, 4096, 8192)]
+
+
+def _require_sm90():
+    if torch.cuda.get_device_capability() != (9, 0):  # cuBLAS's DeepSeek scaling is Hopper's
+        pytest.skip("cuBLAS 1x128 x 128x128 block scaling runs on sm90 only")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", CUBLAS_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_cublas_block_linear_matches_reference(M, N, K, dtype):
+    from dsv4_kernels import fp8_scaled_mm as S
+    _require_sm90()
+    q, s = Q.quantize_fp8_weight(torch.randn(N, K, device="cuda") / K ** 0.5)
+    x = torch.randn(M, K, device="cuda").to(dtype)
+    padded = (K // 128) % 4 != 0
+    ref = Q.fp8_block_linear_ref(x.float(), q, s, True)
+    if S.device_supports(x.device, dtype, padded):
+        assert S.use_cublas(x, q, True, "auto")  # what the model's linears take
+        y = ops.fp8_block_linear(x, q, s, True, backend="cublas")
+    else:
+        # torch._scaled_mm's layout is what the H200 ran (probe_torch_gemm.log); only the
+        # zero-padded one (torch.nn.functional.scaled_mm) may be missing from this torch.
+        assert padded, S.probe_failures()
+        with pytest.raises(ValueError, match="failed the cuBLAS block-scaling probe"):
+            ops.fp8_block_linear(x, q, s, True, backend="cublas")
+        y = ops.fp8_block_linear(x, q, s, True)  # auto falls back to Triton
+        print(f"padded layout unsupported here, Triton ran: {S.probe_failures()}")
+    assert y.shape == (M, N) and y.dtype == dtype
+    torch.testing.assert_close(y.float(), ref, rtol=2 ** -8, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K", [(5, 384), (1, 4096), (64, 1024)])
+def test_gpu_cublas_block_linear_replays_in_a_cuda_graph(M, K):
+    from dsv4_kernels import fp8_scaled_mm as S
+    _require_sm90()
+    N = 1024
+    q, s = Q.quantize_fp8_weight(torch.randn(N, K, device="cuda") / K ** 0.5)
+    x = torch.randn(M, K, device="cuda").bfloat16()
+    if not S.device_supports(x.device, x.dtype, (K // 128) % 4 != 0):
+        assert (K // 128) % 4, S.probe_failures()
+        pytest.skip(f"padded scale layout unsupported by this torch: {S.probe_failures()}")
+    layout = S.weight_scale_layout(s)  # built once, outside the capture, as Fp8BlockLinear does
+    eager = ops.fp8_block_linear(x, q, s, True, backend="cublas", cublas_scale=layout)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.fp8_block_linear(x, q, s, True, backend="cublas", cublas_scale=layout)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, ops.fp8_block_linear(x, q, s, True, backend="cublas",
+                                                         cublas_scale=layout), rtol=0, atol=0)
+    torch.testing.assert_close(out.float(), Q.fp8_block_linear_ref(x.float(), q, s, True),
+                               rtol=2 ** -8, atol=1e-3)

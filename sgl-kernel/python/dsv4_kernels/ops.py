@@ -146,11 +146,19 @@ fp4_round_blocks = quant_reference.fp4_round_blocks
 hadamard_rotate = quant_reference.hadamard_rotate
 
 
-def fp8_block_linear(x, weight, weight_scale, act_quant: bool):
+def fp8_block_linear(x, weight, weight_scale, act_quant: bool, backend: str = "auto",
+                     cublas_scale=None):
     """x [..., K] @ dequant(weight e4m3 [N, K], weight_scale fp32 [ceil(N/128), ceil(K/128)])^T
-    -> x.dtype [..., N]; act_quant: x quantized per 128 along K first (release numerics)."""
+    -> x.dtype [..., N]; act_quant: x quantized per 128 along K first (release numerics).
+    On CUDA, backend "auto" / "triton" / "cublas" picks the GEMM (fp8_gemm.fp8_block_linear;
+    cublas_scale: the scales in cuBLAS's layout, built once by the caller); elsewhere the
+    reference runs and "cublas" is refused."""
     if _use_triton(x):
-        return _kernels("fp8_gemm").fp8_block_linear(x, weight, weight_scale, act_quant)
+        return _kernels("fp8_gemm").fp8_block_linear(x, weight, weight_scale, act_quant,
+                                                     backend=backend, cublas_scale=cublas_scale)
+    if backend != "auto" and backend != "triton":
+        raise ValueError(f"fp8_block_linear: backend={backend!r} needs CUDA tensors and triton "
+                         f"(x is on {x.device.type}); 'auto' or 'triton' run the reference here")
     return quant_reference.fp8_block_linear_ref(x, weight, weight_scale, act_quant)
 
 

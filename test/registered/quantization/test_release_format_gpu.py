@@ -1,6 +1,7 @@
 """The release format on CUDA: dsv4-mini-fp8 built by --load-format dummy directly on the GPU
-(FP8 linears and FP4 experts through the Triton kernels), in a breakable graph and eagerly,
-and its weight memory against dsv4-mini in bf16. Numbers are printed (run with -s)."""
+(FP8 linears through cuBLAS or Triton, FP4 experts through the Triton kernels), in a breakable
+graph and eagerly, and its weight memory against dsv4-mini in bf16; one FP8 linear's cuBLAS
+scale layout kept across capture. Numbers are printed (run with -s)."""
 
 import sys
 from pathlib import Path
@@ -60,3 +61,28 @@ def test_weight_memory_on_the_gpu():
     r = _weight_bytes(rel.model)
     print(f"dsv4-mini weights: bf16 {b / 2**30:.3f} GiB, release format {r / 2**30:.3f} GiB ({r / b:.3f}x)")
     assert r < 0.6 * b
+
+
+@pytest.mark.parametrize("in_features", [384, 1024])  # K/128 = 3: a padded scale copy; 8: a view
+def test_fp8_linear_keeps_its_cublas_scale_layout_and_replays(in_features):
+    from dsv4_kernels import quant_reference as Q
+
+    from sglang.srt.layers.quantization.fp8_linear import Fp8BlockLinear
+
+    layer = Fp8BlockLinear(in_features, 512, act_quant=True).cuda()
+    q, s = Q.quantize_fp8_weight(torch.randn(512, in_features, device="cuda") / in_features ** 0.5)
+    layer.weight.data.copy_(q)
+    layer.weight_scale.data.copy_(s)
+    x = torch.randn(6, in_features, device="cuda").bfloat16()
+    eager = layer(x)  # the first forward, outside capture, builds what needs building
+    layout = layer._cublas_scale
+    assert (layout is not None) == (in_features // 128 % 4 != 0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert layer._cublas_scale is layout  # kept, never rebuilt per step
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    torch.testing.assert_close(eager.float(), Q.fp8_block_linear_ref(x.float(), q, s, True),
+                               rtol=2 ** -8, atol=1e-3)

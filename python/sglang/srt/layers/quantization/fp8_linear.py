@@ -1,7 +1,7 @@
 """FP8 e4m3 block-scaled linear: the release's storage (weight e4m3 [N, K] + fp32 scale per
 128x128 block [ceil(N/128), ceil(K/128)], the checkpoint's ue8m0 bytes converted at load)
-kept quantized in memory; the GEMM is dsv4_kernels.ops.fp8_block_linear (Triton on CUDA,
-the torch reference elsewhere), graph-safe."""
+kept quantized in memory; the GEMM is dsv4_kernels.ops.fp8_block_linear (cuBLAS or Triton on
+CUDA, the torch reference elsewhere), graph-safe."""
 
 from __future__ import annotations
 
@@ -22,11 +22,26 @@ class Fp8BlockLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.ones(-(-out_features // BLOCK), -(-in_features // BLOCK),
                                                     dtype=torch.float32), requires_grad=False)
+        self._cublas_scale: torch.Tensor | None = None  # see cublas_scale()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from dsv4_kernels import ops
 
-        return ops.fp8_block_linear(x, self.weight, self.weight_scale, self.act_quant)
+        return ops.fp8_block_linear(x, self.weight, self.weight_scale, self.act_quant,
+                                    cublas_scale=self.cublas_scale())
+
+    def cublas_scale(self) -> torch.Tensor | None:
+        """weight_scale in cuBLAS's layout where that needs a copy (CUDA, K/128 not a multiple
+        of 4: rows zero-padded to 4), built once at the first forward outside graph capture (the
+        graph runners' eager warm-up) and kept; None elsewhere (the kernel then takes a free view,
+        or builds it inside that one call). It reflects weight_scale as loaded: the loader fills
+        the weights before any forward, and nothing rewrites them after."""
+        if self._cublas_scale is None and self.act_quant and self.weight.is_cuda and \
+                (self.weight_scale.shape[1] % 4) and not torch.cuda.is_current_stream_capturing():
+            from dsv4_kernels.fp8_scaled_mm import weight_scale_layout
+
+            self._cublas_scale = weight_scale_layout(self.weight_scale)
+        return self._cublas_scale
 
     def dequantized(self) -> torch.Tensor:
         """fp32 [N, K], exact (e4m3 times a power of two). Used for wo_a, which the release
