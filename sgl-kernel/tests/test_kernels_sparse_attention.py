@@ -116,6 +116,25 @@ def test_lists_read_through_the_page_table_equal_their_gathered_lists(device, pa
     assert got[7].abs().max() == 0  # no valid entry: zeros
 
 
+def test_reference_bounds_its_token_chunk_by_the_list_widths(monkeypatch):
+    """At long context a token's lists are wide (c128: context / 128 entries); the reference
+    then gathers fewer tokens at a time, with the same result."""
+    a, len_a, b, len_b, raw_slots = _paged_lists("cpu", LEN_A, LEN_B)
+    H, D = 4, 64
+    q = torch.randn(len(LEN_A), H, D)
+    args = (q, torch.randn(raw_slots // 4, D), a, len_a, torch.randn(raw_slots // 128, D), b, len_b,
+            torch.randn(H), D ** -0.5)
+    whole = reference.sparse_attn_with_sink(*args, torch.empty_like(q), token_chunk=64)
+    chunks = []
+    gather = reference._gather_keys
+    monkeypatch.setattr(reference, "_gather_keys", lambda kv, idx, length, layout=None: (
+        chunks.append(length.shape[0]), gather(kv, idx, length, layout))[1])
+    monkeypatch.setattr(reference, "ATTN_REFERENCE_WORKSPACE_BYTES", 3 * (a.width + b.width) * (8 * D + 12 * H))
+    got = reference.sparse_attn_with_sink(*args, torch.empty_like(q))
+    assert chunks == [3, 3, 3, 3, 2, 2]  # lists a and b of tokens 0-2, 3-5, 6-7
+    torch.testing.assert_close(got, whole, rtol=1e-6, atol=1e-6)
+
+
 def test_triton_with_no_tokens_is_a_no_op(device):
     require_triton()
     from dsv4_kernels.sparse_attention import sparse_attn_with_sink

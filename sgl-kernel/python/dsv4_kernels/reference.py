@@ -65,16 +65,31 @@ def check_kv_layout(kv, kv_layout, what: str) -> None:
         kv_layout.check_rows(kv, what)
 
 
+# Working set of one token chunk of the reference attention (gathered fp32 rows, scores):
+# bounds it at long context, where a token's c128 list alone is context / 128 entries.
+ATTN_REFERENCE_WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+def _list_width(idx) -> int:
+    return idx.width if isinstance(idx, PageTableList) else idx.shape[1]
+
+
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
-                          token_chunk: int = 64, kv_layout=None):
+                          token_chunk: Optional[int] = None, kv_layout=None):
     """out[t,h] = softmax over the union of valid a- and b-entries, the sink only in the
     denominator. idx_a / idx_b: [T, W] slot lists or PageTableLists (gathered per chunk).
-    Tokens are processed in chunks so the gathered rows stay small. kv_layout
+    Tokens are processed in chunks so the gathered rows stay small: `token_chunk`, by default
+    64 or fewer, as ATTN_REFERENCE_WORKSPACE_BYTES allows at the lists' widths. kv_layout
     (kv_fp8.FP8KVLayout): kv_a / kv_b are FP8 KV rows, read dequantized."""
     check_kv_layout(kv_a, kv_layout, "sparse_attn_with_sink kv_a")
     if kv_b is not None:
         check_kv_layout(kv_b, kv_layout, "sparse_attn_with_sink kv_b")
-    T = q.shape[0]
+    T, H, D = q.shape
+    if token_chunk is None:
+        width = _list_width(idx_a) + (_list_width(idx_b) if kv_b is not None else 0)
+        # per token and entry: the gathered row and its concatenated copy (fp32), and the
+        # scores, masked scores and probabilities of every head
+        token_chunk = max(1, min(64, ATTN_REFERENCE_WORKSPACE_BYTES // max(1, width * (8 * D + 12 * H))))
     sink = sink.float()
     for start in range(0, T, token_chunk):
         sl = slice(start, min(start + token_chunk, T))
