@@ -39,7 +39,8 @@ class DSV4CompressorMetadata(_Refreshable):
 @dataclass
 class DSV4IndexerMetadata(_Refreshable):
     """The c4 candidates of token t are entries i < cand_len[t], read through the page table
-    (DSV4Metadata.page_table_list(rtt, 4, cand_width)): no [T, context / 4] list exists."""
+    (DSV4Metadata.page_table_list(rtt, 4, ...), cand_width wide): no [T, context / 4] list
+    exists."""
 
     topk: int = static_field()
     # host int: the widest candidate list of the live batch (its longest sequence // 4; in full
