@@ -1,6 +1,7 @@
 """sparse_attn_with_sink at dsv4-flash-slice decode shapes (H=64, D=512, window 128, c4 top-k
 512): achieved bandwidth over gathered KV rows + q + out, for the default and a config sweep,
-and the default config reading an FP8 KV cache (584-byte rows, dequantized on load)."""
+the default config reading an FP8 KV cache (584-byte rows, dequantized on load), and list b
+read through the page table as the c128 entries are (PageTableList, 512 entries = 64K tokens)."""
 
 import torch
 
@@ -21,7 +22,7 @@ SWEEP = [  # (block_h, block_n, num_warps, num_stages, keys_as_m); sm90_resource
 def main():
     if not require_cuda():
         return
-    from dsv4_kernels import ops, reference
+    from dsv4_kernels import PageTableList, ops, reference
     from dsv4_kernels.sparse_attention import SparseAttnConfig, sparse_attn_with_sink
 
     from dsv4_kernels.kv_fp8 import FP8KVLayout
@@ -59,6 +60,14 @@ def main():
         nbytes8 = T * (WA + WB) * layout.row_bytes + 2 * q.numel() * 2
         report(f"T={T:<5} default, fp8 kv cache", time_ms(lambda: ops.sparse_attn_with_sink(*args8, kv_layout=layout)),
                nbytes8, flops)
+        # list b as c128 entries of 64K-token requests, through a page table of shuffled pages
+        pages = torch.randperm(POOL_ROWS, device="cuda")[: 8 * WB].view(8, WB)
+        pos = torch.arange(128 * WB, device="cuda")
+        rtt = (pages[:, pos // 128] * 128 + pos % 128).int()
+        c128 = PageTableList(rtt, torch.randint(0, 8, (T,), device="cuda", dtype=torch.int32), 128, WB)
+        args_pt = (q, kv_a, idx_a, len_a, kv_b, c128, len_b, sink, scale, out)
+        report(f"T={T:<5} default, b through the page table", time_ms(lambda: ops.sparse_attn_with_sink(*args_pt)),
+               nbytes, flops)
         best = None
         for bh, bn, nw, ns, keys_as_m in SWEEP:
             for splits in (1, 2, 4, 8, 16) if T <= 64 else (1, 2) if T <= 256 else (1,):

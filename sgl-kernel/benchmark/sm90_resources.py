@@ -46,16 +46,20 @@ def main():
     cfg = sa.SparseAttnConfig()
     attn_ptrs = dict(q_ptr="*bf16", kv_a_ptr="*bf16", idx_a_ptr="*i32", len_a_ptr="*i32",
                      kv_b_ptr="*bf16", idx_b_ptr="*i32", len_b_ptr="*i32", sink_ptr="*fp32",
-                     out_ptr="*bf16", part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32")
-    for splits, fp8 in ((1, False), (4, False), (1, True), (4, True)):  # fp8: 584-byte KV rows
+                     out_ptr="*bf16", part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
+                     rows_a_ptr="*i32", rows_b_ptr="*i32")
+    # paged: list b read through the page table (the c128 entries, PageTableList)
+    for splits, fp8, paged in ((1, False, False), (4, False, False), (1, True, False), (4, True, False),
+                               (1, False, True), (4, True, True)):  # fp8: 584-byte KV rows
         ptrs = dict(attn_ptrs, kv_a_ptr="*u8", kv_b_ptr="*u8", rope_a_ptr="*bf16", rope_b_ptr="*bf16") \
             if fp8 else dict(attn_ptrs, rope_a_ptr="*bf16", rope_b_ptr="*bf16")
         compile_report(f"sparse_attn splits={splits} {cfg.block_h}x{cfg.block_n} w{cfg.num_warps}"
-                       f"{' fp8 kv' if fp8 else ''}",
+                       f"{' fp8 kv' if fp8 else ''}{' c128 paged' if paged else ''}",
                        sa._sparse_attn_kernel, ptrs,
                        dict(HAS_B=True, NUM_SPLITS=splits, BLOCK_H=cfg.block_h,
                             BLOCK_N=cfg.block_n, BLOCK_D=512, DOT_PREC="tf32",
-                            KEYS_AS_M=cfg.keys_as_m, KV_FP8=fp8, FP8_BLOCK=64, DEQ_BF16=True),
+                            KEYS_AS_M=cfg.keys_as_m, KV_FP8=fp8, FP8_BLOCK=64, DEQ_BF16=True,
+                            PAGED_A=False, RATIO_A=1, PAGED_B=paged, RATIO_B=128 if paged else 1),
                        cfg.num_warps, cfg.num_stages, dict(qk_scale="fp32"))
     compile_report("sparse_attn merge splits=4 (D chunk 128)", sa._merge_splits_kernel,
                    dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
@@ -75,10 +79,12 @@ def main():
                        dict(kv_state_ptr="*fp32", score_state_ptr="*fp32", kv_new_ptr="*fp32",
                             score_new_ptr="*fp32", idx_ptr="*i32", out_ptr="*fp32"),
                        dict(RATIO=ratio, COFF=2 if ratio == 4 else 1, BLOCK_C=block_c), warps)
-    compile_report("indexer_logits 64x128", indexer._indexer_logits_kernel,
-                   dict(q_ptr="*bf16", w_ptr="*fp32", key_ptr="*bf16", slots_ptr="*i32",
-                        len_ptr="*i32", logits_ptr="*fp32"),
-                   dict(TILES_PER_PROG=4, BLOCK_H=64, BLOCK_N=64, BLOCK_D=128, DOT_PREC="tf32"), 4)
+    for paged in (False, True):  # paged: candidates read through the page table
+        compile_report(f"indexer_logits 64x128{' paged' if paged else ''}", indexer._indexer_logits_kernel,
+                       dict(q_ptr="*bf16", w_ptr="*fp32", key_ptr="*bf16", slots_ptr="*i32",
+                            rows_ptr="*i32", len_ptr="*i32", logits_ptr="*fp32"),
+                       dict(TILES_PER_PROG=4, BLOCK_H=64, BLOCK_N=64, BLOCK_D=128, DOT_PREC="tf32",
+                            PAGED=paged, RATIO=4 if paged else 1), 4)
     compile_report("moe gate_up 64x64x64", moe._gate_up_kernel,
                    dict(x_ptr="*bf16", w1_ptr="*bf16", w3_ptr="*bf16", sorted_ids_ptr="*i32",
                         block_expert_ptr="*i32", h_ptr="*bf16"),

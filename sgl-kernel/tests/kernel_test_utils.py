@@ -21,3 +21,16 @@ def rope_tables(max_pos, rope_dim, theta=10000.0, device="cpu"):
     freqs = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
     angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * freqs[None, :]
     return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def paged_page_table(num_rows, context, page_size=128, device="cpu", seed=0):
+    """[num_rows, context] int32 page table as the runtime's: each row's positions in whole
+    pages of shuffled page ids (so raw // r is unique per compressed entry, for r | page_size).
+    The pool behind it has num_rows * context / page_size pages."""
+    assert context % page_size == 0
+    g = torch.Generator().manual_seed(seed)
+    pages_per_row = context // page_size
+    pages = torch.randperm(num_rows * pages_per_row, generator=g).view(num_rows, pages_per_row)
+    pos = torch.arange(context)
+    rtt = pages[:, pos // page_size] * page_size + pos % page_size
+    return rtt.to(torch.int32).to(device)

@@ -1,9 +1,11 @@
-"""Step-metadata builders (torch reference and Triton): window / compressed slot lists, cache
+"""Step-metadata builders (torch reference and Triton): window slot lists, the compressed
+entries' lengths and page-table rows (their slots are read through the page table), cache
 write locations, compressor emissions; hand-computed cases, then random batches."""
 
 import pytest
 import torch
 
+from dsv4_kernels import PageTableList
 from kernel_test_utils import require_triton
 
 
@@ -35,7 +37,7 @@ def _token_meta(impl, page_table, req, pos, window=4, topk=16):
     device = page_table.device
     req = torch.tensor(req, device=device)
     pos = torch.tensor(pos, device=device)
-    out = _token_outputs(len(req), window, 300 // 128, 300 // 4, device)
+    out = _token_outputs(len(req), window, device)
     return _impl(impl).token_metadata(page_table, req, pos, pos + 1, torch.ones_like(pos), 1, topk, out)
 
 
@@ -55,8 +57,11 @@ def test_window_slots_are_the_last_w_positions_left_aligned(device, page_table, 
 def test_compressed_slots_follow_the_last_token_of_each_entry(device, page_table, ratio, impl):
     req, pos = [0, 2, 2, 2, 0], [2, 3, 127, 299, 254]
     out = _token_meta(impl, page_table, req, pos)
-    slots, lens = (out["cand_slots"], out["cand_len"]) if ratio == 4 else (out["c128_slots"], out["c128_len"])
+    assert out["token_rows"].tolist() == req
+    lens = out["cand_len"] if ratio == 4 else out["c128_len"]
+    # the entries are read through the page table at each token's row, up to its length
     max_entries = 300 // ratio
+    slots = PageTableList(page_table, out["token_rows"], ratio, max_entries).gather(lens)
     assert slots.shape == (5, max_entries)
     for t in range(5):
         n = (pos[t] + 1) // ratio
@@ -94,7 +99,16 @@ def test_write_slots_and_emitting_tokens(device, page_table, impl):
 def test_no_tokens_give_empty_metadata(device, page_table, impl):
     out = _token_meta(impl, page_table, [], [], window=128)
     assert out["window_slots"].shape == (0, 128) and out["window_len"].shape == (0,)
-    assert out["raw_out_loc"].shape == (0,) and out["cand_slots"].shape == (0, 300 // 4)
+    assert out["raw_out_loc"].shape == (0,) and out["cand_len"].shape == (0,) and out["token_rows"].shape == (0,)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_padding_rows_read_the_padding_request(device, page_table, impl):
+    out = _token_outputs(3, 4, device)
+    t = lambda v: torch.tensor(v, device=device)  # noqa: E731
+    _impl(impl).token_metadata(page_table, t([2, 0, 0]), t([9, 5, 7]), t([10, 8, 8]), t([1, 0, 1]), 1, 16, out)
+    assert out["token_rows"].tolist() == [2, 1, 0]  # padding_slot 1 for the invalid row
+    assert out["cand_len"].tolist() == [2, 0, 2] and out["c128_len"].tolist() == [0, 0, 0]
 
 
 # ---- one-launch step builders (token_metadata / emission_metadata) -----------------------
@@ -126,12 +140,12 @@ def _random_step(T, n_reqs, max_ctx, padding_slot, device, seed):
     return rtt.to(device), {k: v.to(device) for k, v in layout.items()}, n
 
 
-def _token_outputs(T, W, C128, C4, device, with_c4=True):
+def _token_outputs(T, W, device, with_c4=True):
     e = lambda *s, dt=torch.int32: torch.full(s, -77, dtype=dt, device=device)  # noqa: E731
-    out = dict(positions=e(T, dt=torch.int64), raw_out_loc=e(T), window_slots=e(T, W), window_len=e(T),
-               c128_slots=e(T, C128), c128_len=e(T), ring128=e(T))
+    out = dict(positions=e(T, dt=torch.int64), token_rows=e(T), raw_out_loc=e(T), window_slots=e(T, W),
+               window_len=e(T), c128_len=e(T), ring128=e(T))
     if with_c4:
-        out.update(cand_slots=e(T, C4), cand_len=e(T), topk_len=e(T), ring4=e(T))
+        out.update(cand_len=e(T), topk_len=e(T), ring4=e(T))
     return out
 
 
@@ -144,10 +158,8 @@ def test_triton_token_metadata_equals_reference(device, T, n_reqs, max_ctx, W, w
     pad_slot = n_reqs
     rtt, L, _ = _random_step(T, n_reqs, max_ctx, pad_slot, device, seed=T)
     args = (rtt, L["req_slot"], L["positions"], L["seq_len"], L["valid"], pad_slot, 16)
-    widths = (W, max_ctx // 128 + 1, max_ctx // 4)  # c128 wider than any list: -1 tails
-    expected = reference.token_metadata(*args, _token_outputs(T, *widths, "cpu" if device == "cpu" else device,
-                                                              with_c4))
-    got = metadata.token_metadata(*args, _token_outputs(T, *widths, device, with_c4))
+    expected = reference.token_metadata(*args, _token_outputs(T, W, device, with_c4))
+    got = metadata.token_metadata(*args, _token_outputs(T, W, device, with_c4))
     for k in expected:
         assert torch.equal(got[k], expected[k]), k
     # real rows see their request's slots; padding rows nothing
@@ -190,7 +202,7 @@ def test_gpu_step_builders_at_real_widths():
     T, n_reqs, max_ctx = 2048, 40, 8192
     rtt, L, _ = _random_step(T, n_reqs, max_ctx, n_reqs, "cuda", seed=1)
     args = (rtt, L["req_slot"], L["positions"], L["seq_len"], L["valid"], n_reqs, 512)
-    expected = reference.token_metadata(*args, _token_outputs(T, 128, max_ctx // 128, max_ctx // 4, "cuda"))
-    got = metadata.token_metadata(*args, _token_outputs(T, 128, max_ctx // 128, max_ctx // 4, "cuda"))
+    expected = reference.token_metadata(*args, _token_outputs(T, 128, "cuda"))
+    got = metadata.token_metadata(*args, _token_outputs(T, 128, "cuda"))
     for k in expected:
         assert torch.equal(got[k], expected[k]), k

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from dsv4_kernels import ops, reference
-from kernel_test_utils import random_index_lists, require_triton
+from dsv4_kernels import PageTableList, ops, reference
+from kernel_test_utils import paged_page_table, random_index_lists, require_triton
 
 
 def test_reference_matches_hand_computed_sink_softmax():
@@ -74,6 +74,67 @@ def test_triton_matches_reference(device, num_splits, has_b, num_heads, keys_as_
         assert out[0].abs().max() == 0 and out[5].abs().max() == 0
 
 
+def _paged_lists(device, len_a, len_b, num_rows=3):
+    """List a: c4 entries (ratio 4), list b: c128 entries of random page-table rows, both
+    PageTableLists; pools covering every slot of the table."""
+    T = len(len_a)
+    context = 128 * max(len_b + [1])
+    rtt = paged_page_table(num_rows, context, device=device, seed=T)
+    rows = torch.randint(0, num_rows, (T,), device=device, dtype=torch.int32)
+    lens = lambda v: torch.as_tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    a = PageTableList(rtt, rows, 4, context // 4)
+    b = PageTableList(rtt, rows, 128, context // 128)
+    return a, lens(len_a), b, lens(len_b), num_rows * context
+
+
+@pytest.mark.parametrize("paged", ["b", "ab"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_lists_read_through_the_page_table_equal_their_gathered_lists(device, paged, num_splits):
+    """The c128 entries (and any list) as a PageTableList: the Triton kernel gives exactly what
+    it gives on the materialized lists, the reference too, and they agree."""
+    require_triton()
+    from dsv4_kernels.sparse_attention import SparseAttnConfig, sparse_attn_with_sink
+
+    a, len_a, b, len_b, raw_slots = _paged_lists(device, LEN_A, LEN_B)
+    H, D = 4, 64
+    q = torch.randn(len(LEN_A), H, D, device=device)
+    kv_a = torch.randn(raw_slots // 4, D, device=device)
+    kv_b = torch.randn(raw_slots // 128, D, device=device)
+    sink = torch.randn(H, device=device)
+    if paged == "b":
+        a = random_index_lists(len(LEN_A), 40, kv_a.shape[0], LEN_A, device=device)[0]
+    listed_a = a if paged == "b" else a.gather(len_a)
+    args = lambda ia, ib: (q, kv_a, ia, len_a, kv_b, ib, len_b, sink, 64 ** -0.5)  # noqa: E731
+    config = SparseAttnConfig(num_splits=num_splits)
+    got = sparse_attn_with_sink(*args(a, b), torch.full_like(q, float("nan")), config)
+    listed = sparse_attn_with_sink(*args(listed_a, b.gather(len_b)), torch.full_like(q, float("nan")), config)
+    assert torch.equal(got, listed)
+    expected = reference.sparse_attn_with_sink(*args(a, b), torch.empty_like(q))
+    assert torch.equal(expected, reference.sparse_attn_with_sink(*args(listed_a, b.gather(len_b)),
+                                                                 torch.empty_like(q)))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert got[7].abs().max() == 0  # no valid entry: zeros
+
+
+def test_reference_bounds_its_token_chunk_by_the_list_widths(monkeypatch):
+    """At long context a token's lists are wide (c128: context / 128 entries); the reference
+    then gathers fewer tokens at a time, with the same result."""
+    a, len_a, b, len_b, raw_slots = _paged_lists("cpu", LEN_A, LEN_B)
+    H, D = 4, 64
+    q = torch.randn(len(LEN_A), H, D)
+    args = (q, torch.randn(raw_slots // 4, D), a, len_a, torch.randn(raw_slots // 128, D), b, len_b,
+            torch.randn(H), D ** -0.5)
+    whole = reference.sparse_attn_with_sink(*args, torch.empty_like(q), token_chunk=64)
+    chunks = []
+    gather = reference._gather_keys
+    monkeypatch.setattr(reference, "_gather_keys", lambda kv, idx, length, layout=None: (
+        chunks.append(length.shape[0]), gather(kv, idx, length, layout))[1])
+    monkeypatch.setattr(reference, "ATTN_REFERENCE_WORKSPACE_BYTES", 3 * (a.width + b.width) * (8 * D + 12 * H))
+    got = reference.sparse_attn_with_sink(*args, torch.empty_like(q))
+    assert chunks == [3, 3, 3, 3, 2, 2]  # lists a and b of tokens 0-2, 3-5, 6-7
+    torch.testing.assert_close(got, whole, rtol=1e-6, atol=1e-6)
+
+
 def test_triton_with_no_tokens_is_a_no_op(device):
     require_triton()
     from dsv4_kernels.sparse_attention import sparse_attn_with_sink
@@ -116,6 +177,26 @@ def test_gpu_real_shapes_match_reference(T):
     expected_a = reference.sparse_attn_with_sink(q, kv_a, idx_a, len_a, None, None, None, sink,
                                                  scale, torch.empty(T, H, D, device="cuda"))
     torch.testing.assert_close(out_a.float(), expected_a, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 257])
+def test_gpu_c128_entries_from_the_page_table_at_a_long_context(T):
+    """A 1M-token context: each token's 8192 c128 entries read from the page table, bit-equal
+    to the kernel over the materialized list."""
+    context = 1 << 20
+    len_b = torch.randint(0, context // 128 + 1, (T,)).tolist()
+    len_b[0] = context // 128
+    a, len_a, b, len_b, raw_slots = _paged_lists("cuda", torch.randint(0, WA + 1, (T,)).tolist(), len_b, num_rows=2)
+    idx_a = random_index_lists(T, WA, 4096, len_a.tolist(), device="cuda")[0]
+    q = torch.randn(T, H, D, device="cuda").bfloat16()
+    kv_a = torch.randn(4096, D, device="cuda").bfloat16()
+    kv_b = torch.randn(raw_slots // 128, D, device="cuda").bfloat16()
+    sink = torch.randn(H, device="cuda")
+    got = ops.sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, b, len_b, sink, D ** -0.5, torch.empty_like(q))
+    want = ops.sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, b.gather(len_b), len_b, sink, D ** -0.5,
+                                     torch.empty_like(q))
+    assert torch.equal(got, want)
 
 
 @pytest.mark.gpu

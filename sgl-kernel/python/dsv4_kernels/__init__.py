@@ -28,8 +28,10 @@ from .ops import (
     token_metadata,
     triton_available,
 )
+from .page_table_list import PageTableList
 
 __all__ = [
+    "PageTableList",
     "compressor_norm_rope_store",
     "compressor_plan",
     "compressor_pool",

@@ -1,5 +1,6 @@
 """Triton builders of the per-step DSV4 attention metadata: one launch for every per-token
-field, one per compression ratio for the compressor emissions.
+field, one per compression ratio for the compressor emissions. No per-token list of
+compressed entries is built: consumers read them through the page table (PageTableList).
 
 The torch version of the same builder (reference.token_metadata / emission_metadata) is
 ~100 small launches; under breakable graphs it runs on the host before every replay, so
@@ -15,22 +16,10 @@ BLOCK = 128
 
 
 @triton.jit
-def _lists(row_ptr, max_col, out_ptr, n, width, RATIO: tl.constexpr, BLOCK: tl.constexpr):
-    """out[i] = page_table_row[min(RATIO*i + RATIO-1, max_col)] // RATIO for i < n, else -1."""
-    for c0 in range(0, width, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        live = cols < n
-        slot = tl.load(row_ptr + tl.minimum(cols.to(tl.int64) * RATIO + RATIO - 1, max_col),
-                       mask=live, other=0)
-        tl.store(out_ptr + cols, tl.where(live, slot // RATIO, -1).to(tl.int32), mask=cols < width)
-
-
-@triton.jit
 def _token_metadata_kernel(
     rtt_ptr, stride_rtt, max_col, req_ptr, pos_ptr, seq_len_ptr, valid_ptr, padding_slot,
-    pos_out, raw_out, win_ptr, win_len_ptr, W,
-    c128_ptr, c128_len_ptr, C128, ring128_ptr,
-    cand_ptr, cand_len_ptr, topk_len_ptr, C4, topk, ring4_ptr,
+    pos_out, rows_out, raw_out, win_ptr, win_len_ptr, W,
+    c128_len_ptr, ring128_ptr, cand_len_ptr, topk_len_ptr, topk, ring4_ptr,
     HAS_C4: tl.constexpr, HAS_C128: tl.constexpr, BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -40,6 +29,7 @@ def _token_metadata_kernel(
     seq_len = tl.load(seq_len_ptr + t)
     row = rtt_ptr + slot * stride_rtt
     tl.store(pos_out + t, pos)
+    tl.store(rows_out + t, slot.to(tl.int32))
     raw = tl.load(row + tl.minimum(pos, max_col))
     tl.store(raw_out + t, tl.where(valid, raw, -1).to(tl.int32))
 
@@ -54,13 +44,11 @@ def _token_metadata_kernel(
 
     if HAS_C128:
         n = tl.where(valid, (pos + 1) // 128, 0)
-        _lists(row, max_col, c128_ptr + t * C128, n, C128, 128, BLOCK)
         tl.store(c128_len_ptr + t, n.to(tl.int32))
         keep = valid & (pos >= seq_len - 128)
         tl.store(ring128_ptr + t, tl.where(keep, slot * 128 + pos % 128, -1).to(tl.int32))
     if HAS_C4:
         n = tl.where(valid, (pos + 1) // 4, 0)
-        _lists(row, max_col, cand_ptr + t * C4, n, C4, 4, BLOCK)
         tl.store(cand_len_ptr + t, n.to(tl.int32))
         tl.store(topk_len_ptr + t, tl.minimum(n, topk).to(tl.int32))
         keep = valid & (pos >= seq_len - 8)
@@ -99,16 +87,14 @@ def token_metadata(rtt, req_slot, positions, seq_len, valid, padding_slot, topk,
     T = positions.shape[0]
     if T == 0:
         return out
-    has_c4, has_c128 = "cand_slots" in out, "c128_slots" in out
+    has_c4, has_c128 = "cand_len" in out, "c128_len" in out
     dummy = out["window_len"]
     W = out["window_slots"].shape[1]
     _token_metadata_kernel[(T,)](
         rtt, rtt.stride(0), rtt.shape[1] - 1, req_slot, positions, seq_len, valid, padding_slot,
-        out["positions"], out["raw_out_loc"], out["window_slots"], out["window_len"], W,
-        out.get("c128_slots", dummy), out.get("c128_len", dummy),
-        out["c128_slots"].shape[1] if has_c128 else 0, out.get("ring128", dummy),
-        out.get("cand_slots", dummy), out.get("cand_len", dummy), out.get("topk_len", dummy),
-        out["cand_slots"].shape[1] if has_c4 else 0, topk, out.get("ring4", dummy),
+        out["positions"], out["token_rows"], out["raw_out_loc"], out["window_slots"], out["window_len"], W,
+        out.get("c128_len", dummy), out.get("ring128", dummy),
+        out.get("cand_len", dummy), out.get("topk_len", dummy), topk, out.get("ring4", dummy),
         HAS_C4=has_c4, HAS_C128=has_c128, BLOCK=BLOCK, num_warps=4,
     )
     return out

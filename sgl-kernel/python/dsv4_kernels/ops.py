@@ -34,7 +34,8 @@ def _kernels(name: str):
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
                           kv_layout=None):
     """out [T, H, D] = sink-softmax attention of q [T, H, D] over the valid rows of kv_a (idx_a
-    [T, Wa], first len_a entries, -1 skipped) and of kv_b (may be None). With kv_layout
+    [T, Wa], first len_a entries, -1 skipped) and of kv_b (may be None). Either list may be a
+    PageTableList (entries read from the page table, the c128 case). With kv_layout
     (kv_fp8.FP8KVLayout) both pools hold FP8 KV rows, dequantized on load. Returns out."""
     impl = _kernels("sparse_attention") if _use_triton(q) else reference
     return impl.sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
@@ -86,7 +87,8 @@ def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write
 
 def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots):
     """out_slots [T, topk] int32: cand_slots of the best min(topk, cand_len) indexer scores in
-    no particular order, -1 for the rest. Returns out_slots."""
+    no particular order, -1 for the rest. cand_slots: [T, C] slots or a PageTableList of width
+    C (the runtime's: candidates read from the page table). Returns out_slots."""
     impl = _kernels("indexer") if _use_triton(q_idx) else reference
     return impl.indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots)
 

@@ -11,6 +11,7 @@ from typing import Optional, Tuple
 import torch
 
 from .kv_fp8 import FP8KVLayout, round_nope_fp8
+from .page_table_list import PageTableList
 
 # ----------------------------------------------------------------------------------------
 # Deterministic top-k
@@ -36,9 +37,17 @@ def topk_indices(score: torch.Tensor, k: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------
 
 
+def index_list(idx, length) -> torch.Tensor:
+    """An index list as a [T, W] tensor: as given, or a PageTableList gathered (only ever for
+    the bounded chunk of tokens a caller works on)."""
+    return idx.gather(length) if isinstance(idx, PageTableList) else idx
+
+
 def _gather_keys(kv, idx, length, kv_layout=None):
-    """Rows of kv for each token's index list, and which of them count ([T, W, D], [T, W]).
-    With kv_layout, kv holds FP8 KV rows (kv_fp8.py), dequantized as they are gathered."""
+    """Rows of kv for each token's index list (a [T, W] tensor or a PageTableList), and which
+    of them count ([T, W, D], [T, W]). With kv_layout, kv holds FP8 KV rows (kv_fp8.py),
+    dequantized as they are gathered."""
+    idx = index_list(idx, length)
     cols = torch.arange(idx.shape[1], device=idx.device)
     valid = (cols[None, :] < length[:, None].long()) & (idx >= 0)
     if kv_layout is not None:
@@ -56,15 +65,31 @@ def check_kv_layout(kv, kv_layout, what: str) -> None:
         kv_layout.check_rows(kv, what)
 
 
+# Working set of one token chunk of the reference attention (gathered fp32 rows, scores):
+# bounds it at long context, where a token's c128 list alone is context / 128 entries.
+ATTN_REFERENCE_WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+def _list_width(idx) -> int:
+    return idx.width if isinstance(idx, PageTableList) else idx.shape[1]
+
+
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
-                          token_chunk: int = 64, kv_layout=None):
+                          token_chunk: Optional[int] = None, kv_layout=None):
     """out[t,h] = softmax over the union of valid a- and b-entries, the sink only in the
-    denominator. Tokens are processed in chunks so the gathered rows stay small. kv_layout
+    denominator. idx_a / idx_b: [T, W] slot lists or PageTableLists (gathered per chunk).
+    Tokens are processed in chunks so the gathered rows stay small: `token_chunk`, by default
+    64 or fewer, as ATTN_REFERENCE_WORKSPACE_BYTES allows at the lists' widths. kv_layout
     (kv_fp8.FP8KVLayout): kv_a / kv_b are FP8 KV rows, read dequantized."""
     check_kv_layout(kv_a, kv_layout, "sparse_attn_with_sink kv_a")
     if kv_b is not None:
         check_kv_layout(kv_b, kv_layout, "sparse_attn_with_sink kv_b")
-    T = q.shape[0]
+    T, H, D = q.shape
+    if token_chunk is None:
+        width = _list_width(idx_a) + (_list_width(idx_b) if kv_b is not None else 0)
+        # per token and entry: the gathered row and its concatenated copy (fp32), and the
+        # scores, masked scores and probabilities of every head
+        token_chunk = max(1, min(64, ATTN_REFERENCE_WORKSPACE_BYTES // max(1, width * (8 * D + 12 * H))))
     sink = sink.float()
     for start in range(0, T, token_chunk):
         sl = slice(start, min(start + token_chunk, T))
@@ -261,7 +286,8 @@ def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write
 
 
 def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len):
-    """I(t, j) [T, C] fp32; -inf where j >= cand_len[t] or the slot is -1."""
+    """I(t, j) [T, C] fp32; -inf where j >= cand_len[t] or the slot is -1. cand_slots: [T, C]
+    slots, or a PageTableList of width C (its lists are gathered here: callers bound T)."""
     keys, valid = _gather_keys(key_pool, cand_slots, cand_len)
     dots = torch.einsum("thd,tjd->thj", q_idx.float(), keys).relu_()  # in place: the model's hot path
     logits = torch.einsum("th,thj->tj", weights.float(), dots)
@@ -269,11 +295,15 @@ def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len):
 
 
 def select_topk_slots(logits, cand_slots, topk, out_slots):
-    """out_slots [T, topk] = slots of the best min(topk, valid) logits, -1 for the rest."""
+    """out_slots [T, topk] = slots of the best min(topk, valid) logits, -1 for the rest.
+    cand_slots: [T, C] slots, or a PageTableList (only the chosen columns are read)."""
     k = min(topk, logits.shape[1])
     cols = topk_indices(logits, k)
     values = torch.gather(logits, 1, cols)
-    chosen = torch.gather(cand_slots, 1, cols).to(out_slots.dtype)
+    if isinstance(cand_slots, PageTableList):
+        chosen = cand_slots.slots_at(cols).to(out_slots.dtype)
+    else:
+        chosen = torch.gather(cand_slots, 1, cols).to(out_slots.dtype)
     out_slots.fill_(-1)
     out_slots[:, :k] = torch.where(torch.isinf(values), -1, chosen)
     return out_slots
@@ -291,18 +321,20 @@ def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots
 
 def token_metadata(rtt, req_slot, positions, seq_len, valid, padding_slot: int, topk: int, out):
     """Every per-token field of one step's attention metadata, written into `out` (a dict):
-    positions [T] int64; raw_out_loc [T]; window_slots [T, W] (raw slots of the last
-    min(p+1, W) positions, left-aligned, -1 pad) and window_len [T]; when present,
-    c128_slots [T, C128] / c128_len and cand_slots [T, C4] / cand_len / topk_len (compressed
-    entries i < (p+1)//r: slot of the entry's last token // r, -1 pad), ring128 / ring4 [T]
-    (compressor ring row req * R + p % R of the last R tokens of each request, R = 128 / 8,
-    -1 elsewhere). int32 unless stated. Rows with valid == 0 are padding: padding request,
-    position 0, nothing to read or write."""
+    positions [T] int64; token_rows [T] (page-table row: the request slot, padding_slot for
+    padding rows); raw_out_loc [T]; window_slots [T, W] (raw slots of the last min(p+1, W)
+    positions, left-aligned, -1 pad) and window_len [T]; when present, c128_len and cand_len /
+    topk_len (compressed entries visible: (p+1)//r; their slots are read through the page
+    table, PageTableList), ring128 / ring4 [T] (compressor ring row req * R + p % R of the last
+    R tokens of each request, R = 128 / 8, -1 elsewhere). int32 unless stated. Nothing is
+    wider than W: no field grows with the context length. Rows with valid == 0 are padding:
+    padding request, position 0, nothing to read or write."""
     valid = valid.bool()
     req = torch.where(valid, req_slot.long(), padding_slot)
     pos = torch.where(valid, positions.long(), 0)
     max_col = rtt.shape[1] - 1
     out["positions"].copy_(pos)
+    out["token_rows"].copy_(req)
     out["raw_out_loc"].copy_(torch.where(valid, rtt[req, pos.clamp(max=max_col)].long(), -1))
     W = out["window_slots"].shape[1]
     offs = torch.arange(W, device=pos.device)
@@ -311,14 +343,10 @@ def token_metadata(rtt, req_slot, positions, seq_len, valid, padding_slot: int, 
     wslots = rtt[req[:, None], wpos.clamp(max=max_col)].long()
     out["window_slots"].copy_(torch.where(offs[None, :] < wlen[:, None], wslots, -1))
     out["window_len"].copy_(wlen)
-    for ratio, ring, slots, lens in ((128, 128, "c128_slots", "c128_len"), (4, 8, "cand_slots", "cand_len")):
-        if slots not in out:
+    for ratio, ring, lens in ((128, 128, "c128_len"), (4, 8, "cand_len")):
+        if lens not in out:
             continue
-        i = torch.arange(out[slots].shape[1], device=pos.device)
         n = torch.where(valid, (pos + 1) // ratio, 0)
-        cols = (ratio * i + ratio - 1).clamp(max=max_col)
-        entry_slots = rtt[req[:, None], cols[None, :]].long() // ratio
-        out[slots].copy_(torch.where(i[None, :] < n[:, None], entry_slots, -1))
         out[lens].copy_(n)
         keep = valid & (pos >= seq_len - ring)
         out[f"ring{ratio}"].copy_(torch.where(keep, req * ring + pos % ring, -1))

@@ -1,7 +1,8 @@
 """Triton sparse attention with a per-head sink over gathered KV rows (DSV4 attention core).
 
 One shared KV latent (K == V). Heads are the M side of both dots, so a tile of gathered KV
-rows is loaded once per head block. For few tokens the key lists are split across programs
+rows is loaded once per head block. An index list is a [T, W] slot tensor or a PageTableList
+(the c128 entries: read from the page table, never materialized). For few tokens the key lists are split across programs
 (flash-decoding) and a second kernel merges the partial softmax states together with the sink.
 
 With an FP8 KV cache (kv_fp8.py rows) each gathered row is dequantized on load: e4m3 nope
@@ -17,7 +18,9 @@ import triton
 import triton.language as tl
 
 from ._dot import dot_precision
+from ._page_table import load_page_table_slots
 from .kv_fp8 import KV_FP8_BLOCK
+from .page_table_list import PageTableList
 from .reference import check_kv_layout
 
 LOG2E = 1.4426950408889634
@@ -86,17 +89,21 @@ def _load_keys(kv_ptr, stride_kv, rope_ptr, stride_rope, slot, valid, offs_d, d_
 
 @triton.jit
 def _attend_list(q, m_i, l_i, acc, kv_ptr, stride_kv, rope_ptr, stride_rope, idx_row_ptr, length,
-                 split, qk_scale, offs_d, d_mask, nope_dim, scale_offset,
+                 split, qk_scale, offs_d, d_mask, nope_dim, scale_offset, max_col,
                  NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
                  KEYS_AS_M: tl.constexpr, KV_FP8: tl.constexpr, FP8_BLOCK: tl.constexpr,
-                 DEQ_BF16: tl.constexpr):
-    """Online softmax over this split's share of one index list (the first `length` entries)."""
+                 DEQ_BF16: tl.constexpr, PAGED: tl.constexpr, RATIO: tl.constexpr):
+    """Online softmax over this split's share of one index list (the first `length` entries).
+    PAGED: idx_row_ptr is the token's page-table row, entries read as PageTableList's."""
     chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, length)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        slot = tl.load(idx_row_ptr + offs_n, mask=offs_n < end, other=-1)
+        if PAGED:
+            slot = load_page_table_slots(idx_row_ptr, offs_n, offs_n < end, max_col, RATIO)
+        else:
+            slot = tl.load(idx_row_ptr + offs_n, mask=offs_n < end, other=-1)
         valid = slot >= 0
         k = _load_keys(kv_ptr, stride_kv, rope_ptr, stride_rope, slot, valid, offs_d, d_mask,
                        nope_dim, scale_offset, KV_FP8, FP8_BLOCK, DEQ_BF16).to(q.dtype)
@@ -121,12 +128,15 @@ def _sparse_attn_kernel(
     q_ptr, kv_a_ptr, idx_a_ptr, len_a_ptr, kv_b_ptr, idx_b_ptr, len_b_ptr, sink_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     rope_a_ptr, stride_rope_a, rope_b_ptr, stride_rope_b, nope_dim, scale_offset,
-    qk_scale, H, D, WA, WB,
+    qk_scale, H, D, WA, WB, rows_a_ptr, rows_b_ptr, max_col_a, max_col_b,
     stride_qt, stride_qh, stride_kva, stride_ia, stride_kvb, stride_ib, stride_ot, stride_oh,
     HAS_B: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
     KEYS_AS_M: tl.constexpr, KV_FP8: tl.constexpr, FP8_BLOCK: tl.constexpr, DEQ_BF16: tl.constexpr,
+    PAGED_A: tl.constexpr, RATIO_A: tl.constexpr, PAGED_B: tl.constexpr, RATIO_B: tl.constexpr,
 ):
+    # A list is a [T, W] slot tensor (row t at idx + t * stride), or with PAGED_* a page table
+    # (idx = rtt, stride its row stride) read at each token's row rows[t] (PageTableList).
     # Axis 0 is (token, head block) with the head block fastest, so the programs of one token
     # run together and share the gathered rows through L2 (and T is not capped at 65535).
     pid = tl.program_id(0)
@@ -154,16 +164,26 @@ def _sparse_attn_kernel(
 
     # A length past the list width (a caller bug) is clamped rather than read out of bounds.
     len_a = tl.minimum(tl.load(len_a_ptr + t), WA)
+    if PAGED_A:
+        row_a = idx_a_ptr + tl.load(rows_a_ptr + t).to(tl.int64) * stride_ia
+    else:
+        row_a = idx_a_ptr + t * stride_ia
     m_i, l_i, acc = _attend_list(q, m_i, l_i, acc, kv_a_ptr, stride_kva, rope_a_ptr, stride_rope_a,
-                                 idx_a_ptr + t * stride_ia, len_a, split, qk_scale, offs_d, d_mask,
-                                 nope_dim, scale_offset,
-                                 NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M, KV_FP8, FP8_BLOCK, DEQ_BF16)
+                                 row_a, len_a, split, qk_scale, offs_d, d_mask,
+                                 nope_dim, scale_offset, max_col_a,
+                                 NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M, KV_FP8, FP8_BLOCK, DEQ_BF16,
+                                 PAGED_A, RATIO_A)
     if HAS_B:
         len_b = tl.minimum(tl.load(len_b_ptr + t), WB)
+        if PAGED_B:
+            row_b = idx_b_ptr + tl.load(rows_b_ptr + t).to(tl.int64) * stride_ib
+        else:
+            row_b = idx_b_ptr + t * stride_ib
         m_i, l_i, acc = _attend_list(q, m_i, l_i, acc, kv_b_ptr, stride_kvb, rope_b_ptr, stride_rope_b,
-                                     idx_b_ptr + t * stride_ib, len_b, split, qk_scale, offs_d, d_mask,
-                                     nope_dim, scale_offset,
-                                     NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M, KV_FP8, FP8_BLOCK, DEQ_BF16)
+                                     row_b, len_b, split, qk_scale, offs_d, d_mask,
+                                     nope_dim, scale_offset, max_col_b,
+                                     NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M, KV_FP8, FP8_BLOCK, DEQ_BF16,
+                                     PAGED_B, RATIO_B)
 
     hd_mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -209,6 +229,27 @@ def _merge_splits_kernel(
              o.to(out_ptr.dtype.element_ty), mask=hd_mask)
 
 
+@dataclass(frozen=True)
+class _ListArgs:
+    """One index list as the kernel takes it: `table` rows of `width` entries (a [T, W] list,
+    or the page table with `rows` per token and `ratio` when `paged`)."""
+
+    table: torch.Tensor
+    rows: torch.Tensor
+    width: int
+    max_col: int
+    paged: bool
+    ratio: int
+
+
+def _list_args(idx, length, num_tokens: int) -> _ListArgs:
+    if isinstance(idx, PageTableList):
+        assert idx.num_tokens == num_tokens and idx.rtt.stride(-1) == 1
+        return _ListArgs(idx.rtt, idx.rows, idx.width, idx.rtt.shape[1] - 1, True, idx.ratio)
+    assert idx.stride(-1) == 1
+    return _ListArgs(idx, length, idx.shape[1], 0, False, 1)  # rows never read
+
+
 def measured_config(num_tokens: int) -> SparseAttnConfig:
     """Best configurations measured on an H200 at dsv4-flash-slice decode shapes (H=64,
     D=512, 128 window + 512 c4 entries; benchmark/bench_sparse_attention.py): 32-head blocks
@@ -223,7 +264,8 @@ def measured_config(num_tokens: int) -> SparseAttnConfig:
 
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
                           config: SparseAttnConfig | None = None, kv_layout=None):
-    """kv_layout (kv_fp8.FP8KVLayout): kv_a / kv_b are uint8 FP8 KV rows of that layout."""
+    """idx_a / idx_b: [T, W] slot lists or PageTableLists (width W, read from the page
+    table). kv_layout (kv_fp8.FP8KVLayout): kv_a / kv_b are uint8 FP8 KV rows of that layout."""
     T, H, D = q.shape
     config = config or measured_config(T)
     check_kv_layout(kv_a, kv_layout, "sparse_attn_with_sink kv_a")
@@ -231,15 +273,17 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
         check_kv_layout(kv_b, kv_layout, "sparse_attn_with_sink kv_b")
     fp8 = kv_layout is not None
     assert q.stride(-1) == 1 and kv_a.stride(-1) == 1 and out.stride(-1) == 1
-    assert idx_a.stride(-1) == 1 and (fp8 or kv_a.dtype == q.dtype)
+    list_a = _list_args(idx_a, len_a, T)
+    assert fp8 or kv_a.dtype == q.dtype
     assert not fp8 or kv_layout.head_dim == D
     if T == 0:
         return out
     has_b = kv_b is not None
     if has_b:
-        assert kv_b.stride(-1) == 1 and idx_b.stride(-1) == 1 and (fp8 or kv_b.dtype == q.dtype)
+        assert kv_b.stride(-1) == 1 and (fp8 or kv_b.dtype == q.dtype)
+        list_b = _list_args(idx_b, len_b, T)
     else:
-        kv_b, idx_b, len_b = kv_a, idx_a, len_a  # never read
+        kv_b, len_b, list_b = kv_a, len_a, list_a  # never read
     # FP8 rows: the rope parts as views in the rope dtype (never read for float pools)
     rope_a = kv_layout.rope(kv_a) if fp8 else kv_a
     rope_b = kv_layout.rope(kv_b) if fp8 else kv_b
@@ -258,15 +302,17 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
         part_acc = part_m = part_l = out  # never read
 
     _sparse_attn_kernel[(T * num_hb, splits)](
-        q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, out, part_acc, part_m, part_l,
+        q, kv_a, list_a.table, len_a, kv_b, list_b.table, len_b, sink, out, part_acc, part_m, part_l,
         rope_a, rope_a.stride(0), rope_b, rope_b.stride(0),
         kv_layout.nope_dim if fp8 else D, kv_layout.scale_offset if fp8 else 0,
-        float(scale) * LOG2E, H, D, idx_a.shape[1], idx_b.shape[1],
-        q.stride(0), q.stride(1), kv_a.stride(0), idx_a.stride(0), kv_b.stride(0), idx_b.stride(0),
+        float(scale) * LOG2E, H, D, list_a.width, list_b.width, list_a.rows, list_b.rows,
+        list_a.max_col, list_b.max_col,
+        q.stride(0), q.stride(1), kv_a.stride(0), list_a.table.stride(0), kv_b.stride(0), list_b.table.stride(0),
         out.stride(0), out.stride(1),
         HAS_B=has_b, NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=config.block_n,
         BLOCK_D=block_d, DOT_PREC=dot_precision(q.dtype), KEYS_AS_M=config.keys_as_m,
         KV_FP8=fp8, FP8_BLOCK=KV_FP8_BLOCK, DEQ_BF16=q.dtype == torch.bfloat16,
+        PAGED_A=list_a.paged, RATIO_A=list_a.ratio, PAGED_B=list_b.paged, RATIO_B=list_b.ratio,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:

@@ -1,6 +1,7 @@
 """A 128K-token prompt through chunked prefill with breakable graphs on one GPU: it runs, every
-chunk replays, the last logits match the same chunks run eagerly, and the graph memory is the
-same as at an 8K context. Prints time, throughput and peak memory for docs/benchmarks.md (-s).
+chunk replays, the last logits match the same chunks run eagerly, and the graph memory and the
+step metadata of a chunk (replayed and eager) are the same as at an 8K context. Prints time,
+throughput and peak memory for docs/benchmarks.md (-s).
 
 Model: dsv4-mini with its maximum position raised to 256K (default), or any preset through
 DSV4_LONG_MODEL / DSV4_LONG_NUM_LAYERS, e.g. Flash dims with release-format dummy weights
@@ -26,6 +27,7 @@ from sglang.srt.configs import get_preset  # noqa: E402
 from sglang.srt.configs.presets import write_config  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch  # noqa: E402
 from sglang.srt.model_executor.graph_dispatch import eager_path  # noqa: E402
+from sglang.srt.model_executor.graph_runner import tensor_bytes  # noqa: E402
 from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.test.runner_args import cpu_server_args  # noqa: E402
 
@@ -90,10 +92,13 @@ def test_128k_prompt_chunked_prefill_with_breakable_graphs(tmp_path):
     elapsed = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() - base
     assert runner.bcg_runner.num_replays == PROMPT // CHUNK  # every chunk from the graph
+    # the last chunk's metadata, at positions 124K..128K
+    long_meta = [tensor_bytes(runner.attn_backend.forward_metadata)]
     start = time.perf_counter()
     eager = _prefill(runner, tokens, eager=True)
     torch.cuda.synchronize()
     eager_s = time.perf_counter() - start
+    long_meta.append(tensor_bytes(runner.attn_backend.forward_metadata))
     cos = F.cosine_similarity(replayed, eager, dim=0).item()
     graph_mem = runner.bcg_runner.graph_memory_bytes
     static_mem = runner.bcg_runner.static_buffer_bytes()
@@ -114,4 +119,14 @@ def test_128k_prompt_chunked_prefill_with_breakable_graphs(tmp_path):
     print(f"[128K prefill] static graph buffers at 8K context {short_static / 2**20:.1f} MiB vs "
           f"{static_mem / 2**20:.1f} MiB at 132K; graph pool of the 132K runner {graph_mem / GiB:.3f} GiB")
     assert static_mem <= 1.1 * short_static + 16 * 2**20
+    # The step metadata of a chunk holds nothing context-sized either: a first chunk at the 8K
+    # context has exactly the bytes of the last one at 128K, replayed and eager (before: the c4
+    # and c128 candidate slots, 4096 x 33K int32 = 568 MB at 128K vs 16 MB here).
+    short_meta = []
+    for eager_step in (False, True):
+        _prefill(short, tokens[:CHUNK], eager=eager_step)
+        short_meta.append(tensor_bytes(short.attn_backend.forward_metadata))
+    print(f"[128K prefill] step metadata (replayed, eager) at 8K context {[b / 2**20 for b in short_meta]} MiB "
+          f"vs {[b / 2**20 for b in long_meta]} MiB at 132K")
+    assert short_meta == long_meta
     short.shutdown()

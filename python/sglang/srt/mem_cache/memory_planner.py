@@ -158,18 +158,19 @@ def segment_activation_bytes(config, num_tokens: int, dp_size: int, num_reqs: in
 
 def attention_break_bytes(config, num_tokens: int, max_seq_len: int) -> int:
     """Transient bytes of the attention break for `num_tokens` tokens of sequences up to
-    `max_seq_len`: the c4 / c128 candidate lists (int32 per token) and one bounded chunk of the
-    indexer's top-k working set (layers/attention/dsv4/widths.py). Under breakable graphs this is
-    eager, outside the graph pool; full decode graphs capture it. GPU plans: the Triton top-k."""
+    `max_seq_len`: one bounded chunk of the indexer's top-k working set
+    (layers/attention/dsv4/widths.py). The c4 / c128 candidates are read through the page
+    table, so no per-token list counts here. Under breakable graphs this is eager, outside
+    the graph pool; full decode graphs capture it. GPU plans: the Triton top-k."""
     from sglang.srt.layers.attention.dsv4.widths import (
         candidate_widths,
         indexer_bytes_per_candidate,
         indexer_chunk_tokens,
     )
 
-    c4_width, c128_width = candidate_widths(max_seq_len)
+    c4_width, _ = candidate_widths(max_seq_len)
     chunk = min(num_tokens, indexer_chunk_tokens(config, c4_width, kernels=True))
-    return num_tokens * (c4_width + c128_width) * 4 + chunk * c4_width * indexer_bytes_per_candidate(config, True)
+    return chunk * c4_width * indexer_bytes_per_candidate(config, True)
 
 
 # ---- the plan -------------------------------------------------------------------------------

@@ -90,19 +90,22 @@ class DeepseekV4AttnBackend(AttentionBackend):
         n = num_tokens
         ratio = self.config.layer_compress_ratio(layer_id)
         a = meta.attn
+        rtp = self.req_to_token_pool
         kv_b = idx_b = len_b = None
         if ratio == 4:
             if index_q is None or index_weights is None:
                 raise ValueError(f"layer {layer_id} (ratio 4) needs the indexer's q and weights")
-            # the indexer's top-k, here in the break: candidate lists at the live batch's width
+            # the indexer's top-k, here in the break, over candidates read through the page table
+            live = min(n, meta.num_tokens)
             select_topk(self.config, index_q, index_weights, self.kv_pool.indexer_keys[layer_id], meta.indexer,
-                        min(n, meta.indexer.cand_slots.shape[0]), kernel_ops if self.segment_kernels else None)
+                        meta.page_table_list(rtp.req_to_token, 4, live, rtp.padding_slot), live,
+                        kernel_ops if self.segment_kernels else None)
             kv_b = self.kv_pool.compressed[layer_id]
             idx_b = match_num_queries(meta.indexer.topk_slots, n)
             len_b = match_num_queries(meta.indexer.topk_len, n, 0)
         elif ratio == 128:
             kv_b = self.kv_pool.compressed[layer_id]
-            idx_b = match_num_queries(a.c128_slots, n)
+            idx_b = meta.page_table_list(rtp.req_to_token, 128, n, rtp.padding_slot)
             len_b = match_num_queries(a.c128_len, n, 0)
         args = (q[:n], self.kv_pool.raw[layer_id], match_num_queries(a.window_slots, n),
                 match_num_queries(a.window_len, n, 0), kv_b, idx_b, len_b, sink, self.scale)

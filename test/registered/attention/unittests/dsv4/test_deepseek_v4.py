@@ -70,9 +70,9 @@ class TestDSV4BreakableCudaGraphMetadataContract:
             new_tensor: torch.Tensor = None  # forgot to declare its class
 
         assert fc.unclassified_fields(WithNewField) == ["WithNewField.new_tensor"]
-        a = WithNewField(*[torch.zeros(2, 3)] * 4, new_tensor=torch.zeros(2))
+        a = WithNewField(*[torch.zeros(2, 3)] * 3, 1, new_tensor=torch.zeros(2))
         with pytest.raises(fc.MetadataContractError, match="new_tensor: field has no breakable-cuda-graph class"):
-            a.refresh_for_breakable_cuda_graph_replay_(WithNewField(*[torch.ones(2, 3)] * 4, new_tensor=torch.ones(2)))
+            a.refresh_for_breakable_cuda_graph_replay_(WithNewField(*[torch.ones(2, 3)] * 3, 1, new_tensor=torch.ones(2)))
 
     def test_refresh_follows_each_field_class(self, tiny_runner):
         backend = tiny_runner.attn_backend
@@ -95,7 +95,9 @@ class TestDSV4BreakableCudaGraphMetadataContract:
         assert torch.equal(c4_before, fresh.c4_compressor.gather_idx)
         assert captured.attn is attn_obj  # nested metadata keeps its identity...
         assert captured.attn.window_slots is fresh.attn.window_slots  # ...its assign fields are the replay's
-        assert captured.attn.c128_slots is fresh.attn.c128_slots
+        assert captured.attn.c128_len is fresh.attn.c128_len
+        assert captured.token_rows is fresh.token_rows
+        assert captured.indexer.cand_width == fresh.indexer.cand_width == 29 // 4  # the replay's longest sequence
         assert captured.indexer.topk_slots is topk_before  # produced: untouched
         assert bool((topk_before == 123).all())
 

@@ -1,7 +1,8 @@
-"""Long context: nothing a breakable graph holds grows with the context length (the c4 / c128
-candidate lists and the indexer's top-k live in the eager break, at the live batch's width,
-in bounded chunks), replay still equals eager, and chunked prefill through graphs over a
-prompt longer than the candidate widths of its chunks matches one full prefill."""
+"""Long context: no step metadata grows with the context length (the c4 / c128 candidates are
+read through the page table; only host-int widths follow the sequences), nothing a breakable
+graph holds does either (the indexer's top-k lives in the eager break, in bounded chunks),
+replay still equals eager, and chunked prefill through graphs over a prompt longer than the
+candidate widths of its chunks matches one full prefill."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from dsv4_harness import Session, prefill_in_chunks, run_step  # noqa: E402
 from sglang.srt.configs import get_preset  # noqa: E402
 from sglang.srt.configs.presets import write_config  # noqa: E402
 from sglang.srt.layers.attention.dsv4 import widths  # noqa: E402
+from sglang.srt.layers.attention.dsv4.metadata_builder import build_dsv4_metadata  # noqa: E402
+from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch  # noqa: E402
 from sglang.srt.model_executor.graph_runner import tensor_bytes  # noqa: E402
 from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.test.runner_args import cpu_server_args  # noqa: E402
@@ -64,7 +68,7 @@ def test_graph_buffers_are_the_same_at_8k_and_1m_context(long_tiny):
         outs.append(run_step(runner, [s], [prompt[:40]]).next_token_logits[0])
         outs.append(run_step(runner, [s], [prompt[40:100]]).next_token_logits[0])
         live = runner.attn_backend.forward_metadata
-        assert live.indexer.cand_slots.shape[1] == 100 // 4  # the batch's width, not the context's
+        assert live.indexer.cand_width == 100 // 4  # the batch's width, not the context's
         s.release()
     assert short.bcg_runner.num_replays == long.bcg_runner.num_replays == 2
     for a, b, want in zip(outs[0:2], outs[2:4], outs[4:6]):
@@ -72,6 +76,52 @@ def test_graph_buffers_are_the_same_at_8k_and_1m_context(long_tiny):
         torch.testing.assert_close(a, want, rtol=1e-4, atol=1e-4)
     for r in (short, long, eager):
         r.shutdown()
+
+
+def _tensor_shapes(meta, prefix=""):
+    out = {}
+    for f in dataclasses.fields(meta):
+        v = getattr(meta, f.name)
+        if isinstance(v, torch.Tensor):
+            out[prefix + f.name] = (tuple(v.shape), v.dtype)
+        elif dataclasses.is_dataclass(v):
+            out.update(_tensor_shapes(v, f"{prefix}{f.name}."))
+    return out
+
+
+def _step_metadata_at(context, **kw):
+    """The metadata of one mixed step (a 64-token prefill chunk and a decode row) whose
+    requests end at the context length, on a dsv4-flash-like layout (window 128, top-512)."""
+    rtp = ReqToTokenPool(max_num_reqs=2, max_context_len=context, num_pages=2 * context // 128 + 1, page_size=128,
+                         device="cpu")
+    slots = [rtp.alloc_req(), rtp.alloc_req()]
+    for s in slots:
+        rtp.ensure_capacity(s, context)
+    fb = build_forward_batch(ForwardMode.MIXED, slots, [context - 64, context - 1], [[5] * 64, [7]], "cpu")
+    return build_dsv4_metadata(fb, rtp.req_to_token, padding_slot=rtp.padding_slot, page_size=128, window=128,
+                               index_topk=512, ratios={4, 128}, max_num_reqs=2, **kw)
+
+
+@pytest.mark.parametrize("graph", ["eager", "breakable", "full"])
+def test_step_metadata_is_the_same_size_at_8k_and_1m_context(graph):
+    """The same batch at an 8K and a 1M context: every metadata tensor has the same shape.
+    Before, the c4 candidate slots alone were [T, context / 4] (at 1M: 65 x 262144 int32,
+    68 MB here; 4.3 GB for a 4096-token chunk)."""
+    kw = {} if graph == "eager" else dict(fixed_max_seq_len=None, full_graph=graph == "full")
+    metas = []
+    for context in (8192, ONE_M):
+        if graph != "eager":
+            kw["fixed_max_seq_len"] = context
+        metas.append(_step_metadata_at(context, **kw))
+    short, long = metas
+    assert _tensor_shapes(short) == _tensor_shapes(long)
+    # per token: the window (128) and top-k (512) slots, the compressor's source rows, scalars
+    assert tensor_bytes(short) == tensor_bytes(long) < 65 * 4 * 1024
+    # ...while the candidates they describe do reach 1M: widths are host ints, the lengths and
+    # page-table rows per token
+    assert (long.indexer.cand_width, long.attn.c128_width) == (ONE_M // 4, ONE_M // 128)
+    assert long.indexer.cand_len[:65].tolist() == [p // 4 for p in range(ONE_M - 63, ONE_M + 1)] + [ONE_M // 4]
+    assert long.token_rows[:65].tolist() == [0] * 64 + [1]
 
 
 def test_chunked_prefill_through_graphs_matches_full_prefill(monkeypatch):

@@ -53,7 +53,7 @@ def test_triton_builders_equal_the_torch_reference(runner, monkeypatch, mode, n,
         for s in slots:
             runner.req_to_token_pool.free_req(s)
     assert got.keys() == expected.keys()
-    assert "c4_compressor.gather_idx" in got and "indexer.cand_slots" in got
+    assert "c4_compressor.gather_idx" in got and "token_rows" in got and "indexer.cand_len" in got
     for k in expected:
         assert got[k].dtype == expected[k].dtype and torch.equal(got[k], expected[k]), k
     assert (got["raw_out_loc"] >= 0).sum() == n
@@ -75,9 +75,10 @@ def test_building_into_a_captured_metadata_fills_copy_fields_in_place(runner):
                    "c4_compressor.gather_idx", "c128_compressor.ring_write_loc"}
     for k in copy_fields:
         assert got[k] is before[k], f"{k} must keep the captured storage"
-    # The candidate lists are read by the eager break only: new storage at the live width.
-    for k in ("attn.window_slots", "attn.c128_slots", "indexer.cand_slots"):
+    # Read by the eager break only: new storage (and the live batch's widths).
+    for k in ("attn.window_slots", "attn.c128_len", "token_rows"):
         assert got[k] is not before[k], f"{k} is an assign field: new storage"
+    assert (fresh.indexer.cand_width, fresh.attn.c128_width) == ((64 + 30) // 4, 1)  # widths are at least 1
     for k in reference:
         if k != "indexer.topk_slots":  # produced: the captured storage, never rebuilt
             assert torch.equal(got[k], reference[k]), k

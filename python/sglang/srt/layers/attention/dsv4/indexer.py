@@ -3,13 +3,16 @@ I(t,s) = sum_h w(t,h) relu(q_I(t,h) . K_I(s)) and keeps the top-k.
 
 Two halves. `Indexer.forward` runs inside graph segments (static shapes): q_I, the head
 weights w, and the indexer compressor's key writes. `select_topk` runs in the eager attention
-break, over candidate lists sized to the live batch and in chunks of query tokens
-(widths.py): nothing of it is captured, so no graph buffer grows with the context length."""
+break, over the candidates read through the page table (a PageTableList as wide as the live
+batch's longest list), in chunks of query tokens (widths.py): nothing of it is captured and
+no per-token candidate list is materialized, so nothing grows with the context length but
+the bounded working set of one chunk."""
 
 from __future__ import annotations
 
 import torch
 from dsv4_kernels import reference
+from dsv4_kernels.page_table_list import PageTableList
 from torch import nn
 
 from sglang.srt.layers.attention.dsv4.compressor import Compressor
@@ -57,15 +60,17 @@ class Indexer(nn.Module):
         return q, self.weights_proj(x).float() * self.weight_scale
 
 
-def select_topk(config, q: torch.Tensor, w: torch.Tensor, key_pool: torch.Tensor, im, num_tokens: int,
-                kernels=None) -> None:
+def select_topk(config, q: torch.Tensor, w: torch.Tensor, key_pool: torch.Tensor, im,
+                cands: PageTableList, num_tokens: int, kernels=None) -> None:
     """The eager half: im.topk_slots[:num_tokens] <- the top-k c4 slots of each live token over
-    im.cand_slots (the live batch's width), a bounded chunk of tokens at a time. q and the keys
-    arrive as the in-segment half left them (rotated and FP4-rounded in release numerics)."""
-    step = indexer_chunk_tokens(config, im.cand_slots.shape[1], kernels is not None)
+    its candidates `cands` (entries i < im.cand_len, read through the page table), a bounded
+    chunk of tokens at a time: the Triton kernel reads the page table itself, the torch
+    reference gathers the chunk's lists. q and the keys arrive as the in-segment half left
+    them (rotated and FP4-rounded in release numerics)."""
+    step = indexer_chunk_tokens(config, cands.width, kernels is not None)
     for s in range(0, num_tokens, step):
         e = min(num_tokens, s + step)
         # logits (Triton kernel or the torch reference) + deterministic top-k straight into
         # the produced buffer
-        (kernels or reference).indexer_topk(q[s:e], w[s:e], key_pool, im.cand_slots[s:e], im.cand_len[s:e],
+        (kernels or reference).indexer_topk(q[s:e], w[s:e], key_pool, cands[s:e], im.cand_len[s:e],
                                             im.topk, im.topk_slots[s:e])

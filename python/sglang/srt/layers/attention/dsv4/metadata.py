@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from dsv4_kernels.page_table_list import PageTableList
 
 from sglang.srt.layers.attention.dsv4.field_classes import (
     assign_field,
@@ -37,9 +38,14 @@ class DSV4CompressorMetadata(_Refreshable):
 
 @dataclass
 class DSV4IndexerMetadata(_Refreshable):
+    """The c4 candidates of token t are entries i < cand_len[t], read through the page table
+    (DSV4Metadata.page_table_list(rtt, 4, ...), cand_width wide): no [T, context / 4] list
+    exists."""
+
     topk: int = static_field()
-    # [T, C4] c4-pool slots of entries 0..C4-1, -1 pad; C4 follows the batch (widths.py)
-    cand_slots: torch.Tensor = assign_field()
+    # host int: the widest candidate list of the live batch (its longest sequence // 4; in full
+    # decode graphs context // 4): the width of the break's logits chunk (widths.py)
+    cand_width: int = assign_field()
     cand_len: torch.Tensor = copy_field()  # [T] visible c4 entries: floor((pos+1)/4)
     topk_len: torch.Tensor = copy_field()  # [T] min(topk, cand_len): the c4 top-k lengths
     topk_slots: torch.Tensor = produced_field()  # [T, topk] written by the break's top-k, read by its attention
@@ -47,12 +53,14 @@ class DSV4IndexerMetadata(_Refreshable):
 
 @dataclass
 class DSV4AttnMetadata(_Refreshable):
-    """Read only by the eager attention break: replaced wholesale at replay."""
+    """Read only by the eager attention break: replaced wholesale at replay. The c128 entries
+    of token t are i < c128_len[t], read through the page table (page_table_list)."""
 
     window_slots: torch.Tensor = assign_field()  # [T, window] raw slots, left-aligned, -1 pad
     window_len: torch.Tensor = assign_field()  # [T]
-    c128_slots: torch.Tensor = assign_field()  # [T, C128] c128-pool slots, -1 pad
     c128_len: torch.Tensor = assign_field()  # [T]
+    # host int: the live batch's longest sequence // 128 (full decode graphs: context // 128)
+    c128_width: int = assign_field()
 
 
 @dataclass
@@ -60,12 +68,14 @@ class DSV4Metadata(_Refreshable):
     page_size: int = static_field()
     window: int = static_field()
     c4_sparse_topk: int = static_field()
-    # The context length under graphs (the candidate lists' width in full graphs only), else
-    # the batch's longest sequence.
+    # The context length under graphs (the candidate widths in full graphs only), else the
+    # batch's longest sequence.
     max_seq_len: int = static_field()
     num_tokens: int = static_field()
     raw_out_loc: torch.Tensor = copy_field()  # [T] raw-KV write slot; -1 for padding rows
     positions: torch.Tensor = copy_field()  # [T]
+    # [T] page-table row of each token (padding rows: the padding request); read by the break
+    token_rows: torch.Tensor = assign_field()
     attn: DSV4AttnMetadata = copy_field()
     indexer: Optional[DSV4IndexerMetadata] = copy_field(default=None)
     c4_compressor: Optional[DSV4CompressorMetadata] = copy_field(default=None)
@@ -73,6 +83,12 @@ class DSV4Metadata(_Refreshable):
 
     def compressor(self, ratio: int) -> DSV4CompressorMetadata:
         return self.c4_compressor if ratio == 4 else self.c128_compressor
+
+    def page_table_list(self, rtt: torch.Tensor, ratio: int, num_queries: int, padding_slot: int) -> PageTableList:
+        """The compressed entries (ratio 4: the indexer's candidates; 128: the attended c128
+        entries) of the first `num_queries` tokens, read through the page table `rtt`."""
+        width = self.indexer.cand_width if ratio == 4 else self.attn.c128_width
+        return PageTableList(rtt, match_num_queries(self.token_rows, num_queries, padding_slot), ratio, width)
 
 
 def match_num_queries(t: torch.Tensor, num_queries: int, pad_value: int = -1) -> torch.Tensor:

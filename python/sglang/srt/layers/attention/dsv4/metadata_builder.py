@@ -88,9 +88,10 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
                         into: Optional[DSV4Metadata] = None, into_all: bool = False,
                         full_graph: bool = False) -> DSV4Metadata:
     """fixed_max_seq_len given (capture / replay): every per-token shape is static (emissions
-    padded to their bound); the candidate lists (c4 and c128) are read only by the eager break,
-    so they follow the batch's longest sequence, except in a full graph (`full_graph`: decode
-    graphs capture the attention core too), where they are fixed_max_seq_len / ratio wide.
+    padded to their bound). No tensor depends on the sequence lengths: the c4 candidates and
+    c128 entries are read through the page table (token_rows + lengths); only the host ints
+    cand_width / c128_width do, following the batch's longest sequence, except in a full graph
+    (`full_graph`: decode graphs capture the attention core too): fixed_max_seq_len / ratio.
     use_kernels: dsv4_kernels.ops (Triton on CUDA tensors) instead of the torch reference.
     into: a captured metadata of the same shapes whose copy-field tensors (every tensor with
     into_all) are filled in place and returned inside the new object."""
@@ -119,16 +120,15 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
     c4_width, c128_width = candidate_widths(max_seq if full_graph else max(fb.seq_lens_cpu, default=1))
     out = {
         "positions": take(cap and cap.positions, (T,), torch.int64),
+        "token_rows": take(cap and cap.token_rows, (T,), i32, assign=True),
         "raw_out_loc": take(cap and cap.raw_out_loc, (T,), i32),
         "window_slots": take(cap_attn and cap_attn.window_slots, (T, window), i32, assign=True),
         "window_len": take(cap_attn and cap_attn.window_len, (T,), i32, assign=True),
-        "c128_slots": take(cap_attn and cap_attn.c128_slots, (T, c128_width), i32, assign=True),
         "c128_len": take(cap_attn and cap_attn.c128_len, (T,), i32, assign=True),
         "ring128": take(cap and cap.c128_compressor and cap.c128_compressor.ring_write_loc, (T,), i32),
     }
     if 4 in ratios:
         out.update(
-            cand_slots=take(cap_idx and cap_idx.cand_slots, (T, c4_width), i32, assign=True),
             cand_len=take(cap_idx and cap_idx.cand_len, (T,), i32),
             topk_len=take(cap_idx and cap_idx.topk_len, (T,), i32),
             ring4=take(cap and cap.c4_compressor and cap.c4_compressor.ring_write_loc, (T,), i32),
@@ -150,7 +150,7 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
     if 4 in ratios:
         topk_slots = (cap_idx.topk_slots if cap_idx is not None
                       else torch.full((T, index_topk), -1, dtype=i32, device=dev))
-        indexer = DSV4IndexerMetadata(index_topk, out["cand_slots"], out["cand_len"], out["topk_len"], topk_slots)
+        indexer = DSV4IndexerMetadata(index_topk, c4_width, out["cand_len"], out["topk_len"], topk_slots)
     return DSV4Metadata(
         page_size=page_size,
         window=window,
@@ -159,7 +159,8 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
         num_tokens=T,
         raw_out_loc=out["raw_out_loc"],
         positions=out["positions"],
-        attn=DSV4AttnMetadata(out["window_slots"], out["window_len"], out["c128_slots"], out["c128_len"]),
+        token_rows=out["token_rows"],
+        attn=DSV4AttnMetadata(out["window_slots"], out["window_len"], out["c128_len"], c128_width),
         indexer=indexer,
         c4_compressor=compressors.get(4),
         c128_compressor=compressors.get(128),
