@@ -1,4 +1,4 @@
-"""Triton FP4 MoE (fp4_moe.py, all three variants) against quant_reference.fp4_moe_ref.
+"""Triton FP4 MoE (fp4_moe.py, all four variants) against quant_reference.fp4_moe_ref.
 
 Tolerance: the decoded weights and (act_quant) the FP8-rounded activations are exact in every
 variant, so only the fp32 summation order differs from the reference (rtol 1e-5). One caveat
@@ -339,3 +339,88 @@ def test_gpu_gemv_fp4_moe_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, run(torch.empty_like(out)), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------
+# The grouped variant (large batches): experts decoded to bf16 per group, torch._grouped_mm
+# (a loop of torch.mm on the CPU). fp32 on the CPU: the interpreter's fp32 -> bf16 cast
+# truncates (the GPU's rounds to nearest even), so bf16 numerics are tested on the GPU.
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("T,group_experts,act_quant", [
+    (1, 2, True), (7, 2, False), (7, 2, True),
+    (7, 16, False),  # one group holding every expert
+])
+def test_grouped_variant_matches_reference(device, T, group_experts, act_quant):
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    E, d, inter, topk = 5, 128, 256, 3  # 5 experts in groups of 2: a last group of one
+    torch.manual_seed(T)
+    ws = _experts(E, d, inter, device)
+    x = torch.randn(T, d, device=device)
+    ids = _distinct_ids(T, topk, -1, E + 2, device)  # some skipped: -1 or another shard's
+    weights = torch.rand(T, topk, device=device)
+    out = torch.full((T, d), float("nan"), device=device)
+    res = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 1.5, out, act_quant, "grouped",
+                                config=dict(group_experts=group_experts))
+    assert res is out
+    torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 1.5, act_quant),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_variant_empty_groups_skipped_rows_and_duplicates(device):
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    E, d, inter = 6, 128, 128
+    ws = _experts(E, d, inter, device)
+    x = torch.randn(4, d, device=device) * 4
+    # Groups of 2: experts 0-1 get no row at all, 2-3 one token with expert 3 twice (weight-only
+    # fp32: h unrounded, so the two rows add up to the reference's one with summed weight),
+    # row 1 nothing local, 4-5 rows 2 and 3.
+    ids = torch.tensor([[3, 3, 2], [-1, 6, 9], [4, 5, -1], [5, -1, 7]], dtype=torch.int32,
+                       device=device)
+    weights = torch.tensor([[0.5, 0.25, 2.0], [1.0, 1.0, 1.0], [0.75, 1.5, 9.0],
+                            [0.3, 0.6, 0.9]], device=device)
+    out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 0.0, torch.empty(4, d, device=device),
+                                False, "grouped", config=dict(group_experts=2))
+    assert out[1].eq(0).all()
+    torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 0.0, False),
+                               rtol=1e-5, atol=1e-5)
+    empty = torch.zeros(0, d, device=device)
+    none = fp4_moe.fp4_fused_moe(x[:0], *ws, ids[:0], weights[:0], 0.0, empty, True, "grouped")
+    assert none is empty and none.shape == (0, d)
+    with pytest.raises(ValueError, match="group_experts must be >= 1"):
+        fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 0.0, out, False, "grouped",
+                              config=dict(group_experts=0))
+
+
+def test_route_by_expert_groups_rows_on_the_device(device):
+    require_triton()
+    from dsv4_kernels.fp4_grouped_moe import route_by_expert
+    # 5 experts in groups of 2 ({0,1}, {2,3}, {4}); -1 and 7 are skipped.
+    ids = torch.tensor([[3, 0, -1], [0, 4, 7], [1, 3, 0]], dtype=torch.int32, device=device)
+    order, bounds, offs = route_by_expert(ids, 5, 2)
+    assert order.dtype == bounds.dtype == offs.dtype == torch.int32
+    # sorted by expert, stable: expert 0 at assignments 1, 3, 8; 1 at 6; 3 at 0, 7; 4 at 4;
+    # then the skipped 2 and 5 (in either order: they belong to no group)
+    assert order[:7].tolist() == [1, 3, 8, 6, 0, 7, 4]
+    assert sorted(order[7:].tolist()) == [2, 5]
+    assert bounds.tolist() == [0, 4, 6, 7]
+    # each expert's end row within its group: group {0,1}: 3, 4; {2,3}: 0, 2; {4}: 1
+    assert offs.tolist() == [3, 4, 0, 2, 1]
+
+
+def test_grouped_decode_kernel_is_exact_and_transposed(device):
+    require_triton()
+    from dsv4_kernels.fp4_grouped_moe import _decode_group
+    E, n, k = 3, 96, 256
+    p, s = Q.quantize_fp4(torch.randn(E, n, k) * 3)
+    s[0, 0, 0] = 200  # a large scale and the smallest ones the release can hold
+    s[2, 5, 3] = 2
+    p, s = p.to(device), s.to(device)
+    out = torch.full((2, k, 2 * n), float("nan"), device=device)
+    _decode_group(p, s, 1, 2, out, n)  # experts 1, 2 into the right half of the columns
+    want = Q.dequantize_fp4(p[1:], s[1:]).transpose(1, 2)
+    assert torch.equal(out[:, :, n:], want)
+    assert out[:, :, :n].isnan().all()  # the other half untouched
+    _decode_group(p, s, 0, 1, out, 0)
+    assert torch.equal(out[0, :, :n], Q.dequantize_fp4(p[0], s[0]).t())

@@ -1,0 +1,252 @@
+"""fp4_moe's "grouped" variant, for large batches: FP4 experts decoded to bf16 a group at a
+time, multiplied by torch._grouped_mm (CUTLASS on sm90), where the other variants decode
+inside their own GEMMs (ALU-bound at large T: 94 TFLOP/s at T = 4096, Flash width).
+
+Per call (graph-safe: no host syncs, every shape fixed by (T, topk, E)):
+1. Route: the T * topk assignments sorted by expert (stable argsort of the id, skipped ids
+   (outside [0, E)) keyed E: they sort last and lie outside every group), per-expert counts
+   by scatter_add (bincount would sync), their cumulative ends, the row bounds of each group
+   of GROUP_EXPERTS experts and each expert's end relative to its group's first row (the
+   int32 `offs` torch._grouped_mm takes).
+2. Activations: x rounded to FP8 per 128 with act_quant (round_act: exact in x's dtype).
+3. For each group g of experts [g G, (g+1) G): _decode_experts_kernel writes W1 | W3 of the
+   group as bf16 [G, d, 2 inter] (gate columns then up columns, N contiguous: one grouped GEMM
+   gives both; exact, e2m1 x a power of two); the group's rows are gathered from x into a
+   static-capacity buffer [T * topk, d] (only the first bounds[g+1] - bounds[g] rows are real);
+   grouped_mm computes gate | up for those rows; _swiglu_rows_kernel writes the weighted,
+   clamped SwiGLU (rounded to x's dtype, then FP8 per 128 with act_quant) over the gate
+   columns in place; W2 of the group is decoded over the same workspace (the gate/up GEMM that
+   read it is earlier on the stream); grouped_mm computes the down projection; its rows are
+   scattered to the per-assignment partials. moe.sum_topk sums them in top-k order.
+
+Why a static-capacity buffer per group: a group's rows start at a device-side offset, and
+grouped_mm's first group starts at row 0 of its input (its data pointer is host-side), so the
+rows are gathered to a buffer whose capacity is the worst case (every assignment in one group:
+T * topk rows, duplicates allowed). grouped_mm reads only the rows its offsets cover and leaves
+the others uninitialised; the row kernels have one program per BLOCK_R rows of the capacity and
+those past the group's row count return at once.
+
+Numerics: the weights and the FP8-rounded activations are exact, as in the other variants.
+torch._grouped_mm accumulates in fp32 but returns its input dtype (bf16 on the GPU; an fp32
+output is refused), so gate and up are rounded to bf16 before the SwiGLU and each assignment's
+down partial to bf16 before the fp32 top-k sum: a bf16 rounding (2^-9 relative) more on each
+than the bf16 variant, whose GEMM outputs stay fp32. With fp32 x (CPU tests) every step is fp32
+and the result is the reference's up to summation order. The partials are kept in x's dtype
+(bf16 holds a bf16 GEMM output exactly; half the bytes of fp32).
+
+Workspace (bf16 at Flash dims d = 4096, inter = 2048, G = 16): the decoded group, G * d *
+2 inter * 2 B = 512 MiB (W2's G * inter * d reuses it); row buffers 16 KiB per assignment live
+at once (gathered x or the down output, 8 KiB; gate | up with h in place, 8 KiB) plus the
+partials, 8 KiB: 24 KiB x T * topk (576 MiB at T = 4096, top-6), where the bf16 variant holds
+20 KiB (fp32 partials + h). G = 16: 32 would double the decoded workspace to 1 GiB, and fewer
+than 16 experts per GEMM give the CUTLASS kernel a few tiles per expert at moderate T (a 128-row
+expert block x 16 column tiles at N = 4096), a wave on 132 SMs only with ~8+ experts;
+measure with bench_quant.py (grouped_*_g8 / _g32).
+
+On the GPU the variant needs bf16 x (torch._grouped_mm's CUTLASS path; its fallback for other
+dtypes reads the offsets on the host). Elsewhere, and for other dtypes (refused under graph
+capture), a loop of torch.mm per expert stands in for grouped_mm: same structure and
+numerics, host reads of the offsets (tests only).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp4_moe import _chunk_scale, _chunks, _e2m1_scaled, _load_codes, _step_scales
+from .fp8_gemm import INV_E4M3_MAX, QBLOCK, e4m3_bits, pow2_recip, pow2_scale, round_act
+from .moe import sum_topk
+
+GROUP_EXPERTS = 16  # experts decoded and multiplied per grouped GEMM (module docstring)
+BLOCK_R = 16  # rows per program of the gather / SwiGLU / scatter kernels
+DECODE_BLOCK_N = 64  # weight rows per decode program (x 32 * CHUNKS inputs)
+
+
+@triton.jit
+def _decode_experts_kernel(w_ptr, s_ptr, out_ptr, e0, N, stride_we, stride_wn, stride_se,
+                           stride_sn, stride_oe, stride_ok, stride_on, col0,
+                           BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
+    """out[e, k, col0 + n] = W[e0 + e][n, k] decoded (e2m1 x e8m0, exact in out's dtype) for
+    this program's BLOCK_N rows n and 32 * CHUNKS inputs k: a transposed copy, so grouped_mm
+    reads [G, K, N] with N contiguous (the faster of its two layouts in
+    benchmark/probe_torch_gemm.py)."""
+    e = tl.program_id(0).to(tl.int64)
+    src = e0 + e
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k_base = tl.program_id(2) * (32 * CHUNKS)
+    sb_step = _step_scales(s_ptr, src, offs_n, n_mask, k_base, stride_se, stride_sn, CHUNKS)
+    out_rows = out_ptr + e * stride_oe + (col0 + offs_n)[:, None].to(tl.int64) * stride_on
+    for c in tl.static_range(CHUNKS):
+        k0 = k_base + c * 32
+        code = _load_codes(w_ptr, src, offs_n, n_mask, k0, stride_we, stride_wn)
+        val = _e2m1_scaled(code, _chunk_scale(sb_step, c, CHUNKS))
+        kk = (k0 + tl.arange(0, 32)).to(tl.int64)
+        tl.store(out_rows + kk[None, :] * stride_ok, val.to(out_ptr.dtype.element_ty),
+                 mask=n_mask[:, None])
+
+
+@triton.jit
+def _group_rows(order_ptr, bounds_ptr, g, BLOCK_R: tl.constexpr):
+    """(rows r of the group's buffer this program owns, their mask, their assignment ids, and
+    whether any is real): rows [0, bounds[g+1] - bounds[g]) hold the sorted assignments
+    order[bounds[g] + r]."""
+    start = tl.load(bounds_ptr + g)
+    n = tl.load(bounds_ptr + g + 1) - start
+    r0 = tl.program_id(0) * BLOCK_R
+    r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = r < n
+    assign = tl.load(order_ptr + start + r, mask=r_mask, other=0)
+    return r.to(tl.int64), r_mask, assign, r0 < n
+
+
+@triton.jit
+def _gather_rows_kernel(a_ptr, order_ptr, bounds_ptr, g, rows_ptr, topk, d, stride_a,
+                        stride_r, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """rows[r] = a[token of the group's r-th assignment] for the group's real rows."""
+    r, r_mask, assign, any_real = _group_rows(order_ptr, bounds_ptr, g, BLOCK_R)
+    if any_real:
+        token = (assign // topk).to(tl.int64)
+        for k0 in range(0, d, BLOCK_D):
+            cols = k0 + tl.arange(0, BLOCK_D)
+            mask = r_mask[:, None] & (cols < d)[None, :]
+            v = tl.load(a_ptr + token[:, None] * stride_a + cols[None, :], mask=mask)
+            tl.store(rows_ptr + r[:, None] * stride_r + cols[None, :], v, mask=mask)
+
+
+@triton.jit
+def _swiglu_rows_kernel(gu_ptr, order_ptr, bounds_ptr, g, weights_ptr, inter, stride_gu,
+                        limit, HAS_LIMIT: tl.constexpr, ACT_QUANT: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    """gu[r, :inter] <- x's dtype(silu(min(gate, L)) * clamp(up, -L, L) * routing weight) with
+    gate = gu[r, :inter], up = gu[r, inter:], in fp32 as _fp4_gate_up_kernel does; with
+    ACT_QUANT (BLOCK_I = 128) then rounded to FP8 per 128 as fp8_gemm.round_act does. In
+    place: each program reads and writes only its own rows and columns."""
+    r, r_mask, assign, any_real = _group_rows(order_ptr, bounds_ptr, g, BLOCK_R)
+    if any_real:
+        w = tl.load(weights_ptr + assign, mask=r_mask, other=0.0).to(tl.float32)
+        row = gu_ptr + r[:, None] * stride_gu
+        for k0 in range(0, inter, BLOCK_I):
+            cols = k0 + tl.arange(0, BLOCK_I)
+            mask = r_mask[:, None] & (cols < inter)[None, :]
+            gate = tl.load(row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(row + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_LIMIT:
+                gate = tl.minimum(gate, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+            h = (gate / (1.0 + tl.exp(-gate)) * up * w[:, None]).to(gu_ptr.dtype.element_ty)
+            if ACT_QUANT:
+                hf = h.to(tl.float32)
+                scale = pow2_scale(tl.max(tl.abs(hf), axis=1), INV_E4M3_MAX)
+                v = tl.minimum(tl.maximum(hf * pow2_recip(scale)[:, None], -448.0), 448.0)
+                q = e4m3_bits(v).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                h = (q * scale[:, None]).to(gu_ptr.dtype.element_ty)
+            tl.store(row + cols[None, :], h, mask=mask)
+
+
+@triton.jit
+def _scatter_rows_kernel(y_ptr, order_ptr, bounds_ptr, g, partial_ptr, d, stride_y,
+                         stride_p, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """partial[the group's r-th assignment] = y[r] for the group's real rows."""
+    r, r_mask, assign, any_real = _group_rows(order_ptr, bounds_ptr, g, BLOCK_R)
+    if any_real:
+        dst = assign.to(tl.int64)
+        for k0 in range(0, d, BLOCK_D):
+            cols = k0 + tl.arange(0, BLOCK_D)
+            mask = r_mask[:, None] & (cols < d)[None, :]
+            v = tl.load(y_ptr + r[:, None] * stride_y + cols[None, :], mask=mask)
+            tl.store(partial_ptr + dst[:, None] * stride_p + cols[None, :], v, mask=mask)
+
+
+def route_by_expert(ids, num_experts: int, group_experts: int):
+    """Device-side routing (no host sync, shapes fixed by ids' shape and E): (order int32
+    [T * topk]: assignment ids sorted by expert, stable, skipped ones last; bounds int32
+    [groups + 1]: first sorted row of each group of group_experts experts, then the end of the
+    last (the count of routed assignments); offs int32 [E]: each expert's end row relative to
+    its group's first row, grouped_mm's offsets for the group's slice)."""
+    E, G = num_experts, group_experts
+    dev = ids.device
+    flat = ids.reshape(-1).long()
+    key = torch.where((flat >= 0) & (flat < E), flat, E)
+    order = torch.argsort(key, stable=True).to(torch.int32)
+    counts = torch.zeros(E + 1, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    ends = torch.cumsum(counts[:E], 0)
+    groups = triton.cdiv(E, G)
+    last = (torch.arange(1, groups + 1, device=dev) * G).clamp_(max=E) - 1
+    bounds = torch.cat([ends.new_zeros(1), ends[last]])
+    offs = ends - bounds[torch.arange(E, device=dev) // G]
+    return order, bounds.to(torch.int32), offs.to(torch.int32)
+
+
+def _grouped_mm(a, b, offs):
+    """a [rows, K] @ b[e] for rows [offs[e-1], offs[e]) (offs[-1] = 0 first) -> [rows, N] in
+    a's dtype; rows past offs[-1] undefined. torch._grouped_mm for bf16 on CUDA; else a loop of
+    torch.mm reading offs on the host (rows past the end NaN: they must never be read; under
+    graph capture fp4_fused_moe refuses non-bf16 x before this is reached)."""
+    if a.is_cuda and a.dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=offs)
+    out = torch.full((a.shape[0], b.shape[2]), float("nan"), dtype=a.dtype, device=a.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(a[start:end], b[e], out=out[start:end])
+        start = end
+    return out
+
+
+def _decode_group(w, s, e0: int, n_e: int, out, col0: int):
+    """out[:n_e, :, col0:col0 + N] <- experts [e0, e0 + n_e) of the FP4 weight w [E, N, K/2]
+    (scales s) transposed to [K, N], in out's dtype."""
+    _, N, half_k = w.shape
+    chunks = _chunks(2 * half_k)
+    _decode_experts_kernel[(n_e, triton.cdiv(N, DECODE_BLOCK_N), 2 * half_k // (32 * chunks))](
+        w.view(torch.int8), s.view(torch.uint8), out, e0, N, w.stride(0), w.stride(1),
+        s.stride(0), s.stride(1), out.stride(0), out.stride(1), out.stride(2), col0,
+        BLOCK_N=DECODE_BLOCK_N, CHUNKS=chunks, num_warps=4)
+
+
+def grouped_fp4_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, out,
+                    act_quant: bool, group_experts: int = GROUP_EXPERTS):
+    """fp4_fused_moe(..., variant="grouped") (arguments checked there; T > 0): out fp32 [T, d].
+    group_experts: experts per decoded group (GROUP_EXPERTS; bench_quant times others)."""
+    T, d = x.shape
+    E, inter, _ = w1.shape
+    topk = ids.shape[1]
+    M = T * topk
+    if group_experts < 1:
+        raise ValueError(f"fp4_fused_moe: group_experts must be >= 1, got {group_experts}")
+    G = min(group_experts, E)
+    dev, dt = x.device, x.dtype
+    order, bounds, offs = route_by_expert(ids, E, G)
+    a = round_act(x) if act_quant else x
+    weights_flat = weights.reshape(-1).float().contiguous()
+    partial = torch.empty(M, d, dtype=dt, device=dev)
+    workspace = torch.empty(G * d * 2 * inter, dtype=dt, device=dev)
+    w13 = workspace.view(G, d, 2 * inter)
+    w2_dec = workspace[:G * inter * d].view(G, inter, d)
+    grid = (triton.cdiv(M, BLOCK_R),)
+    block_d = min(512, triton.next_power_of_2(d))
+    for g in range(triton.cdiv(E, G)):
+        e0 = g * G
+        n_e = min(G, E - e0)
+        _decode_group(w1, w1_scale, e0, n_e, w13, 0)
+        _decode_group(w3, w3_scale, e0, n_e, w13, inter)
+        rows = torch.empty(M, d, dtype=dt, device=dev)
+        _gather_rows_kernel[grid](a, order, bounds, g, rows, topk, d, a.stride(0), rows.stride(0),
+                                  BLOCK_R=BLOCK_R, BLOCK_D=block_d, num_warps=4)
+        group_offs = offs[e0:e0 + n_e]
+        gate_up = _grouped_mm(rows, w13[:n_e], group_offs)
+        del rows  # its block serves the down GEMM's output
+        _swiglu_rows_kernel[grid](gate_up, order, bounds, g, weights_flat, inter,
+                                  gate_up.stride(0), float(limit), HAS_LIMIT=limit > 0,
+                                  ACT_QUANT=act_quant, BLOCK_R=BLOCK_R, BLOCK_I=QBLOCK,
+                                  num_warps=4)
+        _decode_group(w2, w2_scale, e0, n_e, w2_dec, 0)
+        y = _grouped_mm(gate_up[:, :inter], w2_dec[:n_e], group_offs)
+        del gate_up
+        _scatter_rows_kernel[grid](y, order, bounds, g, partial, d, y.stride(0),
+                                   partial.stride(0), BLOCK_R=BLOCK_R, BLOCK_D=block_d,
+                                   num_warps=4)
+        del y
+    return sum_topk(partial, ids, out, E)
