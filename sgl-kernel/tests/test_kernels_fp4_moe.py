@@ -424,3 +424,99 @@ def test_grouped_decode_kernel_is_exact_and_transposed(device):
     assert out[:, :, :n].isnan().all()  # the other half untouched
     _decode_group(p, s, 0, 1, out, 0)
     assert torch.equal(out[0, :, :n], Q.dequantize_fp4(p[0], s[0]).t())
+
+
+def test_grouped_is_never_selected_by_default():
+    require_triton()
+    from dsv4_kernels import fp4_moe
+    # Until it is timed on an H200 the switch constant is documentation only.
+    Ts = (1, 64, 2048, 4096, 8192, 65536)
+    assert "grouped" in fp4_moe.VARIANTS
+    assert all(fp4_moe.select_variant(T, 6, True, torch.bfloat16) != "grouped" for T in Ts)
+    assert [fp4_moe.default_variant(T, 6) for T in Ts] == \
+        ["gemv", "gemv", "fp8", "bf16", "bf16", "bf16"]
+
+
+def _grouped_numerics_ref(x, w1, s1, w3, s3, w2, s2, ids, weights, limit, act_quant):
+    """fp4_moe_ref with the grouped variant's extra roundings (torch._grouped_mm returns x's
+    dtype): gate and up rounded to x's dtype before the SwiGLU, each assignment's down partial
+    before the fp32 sum. Distinct ids per row (dense over experts, like fp4_moe_ref)."""
+    xf = (Q.fp8_round_blocks(x) if act_quant else x).float()
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w1.shape[0]):
+        gate_w = (weights.float() * (ids == e)).sum(dim=1, keepdim=True)
+        g = (xf @ Q.dequantize_fp4(w1[e], s1[e]).t()).to(x.dtype)
+        u = (xf @ Q.dequantize_fp4(w3[e], s3[e]).t()).to(x.dtype)
+        h = (Q.swiglu_clamped(g, u, limit) * gate_w).to(x.dtype)
+        if act_quant:
+            h = Q.fp8_round_blocks(h)
+        acc += (h.float() @ Q.dequantize_fp4(w2[e], s2[e]).t()).to(x.dtype).float()
+    return acc
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("T,group_experts", [(1, 16), (1500, 16), (4096, 16), (1500, 3)])
+def test_gpu_grouped_fp4_moe_at_flash_dims(flash_experts, act_quant, T, group_experts):
+    ws, E, d, topk = flash_experts, 8, 4096, 6
+    from dsv4_kernels import fp4_moe
+    torch.manual_seed(T)
+    x = torch.randn(T, d, device="cuda").bfloat16()
+    ids = _distinct_ids(T, topk, 0, 2 * E, "cuda")  # half of them on the other shard
+    weights = torch.rand(T, topk, device="cuda")
+    out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, torch.empty(T, d, device="cuda"),
+                                act_quant, "grouped", config=dict(group_experts=group_experts))
+    # Against the same numerics in torch, on up to 64 rows: only fp32 summation order differs
+    # (a bf16 flip of gate/up now and then, and through it an FP8 flip of h with act_quant).
+    rows = torch.linspace(0, T - 1, min(T, 64), device="cuda").long().unique()
+    want = _grouped_numerics_ref(x[rows], *ws, ids[rows], weights[rows], 10.0, act_quant)
+    got = out[rows]
+    assert ((got - want).norm() / want.norm()).item() < 2e-3
+    assert (got - want).abs().max().item() < 0.05
+    # Against the bf16 variant (fp32 gate/up and partials) on every row: the extra bf16
+    # roundings, and the FP8 flips of h they cause with act_quant (~0.4% / ~1.3% relative in a
+    # CPU emulation at d = 512).
+    bf16 = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, torch.empty(T, d, device="cuda"),
+                                 act_quant, "bf16")
+    rel = ((out - bf16).norm() / bf16.norm()).item()
+    assert rel < (3e-2 if act_quant else 1e-2), rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_quant", [True, False])
+def test_gpu_grouped_fp4_moe_replays_in_a_cuda_graph(act_quant):
+    from dsv4_kernels import fp4_moe
+    E, d, inter, T, topk = 16, 1024, 512, 256, 6
+    ws = _experts(E, d, inter, "cuda")
+    x = torch.randn(T, d, device="cuda").bfloat16()
+    ids = _distinct_ids(T, topk, -1, 2 * E, "cuda")
+    weights = torch.rand(T, topk, device="cuda")
+    out = torch.empty(T, d, device="cuda")
+
+    def run(o):  # 4 groups of 4 experts
+        return fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, o, act_quant, "grouped",
+                                     config=dict(group_experts=4))
+    run(out)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(out)
+    x.copy_(torch.randn_like(x))
+    ids.copy_(_distinct_ids(T, topk, -1, 2 * E, "cuda"))  # new routing: new group sizes
+    ids[:8] = -1  # some tokens with nothing local
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, run(torch.empty_like(out)), rtol=0, atol=0)
+    assert out[:8].eq(0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_refuses_non_bf16_under_capture(monkeypatch):
+    from dsv4_kernels import fp4_moe
+    ws = _experts(2, 128, 128, "cuda")
+    x = torch.randn(2, 128, device="cuda")  # fp32: torch._grouped_mm would read offs on the host
+    ids = torch.tensor([[0, 1], [1, -1]], dtype=torch.int32, device="cuda")
+    weights = torch.rand(2, 2, device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ValueError, match="graph-capturable with bf16 activations only"):
+        fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 1.0, torch.empty(2, 128, device="cuda"),
+                              True, "grouped")
