@@ -332,14 +332,14 @@ def _moe_compile_report():
     rows = dict(order_ptr="*i32", bounds_ptr="*i32")
     _sm90_report("moe grouped gather", GM._gather_rows_kernel,
                  dict(rows, a_ptr="*bf16", rows_ptr="*bf16"),
-                 dict(BLOCK_R=GM.BLOCK_R, BLOCK_D=512), 4, 1, ("g",))
+                 dict(BLOCK_R=GM.BLOCK_R, BLOCK_D=GM.BLOCK_D), 4, 1, ("g",))
     _sm90_report("moe grouped swiglu + FP8 round", GM._swiglu_rows_kernel,
                  dict(rows, gu_ptr="*bf16", weights_ptr="*fp32", limit="fp32"),
                  dict(HAS_LIMIT=True, ACT_QUANT=True, BLOCK_R=GM.BLOCK_R, BLOCK_I=128), 4, 1,
                  ("g",))
     _sm90_report("moe grouped scatter", GM._scatter_rows_kernel,
                  dict(rows, y_ptr="*bf16", partial_ptr="*bf16"),
-                 dict(BLOCK_R=GM.BLOCK_R, BLOCK_D=512), 4, 1, ("g",))
+                 dict(BLOCK_R=GM.BLOCK_R, BLOCK_D=GM.BLOCK_D), 4, 1, ("g",))
     gemv_configs = [fp4_moe.gemv_config(T, MOE_TOPK) for T in (1, 16, 256)]  # bm 1, 2, 4
     gemv_configs += [dict(gemv_configs[0], block_m=m) for m in (2, 4)]  # bench's _narrow
     gemv_configs += [dict(gemv_configs[1], block_m=1)]  # bench's _wide / _bm1

@@ -346,13 +346,19 @@ def test_gpu_gemv_fp4_moe_replays_in_a_cuda_graph():
 # (a loop of torch.mm on the CPU). fp32 on the CPU: the interpreter's fp32 -> bf16 cast
 # truncates (the GPU's rounds to nearest even), so bf16 numerics are tested on the GPU.
 # ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("T,group_experts,act_quant", [
-    (1, 2, True), (7, 2, False), (7, 2, True),
-    (7, 16, False),  # one group holding every expert
+@pytest.mark.parametrize("T,group_experts,act_quant,row_programs", [
+    (1, 2, True, 128), (7, 2, False, 128),
+    # one row slot per column block, 2-row blocks: each slot loops over the group's blocks
+    (7, 2, True, 1),
+    (7, 16, False, 1),  # one group holding every expert
 ])
-def test_grouped_variant_matches_reference(device, T, group_experts, act_quant):
+def test_grouped_variant_matches_reference(device, monkeypatch, T, group_experts, act_quant,
+                                           row_programs):
     require_triton()
-    from dsv4_kernels import fp4_moe
+    from dsv4_kernels import fp4_grouped_moe, fp4_moe
+    monkeypatch.setattr(fp4_grouped_moe, "ROW_PROGRAMS", row_programs)
+    if row_programs == 1:
+        monkeypatch.setattr(fp4_grouped_moe, "BLOCK_R", 2)
     E, d, inter, topk = 5, 128, 256, 3  # 5 experts in groups of 2: a last group of one
     torch.manual_seed(T)
     ws = _experts(E, d, inter, device)

@@ -23,8 +23,8 @@ Why a static-capacity buffer per group: a group's rows start at a device-side of
 grouped_mm's first group starts at row 0 of its input (its data pointer is host-side), so the
 rows are gathered to a buffer whose capacity is the worst case (every assignment in one group:
 T * topk rows, duplicates allowed). grouped_mm reads only the rows its offsets cover and leaves
-the others uninitialised; the row kernels have one program per BLOCK_R rows of the capacity and
-those past the group's row count return at once.
+the others uninitialised; the row kernels loop over the real rows only (a trip count read on
+the device), so the capacity costs memory, not time.
 
 Numerics: the weights and the FP8-rounded activations are exact, as in the other variants.
 torch._grouped_mm accumulates in fp32 but returns its input dtype (bf16 on the GPU; an fp32
@@ -58,7 +58,13 @@ from .fp8_gemm import INV_E4M3_MAX, QBLOCK, e4m3_bits, pow2_recip, pow2_scale, r
 from .moe import sum_topk
 
 GROUP_EXPERTS = 16  # experts decoded and multiplied per grouped GEMM (module docstring)
-BLOCK_R = 16  # rows per program of the gather / SwiGLU / scatter kernels
+# Gather / SwiGLU / scatter: BLOCK_R rows x BLOCK_D columns (128 for the SwiGLU: one FP8
+# block) per step; ROW_PROGRAMS row slots per column block, each looping over row blocks (a
+# group of 16 experts at T = 4096, top-6 of 256: ~1536 rows, 192 blocks per slot set), so the
+# grid is neither mostly empty programs (one per block of the capacity) nor too few programs.
+BLOCK_R = 8
+BLOCK_D = 512
+ROW_PROGRAMS = 128
 DECODE_BLOCK_N = 64  # weight rows per decode program (x 32 * CHUNKS inputs)
 
 
@@ -87,75 +93,85 @@ def _decode_experts_kernel(w_ptr, s_ptr, out_ptr, e0, N, stride_we, stride_wn, s
 
 
 @triton.jit
-def _group_rows(order_ptr, bounds_ptr, g, BLOCK_R: tl.constexpr):
-    """(rows r of the group's buffer this program owns, their mask, their assignment ids, and
-    whether any is real): rows [0, bounds[g+1] - bounds[g]) hold the sorted assignments
-    order[bounds[g] + r]."""
+def _group_span(bounds_ptr, g):
+    """(first sorted row, row count) of group g."""
     start = tl.load(bounds_ptr + g)
-    n = tl.load(bounds_ptr + g + 1) - start
-    r0 = tl.program_id(0) * BLOCK_R
+    return start, tl.load(bounds_ptr + g + 1) - start
+
+
+@triton.jit
+def _block_rows(order_ptr, start, n, r0, BLOCK_R: tl.constexpr):
+    """Rows r0 .. r0 + BLOCK_R - 1 of the group's buffer: (r int64, mask r < n, assignment ids
+    order[start + r])."""
     r = r0 + tl.arange(0, BLOCK_R)
     r_mask = r < n
     assign = tl.load(order_ptr + start + r, mask=r_mask, other=0)
-    return r.to(tl.int64), r_mask, assign, r0 < n
+    return r.to(tl.int64), r_mask, assign
 
 
 @triton.jit
 def _gather_rows_kernel(a_ptr, order_ptr, bounds_ptr, g, rows_ptr, topk, d, stride_a,
                         stride_r, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """rows[r] = a[token of the group's r-th assignment] for the group's real rows."""
-    r, r_mask, assign, any_real = _group_rows(order_ptr, bounds_ptr, g, BLOCK_R)
-    if any_real:
+    """rows[r, cols] = a[token of the group's r-th assignment, cols] for the group's real rows
+    (program (i, j): row blocks i, i + P, ... of the count read on the device, columns block
+    j)."""
+    start, n = _group_span(bounds_ptr, g)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    c_mask = cols < d
+    for r0 in range(tl.program_id(0) * BLOCK_R, n, tl.num_programs(0) * BLOCK_R):
+        r, r_mask, assign = _block_rows(order_ptr, start, n, r0, BLOCK_R)
         token = (assign // topk).to(tl.int64)
-        for k0 in range(0, d, BLOCK_D):
-            cols = k0 + tl.arange(0, BLOCK_D)
-            mask = r_mask[:, None] & (cols < d)[None, :]
-            v = tl.load(a_ptr + token[:, None] * stride_a + cols[None, :], mask=mask)
-            tl.store(rows_ptr + r[:, None] * stride_r + cols[None, :], v, mask=mask)
+        mask = r_mask[:, None] & c_mask[None, :]
+        v = tl.load(a_ptr + token[:, None] * stride_a + cols[None, :], mask=mask)
+        tl.store(rows_ptr + r[:, None] * stride_r + cols[None, :], v, mask=mask)
 
 
 @triton.jit
 def _swiglu_rows_kernel(gu_ptr, order_ptr, bounds_ptr, g, weights_ptr, inter, stride_gu,
                         limit, HAS_LIMIT: tl.constexpr, ACT_QUANT: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
-    """gu[r, :inter] <- x's dtype(silu(min(gate, L)) * clamp(up, -L, L) * routing weight) with
-    gate = gu[r, :inter], up = gu[r, inter:], in fp32 as _fp4_gate_up_kernel does; with
-    ACT_QUANT (BLOCK_I = 128) then rounded to FP8 per 128 as fp8_gemm.round_act does. In
-    place: each program reads and writes only its own rows and columns."""
-    r, r_mask, assign, any_real = _group_rows(order_ptr, bounds_ptr, g, BLOCK_R)
-    if any_real:
+    """gu[r, cols] <- x's dtype(silu(min(gate, L)) * clamp(up, -L, L) * routing weight) with
+    gate = gu[r, cols], up = gu[r, inter + cols], in fp32 as _fp4_gate_up_kernel does; with
+    ACT_QUANT (BLOCK_I = 128: one block per program) then rounded to FP8 per 128 as
+    fp8_gemm.round_act does. In place: a program reads and writes only its own rows and
+    columns. Rows as in _gather_rows_kernel."""
+    start, n = _group_span(bounds_ptr, g)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    c_mask = cols < inter
+    for r0 in range(tl.program_id(0) * BLOCK_R, n, tl.num_programs(0) * BLOCK_R):
+        r, r_mask, assign = _block_rows(order_ptr, start, n, r0, BLOCK_R)
         w = tl.load(weights_ptr + assign, mask=r_mask, other=0.0).to(tl.float32)
-        row = gu_ptr + r[:, None] * stride_gu
-        for k0 in range(0, inter, BLOCK_I):
-            cols = k0 + tl.arange(0, BLOCK_I)
-            mask = r_mask[:, None] & (cols < inter)[None, :]
-            gate = tl.load(row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(row + inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_LIMIT:
-                gate = tl.minimum(gate, limit)
-                up = tl.minimum(tl.maximum(up, -limit), limit)
-            h = (gate / (1.0 + tl.exp(-gate)) * up * w[:, None]).to(gu_ptr.dtype.element_ty)
-            if ACT_QUANT:
-                hf = h.to(tl.float32)
-                scale = pow2_scale(tl.max(tl.abs(hf), axis=1), INV_E4M3_MAX)
-                v = tl.minimum(tl.maximum(hf * pow2_recip(scale)[:, None], -448.0), 448.0)
-                q = e4m3_bits(v).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                h = (q * scale[:, None]).to(gu_ptr.dtype.element_ty)
-            tl.store(row + cols[None, :], h, mask=mask)
+        mask = r_mask[:, None] & c_mask[None, :]
+        row = gu_ptr + r[:, None] * stride_gu + cols[None, :]
+        gate = tl.load(row, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(row + inter, mask=mask, other=0.0).to(tl.float32)
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = (gate / (1.0 + tl.exp(-gate)) * up * w[:, None]).to(gu_ptr.dtype.element_ty)
+        if ACT_QUANT:
+            hf = h.to(tl.float32)
+            scale = pow2_scale(tl.max(tl.abs(hf), axis=1), INV_E4M3_MAX)
+            v = tl.minimum(tl.maximum(hf * pow2_recip(scale)[:, None], -448.0), 448.0)
+            q = e4m3_bits(v).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            h = (q * scale[:, None]).to(gu_ptr.dtype.element_ty)
+        tl.store(row, h, mask=mask)
 
 
 @triton.jit
 def _scatter_rows_kernel(y_ptr, order_ptr, bounds_ptr, g, partial_ptr, d, stride_y,
                          stride_p, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """partial[the group's r-th assignment] = y[r] for the group's real rows."""
-    r, r_mask, assign, any_real = _group_rows(order_ptr, bounds_ptr, g, BLOCK_R)
-    if any_real:
-        dst = assign.to(tl.int64)
-        for k0 in range(0, d, BLOCK_D):
-            cols = k0 + tl.arange(0, BLOCK_D)
-            mask = r_mask[:, None] & (cols < d)[None, :]
-            v = tl.load(y_ptr + r[:, None] * stride_y + cols[None, :], mask=mask)
-            tl.store(partial_ptr + dst[:, None] * stride_p + cols[None, :], v, mask=mask)
+    """partial[the group's r-th assignment, cols] = y[r, cols] for the group's real rows (rows
+    and columns as in _gather_rows_kernel)."""
+    start, n = _group_span(bounds_ptr, g)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    c_mask = cols < d
+    for r0 in range(tl.program_id(0) * BLOCK_R, n, tl.num_programs(0) * BLOCK_R):
+        r, r_mask, assign = _block_rows(order_ptr, start, n, r0, BLOCK_R)
+        mask = r_mask[:, None] & c_mask[None, :]
+        v = tl.load(y_ptr + r[:, None] * stride_y + cols[None, :], mask=mask)
+        tl.store(partial_ptr + assign.to(tl.int64)[:, None] * stride_p + cols[None, :], v,
+                 mask=mask)
 
 
 def route_by_expert(ids, num_experts: int, group_experts: int):
@@ -225,27 +241,31 @@ def grouped_fp4_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, l
     workspace = torch.empty(G * d * 2 * inter, dtype=dt, device=dev)
     w13 = workspace.view(G, d, 2 * inter)
     w2_dec = workspace[:G * inter * d].view(G, inter, d)
-    grid = (triton.cdiv(M, BLOCK_R),)
-    block_d = min(512, triton.next_power_of_2(d))
+    # Row kernels: ROW_PROGRAMS row slots (fewer at small T) x column blocks; each slot loops
+    # over the group's real row blocks, whose count only the device knows.
+    slots = min(triton.cdiv(M, BLOCK_R), ROW_PROGRAMS)
+    block_d = min(BLOCK_D, triton.next_power_of_2(d))
+    grid_d = (slots, triton.cdiv(d, block_d))
+    grid_i = (slots, triton.cdiv(inter, QBLOCK))
     for g in range(triton.cdiv(E, G)):
         e0 = g * G
         n_e = min(G, E - e0)
         _decode_group(w1, w1_scale, e0, n_e, w13, 0)
         _decode_group(w3, w3_scale, e0, n_e, w13, inter)
         rows = torch.empty(M, d, dtype=dt, device=dev)
-        _gather_rows_kernel[grid](a, order, bounds, g, rows, topk, d, a.stride(0), rows.stride(0),
+        _gather_rows_kernel[grid_d](a, order, bounds, g, rows, topk, d, a.stride(0), rows.stride(0),
                                   BLOCK_R=BLOCK_R, BLOCK_D=block_d, num_warps=4)
         group_offs = offs[e0:e0 + n_e]
         gate_up = _grouped_mm(rows, w13[:n_e], group_offs)
         del rows  # its block serves the down GEMM's output
-        _swiglu_rows_kernel[grid](gate_up, order, bounds, g, weights_flat, inter,
+        _swiglu_rows_kernel[grid_i](gate_up, order, bounds, g, weights_flat, inter,
                                   gate_up.stride(0), float(limit), HAS_LIMIT=limit > 0,
                                   ACT_QUANT=act_quant, BLOCK_R=BLOCK_R, BLOCK_I=QBLOCK,
                                   num_warps=4)
         _decode_group(w2, w2_scale, e0, n_e, w2_dec, 0)
         y = _grouped_mm(gate_up[:, :inter], w2_dec[:n_e], group_offs)
         del gate_up
-        _scatter_rows_kernel[grid](y, order, bounds, g, partial, d, y.stride(0),
+        _scatter_rows_kernel[grid_d](y, order, bounds, g, partial, d, y.stride(0),
                                    partial.stride(0), BLOCK_R=BLOCK_R, BLOCK_D=block_d,
                                    num_warps=4)
         del y
