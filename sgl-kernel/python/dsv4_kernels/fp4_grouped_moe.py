@@ -38,10 +38,13 @@ Workspace (bf16 at Flash dims d = 4096, inter = 2048, G = 16): the decoded group
 2 inter * 2 B = 512 MiB (W2's G * inter * d reuses it); row buffers 16 KiB per assignment live
 at once (gathered x or the down output, 8 KiB; gate | up with h in place, 8 KiB) plus the
 partials, 8 KiB: 24 KiB x T * topk (576 MiB at T = 4096, top-6), where the bf16 variant holds
-20 KiB (fp32 partials + h). G = 16: 32 would double the decoded workspace to 1 GiB, and fewer
-than 16 experts per GEMM give the CUTLASS kernel a few tiles per expert at moderate T (a 128-row
-expert block x 16 column tiles at N = 4096), a wave on 132 SMs only with ~8+ experts;
-measure with bench_quant.py (grouped_*_g8 / _g32).
+20 KiB (fp32 partials + h). Why G = 16: 32 would double the decoded workspace to 1 GiB; fewer
+experts per GEMM mean more launches (10 per group) and fewer tiles per launch: torch picks its
+128 x 256 CUTLASS tile (from the capacity / G, not the real rows), so an expert with <= 128
+rows is 16 tiles at N = 4096 and a wave on 132 SMs needs ~8 such experts. Not measured:
+bench_quant.py times G = 8 and 32 beside 16 (grouped_release_g8 / _g32).
+
+Like the bf16 variant, an e8m0 byte 0 or 1 (2^-127, 2^-126: no real scale) decodes as 0.
 
 On the GPU the variant needs bf16 x (torch._grouped_mm's CUTLASS path; its fallback for other
 dtypes reads the offsets on the host). Elsewhere, and for other dtypes (refused under graph
@@ -59,9 +62,10 @@ from .moe import sum_topk
 
 GROUP_EXPERTS = 16  # experts decoded and multiplied per grouped GEMM (module docstring)
 # Gather / SwiGLU / scatter: BLOCK_R rows x BLOCK_D columns (128 for the SwiGLU: one FP8
-# block) per step; ROW_PROGRAMS row slots per column block, each looping over row blocks (a
-# group of 16 experts at T = 4096, top-6 of 256: ~1536 rows, 192 blocks per slot set), so the
-# grid is neither mostly empty programs (one per block of the capacity) nor too few programs.
+# block) per step; ROW_PROGRAMS row slots per column block, each looping over the group's row
+# blocks (16 experts at T = 4096, top-6 of 256: ~1536 rows = 192 blocks over 128 slots x 8
+# column blocks), so the grid is neither mostly empty programs (one per block of the capacity)
+# nor a few long ones.
 BLOCK_R = 8
 BLOCK_D = 512
 ROW_PROGRAMS = 128
