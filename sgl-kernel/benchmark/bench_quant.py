@@ -9,7 +9,7 @@
   per expert block, _narrow / _wide = the small-batch (16/32 x 512) / larger-batch
   (64 x 128) N x K tiles; the grouped one (bf16 decode + torch._grouped_mm) at T >=
   GROUPED_MIN_T, with grouped_release_g8 / _g32 = 8 / 32 experts per decoded group beside the
-  default 16) at Flash's expert dims (hidden 4096, inter
+  default 16, and grouped_decode_only = its weight decodes alone) at Flash's expert dims (hidden 4096, inter
   2048, top-6 of 256, uniformly random ids): one rank's 128 experts (ids >= 128 skipped, as a
   shard sees them) and all 256. GB/s counts the weight bytes actually touched (distinct local
   experts hit x bytes per expert, scales included); TFLOP/s counts the local assignments'
@@ -196,6 +196,9 @@ def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
             if T >= GROUPED_MIN_T:
                 runs += [("grouped", True, None, ""), ("grouped", False, None, "")]
                 runs += [("grouped", True, dict(group_experts=g), tag) for g, tag in GROUPED_ALTS]
+                # Its decode passes alone (no routing, no GEMM): how much of it they are.
+                cases.append((f"moe_E{e_local}", T, "grouped_decode_only",
+                              lambda ws=ws: _grouped_decode_only(ws), nbytes, flops, hit))
             for variant, act_quant, cfg, tag in runs:
                 impl = f"{variant}_{'release' if act_quant else 'weight_only'}{tag}"
                 fn = (lambda x=x, ws=ws, ids=ids, weights=weights, out=out, v=variant,
@@ -215,6 +218,24 @@ def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
                       key=lambda v: ms[f"{v}_release"])
             print(f"variant {name} T={T:<5} faster: {won:<4}  default_variant picks: "
                   f"{fp4_moe.default_variant(T, MOE_TOPK)}", flush=True)
+
+
+def _grouped_decode_only(ws):
+    """The grouped variant's weight decodes for every local expert, as it runs them (groups of
+    GROUP_EXPERTS into one bf16 workspace: W1 | W3, then W2), without its routing and GEMMs."""
+    from dsv4_kernels import fp4_grouped_moe as GM
+    w1, s1, w3, s3, w2, s2 = ws
+    E, inter, half_d = w1.shape
+    d = 2 * half_d
+    G = min(GM.GROUP_EXPERTS, E)
+    space = torch.empty(G * d * 2 * inter, dtype=torch.bfloat16, device=w1.device)
+    w13, w2_dec = space.view(G, d, 2 * inter), space[:G * inter * d].view(G, inter, d)
+    for e0 in range(0, E, G):
+        n_e = min(G, E - e0)
+        GM._decode_group(w1, s1, e0, n_e, w13, 0)
+        GM._decode_group(w3, s3, e0, n_e, w13, inter)
+        GM._decode_group(w2, s2, e0, n_e, w2_dec, 0)
+    return space
 
 
 def _sm90_report(name, fn, types, constexprs, num_warps, num_stages, not_aligned=()):
