@@ -9,7 +9,8 @@
   per expert block, _narrow / _wide = the small-batch (16/32 x 512) / larger-batch
   (64 x 128) N x K tiles; the grouped one (bf16 decode + torch._grouped_mm) at T >=
   GROUPED_MIN_T, with grouped_release_g8 / _g32 = 8 / 32 experts per decoded group beside the
-  default 16, and grouped_decode_only = its weight decodes alone) at Flash's expert dims (hidden 4096, inter
+  default 16, grouped_release_g8_overlap = G = 8 with the next group's decode on a side
+  stream, and grouped_decode_only = its weight decodes alone) at Flash's expert dims (hidden 4096, inter
   2048, top-6 of 256, uniformly random ids): one rank's 128 experts (ids >= 128 skipped, as a
   shard sees them) and all 256. GB/s counts the weight bytes actually touched (distinct local
   experts hit x bytes per expert, scales included); TFLOP/s counts the local assignments'
@@ -55,7 +56,10 @@ MOE_D, MOE_I, MOE_E, MOE_TOPK = 4096, 2048, 256, 6
 MOE_T = [1, 16, 64, 256, 1024, 4096, 8192]
 GEMV_MAX_T = 256  # the gemv decode is for decode-sized batches: not timed beyond
 GROUPED_MIN_T = 1024  # the grouped variant is for large batches: not timed below
-GROUPED_ALTS = ((8, "_g8"), (32, "_g32"))  # experts per decoded group beside the default
+# Experts per decoded group beside the default, and G = 8 with the next group's decode
+# overlapped on a side stream (opt-in: two slots of decoded weights).
+GROUPED_ALTS = (({"group_experts": 8}, "_g8"), ({"group_experts": 32}, "_g32"),
+                ({"group_experts": 8, "overlap": True}, "_g8_overlap"))
 
 
 def _graph(fn):
@@ -195,7 +199,7 @@ def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
                 runs += [("gemv", True, c, tag) for c, tag in alts if c != gemv]
             if T >= GROUPED_MIN_T:
                 runs += [("grouped", True, None, ""), ("grouped", False, None, "")]
-                runs += [("grouped", True, dict(group_experts=g), tag) for g, tag in GROUPED_ALTS]
+                runs += [("grouped", True, c, tag) for c, tag in GROUPED_ALTS]
                 # Its decode passes alone (no routing, no GEMM): how much of it they are.
                 cases.append((f"moe_E{e_local}", T, "grouped_decode_only",
                               lambda ws=ws: _grouped_decode_only(ws), nbytes, flops, hit))

@@ -346,14 +346,15 @@ def test_gpu_gemv_fp4_moe_replays_in_a_cuda_graph():
 # (a loop of torch.mm on the CPU). fp32 on the CPU: the interpreter's fp32 -> bf16 cast
 # truncates (the GPU's rounds to nearest even), so bf16 numerics are tested on the GPU.
 # ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("T,group_experts,act_quant,row_programs", [
-    (1, 2, True, 128), (7, 2, False, 128),
+@pytest.mark.parametrize("T,group_experts,act_quant,row_programs,overlap", [
+    (1, 2, True, 128, False), (7, 2, False, 128, False),
     # one row slot per column block, 2-row blocks: each slot loops over the group's blocks
-    (7, 2, True, 1),
-    (7, 16, False, 1),  # one group holding every expert
+    (7, 2, True, 1, False),
+    (7, 16, False, 1, False),  # one group holding every expert
+    (7, 2, True, 128, True),  # decodes on a side stream on a GPU (ignored on the CPU)
 ])
 def test_grouped_variant_matches_reference(device, monkeypatch, T, group_experts, act_quant,
-                                           row_programs):
+                                           row_programs, overlap):
     require_triton()
     from dsv4_kernels import fp4_grouped_moe, fp4_moe
     monkeypatch.setattr(fp4_grouped_moe, "ROW_PROGRAMS", row_programs)
@@ -367,7 +368,7 @@ def test_grouped_variant_matches_reference(device, monkeypatch, T, group_experts
     weights = torch.rand(T, topk, device=device)
     out = torch.full((T, d), float("nan"), device=device)
     res = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 1.5, out, act_quant, "grouped",
-                                config=dict(group_experts=group_experts))
+                                config=dict(group_experts=group_experts, overlap=overlap))
     assert res is out
     torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 1.5, act_quant),
                                rtol=1e-5, atol=1e-5)
@@ -462,8 +463,9 @@ def _grouped_numerics_ref(x, w1, s1, w3, s3, w2, s2, ids, weights, limit, act_qu
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act_quant", [False, True])
-@pytest.mark.parametrize("T,group_experts", [(1, 16), (1500, 16), (4096, 16), (1500, 3)])
-def test_gpu_grouped_fp4_moe_at_flash_dims(flash_experts, act_quant, T, group_experts):
+@pytest.mark.parametrize("T,group_experts,overlap", [
+    (1, 16, False), (1500, 16, False), (4096, 16, False), (1500, 3, False), (4096, 3, True)])
+def test_gpu_grouped_fp4_moe_at_flash_dims(flash_experts, act_quant, T, group_experts, overlap):
     ws, E, d, topk = flash_experts, 8, 4096, 6
     from dsv4_kernels import fp4_moe
     torch.manual_seed(T)
@@ -471,7 +473,8 @@ def test_gpu_grouped_fp4_moe_at_flash_dims(flash_experts, act_quant, T, group_ex
     ids = _distinct_ids(T, topk, 0, 2 * E, "cuda")  # half of them on the other shard
     weights = torch.rand(T, topk, device="cuda")
     out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, torch.empty(T, d, device="cuda"),
-                                act_quant, "grouped", config=dict(group_experts=group_experts))
+                                act_quant, "grouped",
+                                config=dict(group_experts=group_experts, overlap=overlap))
     # Against the same numerics in torch, on up to 64 rows: only fp32 summation order differs
     # (a bf16 flip of gate/up now and then, and through it an FP8 flip of h with act_quant).
     rows = torch.linspace(0, T - 1, min(T, 64), device="cuda").long().unique()
@@ -489,8 +492,8 @@ def test_gpu_grouped_fp4_moe_at_flash_dims(flash_experts, act_quant, T, group_ex
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("act_quant", [True, False])
-def test_gpu_grouped_fp4_moe_replays_in_a_cuda_graph(act_quant):
+@pytest.mark.parametrize("act_quant,overlap", [(True, False), (False, False), (True, True)])
+def test_gpu_grouped_fp4_moe_replays_in_a_cuda_graph(act_quant, overlap):
     from dsv4_kernels import fp4_moe
     E, d, inter, T, topk = 16, 1024, 512, 256, 6
     ws = _experts(E, d, inter, "cuda")
@@ -501,7 +504,7 @@ def test_gpu_grouped_fp4_moe_replays_in_a_cuda_graph(act_quant):
 
     def run(o):  # 4 groups of 4 experts
         return fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, o, act_quant, "grouped",
-                                     config=dict(group_experts=4))
+                                     config=dict(group_experts=4, overlap=overlap))
     run(out)  # compile outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

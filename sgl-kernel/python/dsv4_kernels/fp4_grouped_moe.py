@@ -44,6 +44,9 @@ experts per GEMM mean more launches (10 per group) and fewer tiles per launch: t
 rows is 16 tiles at N = 4096 and a wave on 132 SMs needs ~8 such experts. Not measured:
 bench_quant.py times G = 8 and 32 beside 16 (grouped_release_g8 / _g32).
 
+Opt-in (config {"overlap": True}, CUDA, not measured): the next group's decode on a side stream
+during this group's GEMMs, with two slots of decoded weights (grouped_fp4_moe's docstring).
+
 Like the bf16 variant, an e8m0 byte 0 or 1 (2^-127, 2^-126: no real scale) decodes as 0.
 
 On the GPU the variant needs bf16 x (torch._grouped_mm's CUTLASS path; its fallback for other
@@ -226,10 +229,27 @@ def _decode_group(w, s, e0: int, n_e: int, out, col0: int):
         BLOCK_N=DECODE_BLOCK_N, CHUNKS=chunks, num_warps=4)
 
 
+def _side_stream(device) -> "torch.cuda.Stream":
+    """One side stream per GPU for overlap=True, made on first use (the eager warm-up before a
+    capture: a stream is better not created inside one)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return _SIDE_STREAMS[idx]
+
+
+_SIDE_STREAMS: dict = {}
+
+
 def grouped_fp4_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, out,
-                    act_quant: bool, group_experts: int = GROUP_EXPERTS):
+                    act_quant: bool, group_experts: int = GROUP_EXPERTS, overlap: bool = False):
     """fp4_fused_moe(..., variant="grouped") (arguments checked there; T > 0): out fp32 [T, d].
-    group_experts: experts per decoded group (GROUP_EXPERTS; bench_quant times others)."""
+    group_experts: experts per decoded group (GROUP_EXPERTS; bench_quant times others).
+    overlap (CUDA only, opt-in, not measured): decode group g + 1 on a side stream while group
+    g's GEMMs run, in two slots of separate W1 | W3 and W2 buffers (2 x G x 48 MiB at Flash
+    dims: use G = 8), ordered by events (a slot is refilled only after the down GEMM that read
+    it; a GEMM waits for its group's decode); the side stream rejoins before returning, so the
+    whole call captures into one graph."""
     T, d = x.shape
     E, inter, _ = w1.shape
     topk = ids.shape[1]
@@ -237,40 +257,81 @@ def grouped_fp4_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, l
     if group_experts < 1:
         raise ValueError(f"fp4_fused_moe: group_experts must be >= 1, got {group_experts}")
     G = min(group_experts, E)
+    n_groups = triton.cdiv(E, G)
     dev, dt = x.device, x.dtype
+    overlap = overlap and x.is_cuda
     order, bounds, offs = route_by_expert(ids, E, G)
     a = round_act(x) if act_quant else x
     weights_flat = weights.reshape(-1).float().contiguous()
     partial = torch.empty(M, d, dtype=dt, device=dev)
-    workspace = torch.empty(G * d * 2 * inter, dtype=dt, device=dev)
-    w13 = workspace.view(G, d, 2 * inter)
-    w2_dec = workspace[:G * inter * d].view(G, inter, d)
     # Row kernels: ROW_PROGRAMS row slots (fewer at small T) x column blocks; each slot loops
     # over the group's real row blocks, whose count only the device knows.
     slots = min(triton.cdiv(M, BLOCK_R), ROW_PROGRAMS)
     block_d = min(BLOCK_D, triton.next_power_of_2(d))
     grid_d = (slots, triton.cdiv(d, block_d))
     grid_i = (slots, triton.cdiv(inter, QBLOCK))
-    for g in range(triton.cdiv(E, G)):
-        e0 = g * G
-        n_e = min(G, E - e0)
-        _decode_group(w1, w1_scale, e0, n_e, w13, 0)
-        _decode_group(w3, w3_scale, e0, n_e, w13, inter)
+
+    def decode(g, w13, w2_dec, part):
+        e0, n_e = g * G, min(G, E - g * G)
+        if part in ("all", "gate_up"):
+            _decode_group(w1, w1_scale, e0, n_e, w13, 0)
+            _decode_group(w3, w3_scale, e0, n_e, w13, inter)
+        if part in ("all", "down"):
+            _decode_group(w2, w2_scale, e0, n_e, w2_dec, 0)
+
+    if overlap:
+        bufs = [(torch.empty(G, d, 2 * inter, dtype=dt, device=dev),
+                 torch.empty(G, inter, d, dtype=dt, device=dev)) for _ in range(2)]
+        main, side = torch.cuda.current_stream(dev), _side_stream(dev)
+        ready, freed = [None] * n_groups, [None, None]
+
+        def prefetch(g):
+            with torch.cuda.stream(side):
+                if freed[g % 2] is None:  # first use: fork from main (joins a capture)
+                    side.wait_stream(main)
+                else:  # after the last GEMM that read this slot
+                    side.wait_event(freed[g % 2])
+                decode(g, *bufs[g % 2], "all")
+                ready[g] = torch.cuda.Event()
+                ready[g].record(side)
+        prefetch(0)
+    else:
+        # One workspace: W2 of a group over its W1 | W3 once the gate/up GEMM is queued.
+        workspace = torch.empty(G * d * 2 * inter, dtype=dt, device=dev)
+        shared = (workspace.view(G, d, 2 * inter), workspace[:G * inter * d].view(G, inter, d))
+    for g in range(n_groups):
+        e0, n_e = g * G, min(G, E - g * G)
+        if overlap:
+            if g + 1 < n_groups:
+                prefetch(g + 1)
+            w13, w2_dec = bufs[g % 2]
+        else:
+            w13, w2_dec = shared
+            decode(g, w13, w2_dec, "gate_up")
         rows = torch.empty(M, d, dtype=dt, device=dev)
-        _gather_rows_kernel[grid_d](a, order, bounds, g, rows, topk, d, a.stride(0), rows.stride(0),
-                                  BLOCK_R=BLOCK_R, BLOCK_D=block_d, num_warps=4)
+        _gather_rows_kernel[grid_d](a, order, bounds, g, rows, topk, d, a.stride(0),
+                                    rows.stride(0), BLOCK_R=BLOCK_R, BLOCK_D=block_d,
+                                    num_warps=4)
         group_offs = offs[e0:e0 + n_e]
+        if overlap:  # the gather above needs no weights; the GEMMs need the group's decode
+            main.wait_event(ready[g])
         gate_up = _grouped_mm(rows, w13[:n_e], group_offs)
         del rows  # its block serves the down GEMM's output
         _swiglu_rows_kernel[grid_i](gate_up, order, bounds, g, weights_flat, inter,
-                                  gate_up.stride(0), float(limit), HAS_LIMIT=limit > 0,
-                                  ACT_QUANT=act_quant, BLOCK_R=BLOCK_R, BLOCK_I=QBLOCK,
-                                  num_warps=4)
-        _decode_group(w2, w2_scale, e0, n_e, w2_dec, 0)
+                                    gate_up.stride(0), float(limit), HAS_LIMIT=limit > 0,
+                                    ACT_QUANT=act_quant, BLOCK_R=BLOCK_R, BLOCK_I=QBLOCK,
+                                    num_warps=4)
+        if not overlap:
+            decode(g, w13, w2_dec, "down")
         y = _grouped_mm(gate_up[:, :inter], w2_dec[:n_e], group_offs)
         del gate_up
+        if overlap:
+            freed[g % 2] = torch.cuda.Event()
+            freed[g % 2].record(main)
         _scatter_rows_kernel[grid_d](y, order, bounds, g, partial, d, y.stride(0),
-                                   partial.stride(0), BLOCK_R=BLOCK_R, BLOCK_D=block_d,
-                                   num_warps=4)
+                                     partial.stride(0), BLOCK_R=BLOCK_R, BLOCK_D=block_d,
+                                     num_warps=4)
         del y
+    if overlap:
+        main.wait_stream(side)  # rejoin: nothing of the side stream outlives the call
     return sum_topk(partial, ids, out, E)
