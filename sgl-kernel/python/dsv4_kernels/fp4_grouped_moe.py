@@ -73,6 +73,7 @@ BLOCK_R = 8
 BLOCK_D = 512
 ROW_PROGRAMS = 128
 DECODE_BLOCK_N = 64  # weight rows per decode program (x 32 * CHUNKS inputs)
+_SIDE_STREAMS: dict = {}  # overlap=True: device index -> its side stream
 
 
 @triton.jit
@@ -203,8 +204,8 @@ def route_by_expert(ids, num_experts: int, group_experts: int):
 
 
 def _grouped_mm(a, b, offs):
-    """a [rows, K] @ b[e] for rows [offs[e-1], offs[e]) (offs[-1] = 0 first) -> [rows, N] in
-    a's dtype; rows past offs[-1] undefined. torch._grouped_mm for bf16 on CUDA; else a loop of
+    """a [rows, K] @ b[e] for rows [offs[e-1], offs[e]) (from row 0 for e = 0) -> [rows, N] in
+    a's dtype; rows past the last offset undefined. torch._grouped_mm for bf16 on CUDA; else a loop of
     torch.mm reading offs on the host (rows past the end NaN: they must never be read; under
     graph capture fp4_fused_moe refuses non-bf16 x before this is reached)."""
     if a.is_cuda and a.dtype == torch.bfloat16:
@@ -237,8 +238,6 @@ def _side_stream(device) -> "torch.cuda.Stream":
         _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
     return _SIDE_STREAMS[idx]
 
-
-_SIDE_STREAMS: dict = {}
 
 
 def grouped_fp4_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, out,

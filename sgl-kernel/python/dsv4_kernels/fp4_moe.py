@@ -554,7 +554,8 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
     """out fp32 [T, d] <- quant_reference.fp4_moe_ref(...) (see the module docstring).
     variant None: select_variant (default_variant for bf16/fp16 x with act_quant, else "bf16").
     config: moe_config's keys, or gemv_config's for the gemv variant, or for the grouped one
-    {"group_experts": n} (default fp4_grouped_moe.GROUP_EXPERTS)."""
+    {"group_experts": n, "overlap": bool} (fp4_grouped_moe.grouped_fp4_moe's keyword
+    arguments; default GROUP_EXPERTS, no overlap)."""
     if variant is None:
         variant = select_variant(*ids.shape, act_quant, x.dtype)
     if variant not in VARIANTS:
