@@ -40,6 +40,14 @@ fixed order.
   default_variant picks it at T * topk <= GEMV_MAX_ASSIGNMENTS (release numerics on bf16/fp16
   activations: where it was measured; fp32 and weight-only calls keep the bf16 decode).
 
+- "grouped": for large batches, no decode inside a GEMM: the experts are decoded to bf16 a
+  group of GROUP_EXPERTS at a time into a workspace and multiplied by torch._grouped_mm
+  (CUTLASS) on the group's rows, gathered into a static-capacity buffer (fp4_grouped_moe.py:
+  routing, workspace bytes, numerics: gate/up and the down partials come out of grouped_mm in
+  bf16, one bf16 rounding more than the bf16 variant's fp32 accumulators). bf16 x on the GPU.
+  Never picked by default_variant; GROUPED_MIN_ASSIGNMENTS says where it would switch once
+  measured.
+
 Graph-safe: buffers sized by (T, topk, E) only, no host syncs, tiles fixed per shape.
 An e8m0 byte 0 or 1 (2^-127, 2^-126) decodes as 0 here in the bf16 variant, 0 alone in the
 fp8 and gemv ones (the reference keeps the values): no real scale is that small.
@@ -53,7 +61,7 @@ from ._dot import dot_precision
 from .fp8_gemm import QBLOCK, quantize_act, round_act
 from .moe import moe_align, sum_topk
 
-VARIANTS = ("bf16", "fp8", "gemv")
+VARIANTS = ("bf16", "fp8", "gemv", "grouped")
 # Release numerics at T * topk <= this: the fp8 variant (default_variant).
 FP8_MAX_ASSIGNMENTS = 2048 * 6  # see default_variant
 # ... and the gemv variant at T * topk <= this. Measured on an H200 (bench_quant.py --only moe
@@ -61,6 +69,10 @@ FP8_MAX_ASSIGNMENTS = 2048 * 6  # see default_variant
 # call4_final/moe_gemv.log): gemv 47.8 / 642 / 1867 us against fp8's 248 / 1565 / 2183 us at
 # T = 1 / 16 / 64. Larger T: not measured, so the switch sits at the last point gemv won.
 GEMV_MAX_ASSIGNMENTS = 64 * 6
+# Where the grouped variant would take over (T * topk >= this): not used by default_variant
+# until bench_quant.py has timed it beside bf16/fp8 on an H200 (the profile that motivated it:
+# T = 4096 at Flash width, where the FP4 MoE was 40% of the step).
+GROUPED_MIN_ASSIGNMENTS = 4096 * 6
 
 
 @triton.jit
@@ -541,7 +553,9 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
                   act_quant: bool, variant: str | None = None, config: dict | None = None):
     """out fp32 [T, d] <- quant_reference.fp4_moe_ref(...) (see the module docstring).
     variant None: select_variant (default_variant for bf16/fp16 x with act_quant, else "bf16").
-    config: moe_config's keys, or gemv_config's for the gemv variant."""
+    config: moe_config's keys, or gemv_config's for the gemv variant, or for the grouped one
+    {"group_experts": n, "overlap": bool} (fp4_grouped_moe.grouped_fp4_moe's keyword
+    arguments; default GROUP_EXPERTS, no overlap)."""
     if variant is None:
         variant = select_variant(*ids.shape, act_quant, x.dtype)
     if variant not in VARIANTS:
@@ -568,6 +582,13 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
     assert all(t.is_contiguous() for t in (w1, w3, w2, w1_scale, w3_scale, w2_scale))
     if T == 0:
         return out
+    if variant == "grouped":
+        if x.is_cuda and x.dtype != torch.bfloat16 and torch.cuda.is_current_stream_capturing():
+            raise ValueError("fp4_fused_moe: the grouped variant is graph-capturable with bf16 "
+                             f"activations only (torch._grouped_mm's CUTLASS path), got {x.dtype}")
+        from .fp4_grouped_moe import grouped_fp4_moe  # it imports this module's decode helpers
+        return grouped_fp4_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit,
+                               out, act_quant, **(config or {}))
     if variant == "gemv":
         return _gemv_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, out,
                          act_quant, config or gemv_config(T, ids.shape[1]))
