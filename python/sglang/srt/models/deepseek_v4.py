@@ -21,8 +21,9 @@ from sglang.srt.layers.layernorm import RMSNorm, rms_normalize
 from sglang.srt.layers.mhc import HyperConnection, HyperHead
 from sglang.srt.layers.moe.experts import DeepseekV4MoE
 from sglang.srt.layers.quantization import BF16, QuantMode
-from sglang.srt.layers.quantization.fp8_linear import dense_weight, make_linear
+from sglang.srt.layers.quantization.fp8_linear import Fp8BlockLinear, dense_weight, make_linear
 from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_
+from sglang.srt.layers.tensor_core_gemm import grouped_bf16_einsum, tensor_core_eligible
 from sglang.srt.model_executor.breakable_cuda_graph import register_split_op
 from sglang.srt.model_executor.forward_context import get_forward_context, segment_kernel_ops
 
@@ -76,6 +77,16 @@ class DeepseekV4Attention(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
         self.rope = rope
+        self.wo_a_tensor_cores = False  # set by use_tensor_core_gemms after load
+
+    def use_tensor_core_gemms(self, model_dtype: torch.dtype, enabled: bool = True) -> None:
+        """After load: on a bf16 model on CUDA, the grouped wo_a product on bf16 tensor cores
+        (wo_a dequantized to bf16, exact while its scales are powers of two: checked here, once)
+        with fp32 accumulation; otherwise the fp32 einsum."""
+        ok = enabled and tensor_core_eligible(model_dtype, self.attn_sink.device)
+        if ok and isinstance(self.wo_a, Fp8BlockLinear):
+            ok = self.wo_a.scales_are_pow2()
+        self.wo_a_tensor_cores = ok
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
@@ -122,9 +133,14 @@ class DeepseekV4Attention(nn.Module):
 
         o = o.view(T, self.n_groups, self.n_heads * self.head_dim // self.n_groups)
         # FP8 wo_a is applied as the release does: dequantized (exact, on the fly) in the
-        # grouped einsum, no activation rounding on its input.
-        wo_a = dense_weight(self.wo_a).view(self.n_groups, self.o_lora_rank, -1)
-        o = torch.einsum("tgd,grd->tgr", o.float(), wo_a.float()).to(x.dtype)
+        # grouped einsum, no activation rounding on its input. Both operands are exact in bf16,
+        # so on tensor cores the products are the fp32 einsum's, accumulated in fp32.
+        if self.wo_a_tensor_cores:
+            wo_a = dense_weight(self.wo_a, torch.bfloat16).view(self.n_groups, self.o_lora_rank, -1)
+            o = grouped_bf16_einsum(o, wo_a)
+        else:
+            wo_a = dense_weight(self.wo_a).view(self.n_groups, self.o_lora_rank, -1)
+            o = torch.einsum("tgd,grd->tgr", o.float(), wo_a.float()).to(x.dtype)
         return self.wo_b(o.flatten(1))
 
 
@@ -195,6 +211,17 @@ class DeepseekV4ForCausalLM(nn.Module):
                                                     expert_range) for k in range(n_mtp))
         for p in self.parameters():
             p.requires_grad_(False)
+
+    def use_tensor_core_gemms(self, enabled: bool = True) -> None:
+        """Post-load step (ModelRunner calls it once the weights are in place on their device):
+        on a bf16 model on CUDA, the fp32 GEMMs of the layers (wo_a's grouped einsum, the
+        compressors' wkv / wgate, the router's logits) move to bf16 tensor cores with the same
+        or ~2^-16-relative products (layers/tensor_core_gemm.py); fp32 models and CPU, or
+        enabled=False, keep the fp32 GEMMs. Derives split weights: never inside graph capture,
+        and again after the weights change. MTP layers are never run, so get nothing."""
+        for module in self.layers.modules():
+            if hasattr(module, "use_tensor_core_gemms"):
+                module.use_tensor_core_gemms(self.dtype, enabled)
 
     def to_device(self, device) -> "DeepseekV4ForCausalLM":
         self.to(device)

@@ -28,12 +28,19 @@ class Fp8BlockLinear(nn.Module):
 
         return ops.fp8_block_linear(x, self.weight, self.weight_scale, self.act_quant)
 
-    def dequantized(self) -> torch.Tensor:
-        """fp32 [N, K], exact (e4m3 times a power of two). Used for wo_a, which the release
-        applies dequantized in its grouped einsum; pure tensor ops, so capturable."""
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in fp32 (exact) or bf16 (exact while the scales are powers of two, as the
+        release's ue8m0 scales are: check once with `scales_are_pow2`). Used for wo_a, which the
+        release applies dequantized in its grouped einsum; pure tensor ops, so capturable."""
         from dsv4_kernels.quant_reference import dequantize_fp8_block
 
-        return dequantize_fp8_block(self.weight, self.weight_scale)
+        return dequantize_fp8_block(self.weight, self.weight_scale, dtype)
+
+    def scales_are_pow2(self) -> bool:
+        """Whether the bf16 dequantization is exact (reads the device: at load only)."""
+        from dsv4_kernels.quant_reference import scales_are_pow2
+
+        return scales_are_pow2(self.weight_scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, act_quant={self.act_quant}"
@@ -47,6 +54,6 @@ def make_linear(in_features: int, out_features: int, dtype: torch.dtype, quant: 
     return nn.Linear(in_features, out_features, bias=False, dtype=dtype)
 
 
-def dense_weight(linear: nn.Module) -> torch.Tensor:
-    """A linear's weight as a dense tensor (dequantized fp32 for FP8; as stored otherwise)."""
-    return linear.dequantized() if isinstance(linear, Fp8BlockLinear) else linear.weight
+def dense_weight(linear: nn.Module, fp8_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A linear's weight as a dense tensor (FP8: dequantized to `fp8_dtype`; as stored otherwise)."""
+    return linear.dequantized(fp8_dtype) if isinstance(linear, Fp8BlockLinear) else linear.weight

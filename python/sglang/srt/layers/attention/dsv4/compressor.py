@@ -3,10 +3,15 @@ tokens into one entry per block, then RMSNorm and RoPE at the block's first posi
 
 Incremental by construction: emissions read their source rows from this step's fresh
 projections or from the per-request ring state, so chunked prefill and decode reproduce the
-full-prefill entries exactly. Projections run in fp32 (the checkpoint stores them in fp32).
+full-prefill entries exactly. Projections run in fp32 (the checkpoint stores them in fp32);
+on a bf16 model on CUDA, after `use_tensor_core_gemms`, as one split-bf16 GEMM for wkv and
+wgate together (layers/tensor_core_gemm.py: fp32 output, the fp32 weights held exactly as
+three bf16 terms).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from dsv4_kernels import reference
@@ -14,8 +19,15 @@ from torch import nn
 
 from sglang.srt.layers.attention.dsv4.metadata import DSV4CompressorMetadata
 from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.tensor_core_gemm import split_linear, split_weight, tensor_core_eligible
 from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_
 from sglang.srt.mem_cache.dsv4_kv_pool import CompressorState
+
+# Three bf16 terms hold an fp32 weight exactly (24 significant bits), so the split GEMM has the
+# fp32 GEMM's products in another order. Two terms (2^-16-relative weights, 2/3 of the FLOPs
+# and bytes) moved release-numerics logits of dsv4-tiny-fp8 past fp32's own reordering noise
+# (min cosine 0.985 vs 0.997 on CPU: FP8/FP4 rounding and top-k flips amplify it).
+SPLIT_TERMS = 3
 
 
 class Compressor(nn.Module):
@@ -29,15 +41,35 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, eps)
         for p in self.parameters():
             p.requires_grad_(False)
+        # [wkv; wgate] as bf16 [w_hi | w_lo | w_lo2], derived after load (not a parameter or buffer:
+        # the loader and random init fill parameters and buffers by name)
+        self.proj_split: Optional[torch.Tensor] = None
+
+    def use_tensor_core_gemms(self, model_dtype: torch.dtype, enabled: bool = True) -> None:
+        """After the weights are loaded: on a bf16 model on CUDA (and `enabled`), derive the split
+        weight (SPLIT_TERMS x 2 bytes per fp32 weight element of wkv + wgate: 1.5x their bytes)
+        so forward runs both projections as one bf16 tensor-core GEMM; otherwise drop it (the
+        fp32 GEMMs). Allocates: never call inside graph capture, and call again after the
+        weights change."""
+        if enabled and tensor_core_eligible(model_dtype, self.wkv.weight.device):
+            self.proj_split = split_weight([self.wkv.weight, self.wgate.weight], SPLIT_TERMS)
+        else:
+            self.proj_split = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: DSV4CompressorMetadata,
                 state: CompressorState, pool: torch.Tensor, rope: RotaryTable,
                 kernels=None, nope_fp8: bool = False) -> None:
         """Emitted entries go to `pool` in its format (DSV4KVPool): FP8 rows for a uint8 pool;
         nope_fp8 (the pool's flag) FP8-rounds a float pool's nope dims, as the release does."""
-        xf = x.float()
-        kv = self.wkv(xf)
-        score = self.wgate(xf) + self.ape[positions % self.ratio]
+        if self.proj_split is not None:
+            # one GEMM: kv | score, fp32, same row stride (what the kernels ask of the pair)
+            both = split_linear(x, self.proj_split)
+            kv, score = both.split(self.wkv.out_features, dim=-1)
+            score.add_(self.ape[positions % self.ratio])
+        else:
+            xf = x.float()
+            kv = self.wkv(xf)
+            score = self.wgate(xf) + self.ape[positions % self.ratio]
         pooled = kv.new_empty(meta.gather_idx.shape[0], self.norm.weight.shape[0])
         (kernels or reference).compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled)
         if kernels is not None:  # dsv4_kernels: ring update, then norm + RoPE + store

@@ -1,0 +1,227 @@
+"""fp32 GEMMs on bf16 tensor cores (layers/tensor_core_gemm.py), checked on CPU: the two-term
+bf16 split of an fp32 weight against an fp64 product within its stated bound, the fused wkv |
+wgate operand, wo_a's bf16 dequantization (bit-exact) and grouped product (the fp32 einsum's
+result), and a bf16 dsv4-tiny whose layers take these paths (on CPU their fp32-accumulating
+GEMMs are the upcast ones) against the same model on the fp32 GEMMs."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from dsv4_harness import Session, run_step  # noqa: E402
+
+from dsv4_kernels import quant_reference as Q  # noqa: E402
+from sglang.srt.layers import tensor_core_gemm as tc  # noqa: E402
+from sglang.srt.layers.attention.dsv4.compressor import SPLIT_TERMS, Compressor  # noqa: E402
+from sglang.srt.layers.quantization.fp8_linear import Fp8BlockLinear  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
+from sglang.test.runner_args import cpu_server_args  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _single_intra_op_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _spread_weight(n, k, seed):
+    """fp32 weights over five decades of magnitude (compressor weights are not all alike)."""
+    g = _gen(seed)
+    return torch.randn(n, k, generator=g) * 10.0 ** (torch.rand(n, k, generator=g) * 5 - 4)
+
+
+def _bound(x, w, rel):
+    """Elementwise error bound of x @ w.T for per-weight relative error `rel` plus fp32
+    accumulation over K: (rel + K * 2^-24) * (|x| @ |w|.T), in fp64."""
+    k = x.shape[-1]
+    return (rel + k * 2.0 ** -24) * (x.double().abs() @ w.double().abs().T)
+
+
+def test_split_terms_reconstruct_the_weight():
+    w = _spread_weight(64, 96, seed=0)
+    hi, lo = tc.split_bf16(w, terms=2)
+    assert hi.dtype == lo.dtype == torch.bfloat16
+    assert torch.equal(hi, w.to(torch.bfloat16))
+    err = (w.double() - hi.double() - lo.double()).abs()
+    assert (err <= tc.split_rel_error(2) * w.double().abs()).all()
+    # the low half carries real information: bf16 alone is 2^-8-relative
+    assert (w.double() - hi.double()).abs().max() > 100 * err.max()
+    # three terms hold the 24 significant bits of fp32 exactly
+    parts = tc.split_bf16(w, terms=3)
+    assert torch.equal(parts[0], hi) and torch.equal(parts[1], lo)
+    assert torch.equal(sum(p.double() for p in parts), w.double())
+    with pytest.raises(TypeError, match="fp32 weight"):
+        tc.split_bf16(w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="terms must be 2 or 3"):
+        tc.split_bf16(w, terms=4)
+
+
+@pytest.mark.parametrize("terms", [2, 3])
+def test_split_linear_matches_the_fp64_product_within_the_split_bound(terms):
+    x = (torch.randn(48, 256, generator=_gen(1)) * 3).to(torch.bfloat16)  # a bf16 activation
+    w = _spread_weight(80, 256, seed=2)
+    w_split = tc.split_weight([w], terms)
+    assert w_split.shape == (80, terms * 256) and w_split.dtype == torch.bfloat16
+    got = tc.split_linear(x, w_split)
+    assert got.dtype == torch.float32 and got.shape == (48, 80)
+    want = x.double() @ w.double().T
+    err = (got.double() - want).abs()
+    bound = _bound(x, w, tc.split_rel_error(terms))
+    assert (err <= bound).all(), f"worst error / bound {(err / bound).max().item():.3f}"
+    # the bound is tight enough to tell: the high term alone breaks it by far
+    hi_only = x.double() @ w.to(torch.bfloat16).double().T
+    assert ((hi_only - want).abs() / bound).max() > 10
+    # and three terms are as close as the fp32 GEMM itself
+    if terms == 3:
+        fp32 = (x.float() @ w.T).double()
+        assert err.max() <= 2 * (fp32 - want).abs().max()
+
+
+def test_fused_projection_is_the_concatenation_of_the_two():
+    x = torch.randn(16, 128, generator=_gen(3)).to(torch.bfloat16)
+    wkv, wgate = _spread_weight(64, 128, seed=4), _spread_weight(64, 128, seed=5)
+    fused = tc.split_linear(x, tc.split_weight([wkv, wgate], 3))
+    assert torch.equal(fused[:, :64], tc.split_linear(x, tc.split_weight([wkv], 3)))
+    assert torch.equal(fused[:, 64:], tc.split_linear(x, tc.split_weight([wgate], 3)))
+
+
+def test_split_linear_refuses_mismatched_operands():
+    x = torch.randn(4, 32).to(torch.bfloat16)
+    w = tc.split_weight([torch.randn(8, 32)])
+    with pytest.raises(TypeError, match="bf16 x"):
+        tc.split_linear(x.float(), w)
+    with pytest.raises(ValueError, match="K=24"):
+        tc.split_linear(x[:, :24], w)
+    with pytest.raises(TypeError, match="share a bf16/fp16 dtype"):
+        tc.mm_fp32(x, w.float().t())
+
+
+@pytest.mark.parametrize("n,k", [(256, 384), (200, 72)])  # whole 128-blocks, and ragged edges
+def test_fp8_dequantization_to_bf16_is_exact(n, k):
+    q, s = Q.quantize_fp8_weight(_spread_weight(n, k, seed=6))
+    assert Q.scales_are_pow2(s)
+    bf16 = Q.dequantize_fp8_block(q, s, torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and bf16.shape == (n, k)
+    assert torch.equal(bf16.float(), Q.dequantize_fp8_block(q, s))
+    # the fp32 result is unchanged by the broadcast form: e4m3 value times its block's scale
+    ref = q.float() * s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    assert torch.equal(Q.dequantize_fp8_block(q, s), ref)
+
+
+def test_scales_are_pow2_rejects_other_scales():
+    assert Q.scales_are_pow2(torch.tensor([[2.0 ** -9, 1.0, 2.0 ** 5]]))
+    assert not Q.scales_are_pow2(torch.tensor([[2.0 ** -9, 0.3]]))
+    assert not Q.scales_are_pow2(torch.tensor([[0.0, 1.0]]))
+    assert not Q.scales_are_pow2(torch.tensor([[-1.0, 1.0]]))
+
+
+def test_grouped_bf16_einsum_equals_the_fp32_einsum_rounded_once():
+    """wo_a: bf16 o times the bf16-dequantized FP8 weight, fp32 accumulation, one rounding to bf16
+    == the fp32 einsum of the same values: equal but for summation order (<= 1 bf16 ulp)."""
+    G, R, D, T = 2, 128, 256, 24
+    lin = Fp8BlockLinear(D, G * R, act_quant=False)
+    q, s = Q.quantize_fp8_weight(torch.randn(G * R, D, generator=_gen(7)) * 0.05)
+    lin.weight.data.copy_(q)
+    lin.weight_scale.data.copy_(s)
+    o = torch.randn(T, G, D, generator=_gen(8)).to(torch.bfloat16)
+    got = tc.grouped_bf16_einsum(o, lin.dequantized(torch.bfloat16).view(G, R, D))
+    want = torch.einsum("tgd,grd->tgr", o.float(), lin.dequantized().view(G, R, D)).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (T, G, R) and got.is_contiguous()
+    ulp = want.float().abs() * 2.0 ** -7  # one bf16 ulp at |want| or above
+    assert ((got.float() - want.float()).abs() <= ulp).all()
+    assert (got == want).float().mean() > 0.95
+    # the fp64 product: both within half an ulp plus fp32 accumulation
+    exact = torch.einsum("tgd,grd->tgr", o.double(), lin.dequantized().view(G, R, D).double())
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-6).all()
+
+
+def test_only_bf16_models_on_cuda_are_eligible():
+    assert tc.tensor_core_eligible(torch.bfloat16, torch.device("cuda", 0))
+    assert not tc.tensor_core_eligible(torch.bfloat16, torch.device("cpu"))
+    assert not tc.tensor_core_eligible(torch.float32, torch.device("cuda"))
+    assert not tc.tensor_core_eligible(torch.float16, torch.device("cuda"))
+
+
+# ---- the model on these paths ---------------------------------------------------------------
+
+
+def _bf16_tiny_runner(preset, numerics):
+    return ModelRunner(cpu_server_args(model_path=preset, dtype="bfloat16", device="cpu", context_length=512,
+                                       max_total_tokens=1024, max_running_requests=4, disable_cuda_graph=True,
+                                       quant_numerics=numerics))
+
+
+def _all_logits(runner, tokens):
+    s = Session(runner)
+    out = run_step(runner, [s], [tokens], return_all_logits=True)
+    s.release()
+    return out.all_logits.float()
+
+
+# Release numerics round activations to FP8 / FP4 and pick a top-k: any change of summation
+# order flips a few of those decisions (computing the compressor projections exactly in fp64
+# instead of by the CPU's fp32 GEMM moves dsv4-tiny-fp8's min cosine to 0.9968), so its bound
+# is that of reordering, not of bf16 products.
+@pytest.mark.parametrize("preset,numerics,min_cos", [("dsv4-tiny", "weight_only", 0.9999),
+                                                     ("dsv4-tiny-fp8", "weight_only", 0.9999),
+                                                     ("dsv4-tiny-fp8", "release", 0.99)])
+def test_bf16_model_on_the_tensor_core_paths_matches_the_fp32_gemms(preset, numerics, min_cos, monkeypatch):
+    """A bf16 model keeps the fp32 GEMMs on CPU; with eligibility forced, its layers take the
+    tensor-core code paths (split compressor projections, bf16 grouped wo_a, fp32-output router
+    logits), whose CPU GEMMs accumulate the same products in fp32: the logits must stay those of
+    the fp32 GEMMs up to summation order."""
+    runner = _bf16_tiny_runner(preset, numerics)
+    model = runner.model
+    attn = [layer.attn for layer in model.layers]
+    compressors = [m for m in model.layers.modules() if isinstance(m, Compressor)]
+    assert compressors and not any(a.wo_a_tensor_cores for a in attn)  # CPU: the post-load step kept fp32
+    assert all(c.proj_split is None for c in compressors)
+    tokens = torch.randint(2, 512, (150,), generator=_gen(9)).tolist()
+    fp32_gemms = _all_logits(runner, tokens)
+
+    for mod in ("sglang.srt.layers.attention.dsv4.compressor", "sglang.srt.models.deepseek_v4",
+                "sglang.srt.layers.moe.router"):
+        monkeypatch.setattr(f"{mod}.tensor_core_eligible", lambda dtype, device: dtype == torch.bfloat16)
+    calls = {}  # the paths must be taken, not just enabled
+
+    def counted(mod, name):
+        fn = getattr(importlib.import_module(mod), name)
+
+        def wrapper(*args):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args)
+        monkeypatch.setattr(f"{mod}.{name}", wrapper)
+
+    counted("sglang.srt.layers.attention.dsv4.compressor", "split_linear")
+    counted("sglang.srt.models.deepseek_v4", "grouped_bf16_einsum")
+    counted("sglang.srt.layers.moe.router", "mm_fp32")
+    model.use_tensor_core_gemms()
+    assert all(a.wo_a_tensor_cores for a in attn)
+    assert all(c.proj_split is not None and c.proj_split.shape[1] == SPLIT_TERMS * c.wkv.in_features
+               for c in compressors)
+    assert all(layer.ffn.gate.tensor_core_logits for layer in model.layers)
+    tensor_cores = _all_logits(runner, tokens)
+    n_layers = len(model.layers)
+    assert calls == {"split_linear": len(compressors), "grouped_bf16_einsum": n_layers, "mm_fp32": n_layers}
+
+    cos = F.cosine_similarity(tensor_cores, fp32_gemms, dim=-1)
+    diff = (tensor_cores - fp32_gemms).abs().max().item()
+    print(f"[{preset} bf16 {numerics}, CPU] tensor-core paths vs fp32 GEMMs: min cosine {cos.min().item():.6f}, "
+          f"max |diff| {diff:.3e}, logit std {fp32_gemms.std().item():.3f}")
+    assert cos.min() > min_cos
+    assert (tensor_cores.argmax(-1) == fp32_gemms.argmax(-1)).float().mean() > 0.97
+
+    model.use_tensor_core_gemms(False)  # and back: the fp32 GEMMs' logits exactly
+    assert not any(a.wo_a_tensor_cores for a in attn) and all(c.proj_split is None for c in compressors)
+    assert torch.equal(_all_logits(runner, tokens), fp32_gemms)
