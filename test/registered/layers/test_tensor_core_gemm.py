@@ -16,9 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from dsv4_harness import Session, run_step  # noqa: E402
 
 from dsv4_kernels import quant_reference as Q  # noqa: E402
+from sglang.srt.configs import get_preset  # noqa: E402
 from sglang.srt.layers import tensor_core_gemm as tc  # noqa: E402
 from sglang.srt.layers.attention.dsv4.compressor import SPLIT_TERMS, Compressor  # noqa: E402
 from sglang.srt.layers.quantization.fp8_linear import Fp8BlockLinear  # noqa: E402
+from sglang.srt.mem_cache.memory_planner import tensor_core_copy_bytes  # noqa: E402
 from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.test.runner_args import cpu_server_args  # noqa: E402
 
@@ -61,6 +63,7 @@ def test_split_terms_reconstruct_the_weight():
     parts = tc.split_bf16(w, terms=3)
     assert torch.equal(parts[0], hi) and torch.equal(parts[1], lo)
     assert torch.equal(sum(p.double() for p in parts), w.double())
+    assert torch.equal(tc.merge_split(tc.split_weight([w], 3), 3), w)  # and back in fp32, bit for bit
     with pytest.raises(TypeError, match="fp32 weight"):
         tc.split_bf16(w.to(torch.bfloat16))
     with pytest.raises(ValueError, match="terms must be 2 or 3"):
@@ -153,6 +156,16 @@ def test_only_bf16_models_on_cuda_are_eligible():
     assert not tc.tensor_core_eligible(torch.float16, torch.device("cuda"))
 
 
+def test_flash_tensor_core_copies_add_0_57_gib_per_gpu_and_none_in_fp32():
+    flash = get_preset("dsv4-flash")  # 21 c4 layers (compressor + indexer), 20 c128, the MTP layer not run
+    per_c4 = 2 * (2 * 512 + 2 * 128) * 4096  # wkv + wgate elements
+    per_c128 = 2 * 512 * 4096
+    assert SPLIT_TERMS == 3  # three bf16 terms (6 B) replace the fp32 weight (4 B)
+    assert tensor_core_copy_bytes(flash, "bfloat16") == (21 * per_c4 + 20 * per_c128) * 2
+    assert 0.55 * 2**30 < tensor_core_copy_bytes(flash, "bfloat16") < 0.6 * 2**30
+    assert tensor_core_copy_bytes(flash, "float32") == 0
+
+
 # ---- the model on these paths ---------------------------------------------------------------
 
 
@@ -206,11 +219,19 @@ def test_bf16_model_on_the_tensor_core_paths_matches_the_fp32_gemms(preset, nume
     counted("sglang.srt.layers.attention.dsv4.compressor", "split_linear")
     counted("sglang.srt.models.deepseek_v4", "grouped_bf16_einsum")
     counted("sglang.srt.layers.moe.router", "mm_fp32")
+    masters = {name: p.clone() for name, p in model.layers.named_parameters()
+               if "compressor." in name and name.endswith(("wkv.weight", "wgate.weight"))}
     model.use_tensor_core_gemms()
+    model.use_tensor_core_gemms()  # a second call keeps the split (the fp32 weights are gone)
     assert all(a.wo_a_tensor_cores for a in attn)
     assert all(c.proj_split is not None and c.proj_split.shape[1] == SPLIT_TERMS * c.wkv.in_features
                for c in compressors)
     assert all(layer.ffn.gate.tensor_core_logits for layer in model.layers)
+    # the fp32 weights are released (the terms hold them) and the planner counts the difference
+    assert all(c.wkv.weight.numel() == c.wgate.weight.numel() == 0 for c in compressors)
+    derived = sum(c.proj_split.numel() * c.proj_split.element_size() for c in compressors)
+    released = sum(w.numel() * 4 for w in masters.values())
+    assert tensor_core_copy_bytes(runner.config, "bfloat16") == derived - released
     tensor_cores = _all_logits(runner, tokens)
     n_layers = len(model.layers)
     assert calls == {"split_linear": len(compressors), "grouped_bf16_einsum": n_layers, "mm_fp32": n_layers}
@@ -222,6 +243,8 @@ def test_bf16_model_on_the_tensor_core_paths_matches_the_fp32_gemms(preset, nume
     assert cos.min() > min_cos
     assert (tensor_cores.argmax(-1) == fp32_gemms.argmax(-1)).float().mean() > 0.97
 
-    model.use_tensor_core_gemms(False)  # and back: the fp32 GEMMs' logits exactly
+    model.use_tensor_core_gemms(False)  # and back: the fp32 weights bit for bit, the fp32 GEMMs' logits
     assert not any(a.wo_a_tensor_cores for a in attn) and all(c.proj_split is None for c in compressors)
+    restored = dict(model.layers.named_parameters())
+    assert all(torch.equal(restored[name], w) for name, w in masters.items())
     assert torch.equal(_all_logits(runner, tokens), fp32_gemms)

@@ -78,6 +78,16 @@ def split_weight(weights: Sequence[torch.Tensor], terms: int = 2) -> torch.Tenso
     return torch.cat(split_bf16(w, terms), dim=1).contiguous()
 
 
+def merge_split(w_split: torch.Tensor, terms: int) -> torch.Tensor:
+    """The fp32 weight back from `split_weight`'s operand, the terms summed in their order:
+    exact for 3 terms (every partial sum is on the weight's own ulp grid)."""
+    parts = w_split.chunk(terms, dim=1)
+    w = parts[0].float()
+    for p in parts[1:]:
+        w = w + p.float()
+    return w
+
+
 def split_linear(x: torch.Tensor, w_split: torch.Tensor) -> torch.Tensor:
     """x [M, K] (bf16) @ a split fp32 weight [N, terms * K] -> fp32 [M, N] ~= x.float() @ w.T:
     one GEMM over the repeated K ([x, x, ...] @ [w_hi, w_lo, ...]^T) accumulating every term

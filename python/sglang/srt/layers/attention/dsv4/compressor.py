@@ -19,15 +19,16 @@ from torch import nn
 
 from sglang.srt.layers.attention.dsv4.metadata import DSV4CompressorMetadata
 from sglang.srt.layers.layernorm import RMSNorm
-from sglang.srt.layers.tensor_core_gemm import split_linear, split_weight, tensor_core_eligible
+from sglang.srt.layers.tensor_core_gemm import merge_split, split_linear, split_weight, tensor_core_eligible
 from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_
 from sglang.srt.mem_cache.dsv4_kv_pool import CompressorState
 
 # Three bf16 terms hold an fp32 weight exactly (24 significant bits), so the split GEMM has the
-# fp32 GEMM's products in another order. Two terms (2^-16-relative weights, 2/3 of the FLOPs
+# fp32 GEMM's products in another order, and the fp32 weights need not stay resident. Two terms (2^-16-relative weights, 2/3 of the FLOPs
 # and bytes) moved release-numerics logits of dsv4-tiny-fp8 past fp32's own reordering noise
 # (min cosine 0.985 vs 0.997 on CPU: FP8/FP4 rounding and top-k flips amplify it).
 SPLIT_TERMS = 3
+RELEASE_FP32_WEIGHTS = SPLIT_TERMS == 3  # only an exact split may replace them
 
 
 class Compressor(nn.Module):
@@ -46,14 +47,21 @@ class Compressor(nn.Module):
         self.proj_split: Optional[torch.Tensor] = None
 
     def use_tensor_core_gemms(self, model_dtype: torch.dtype, enabled: bool = True) -> None:
-        """After the weights are loaded: on a bf16 model on CUDA (and `enabled`), derive the split
-        weight (SPLIT_TERMS x 2 bytes per fp32 weight element of wkv + wgate: 1.5x their bytes)
-        so forward runs both projections as one bf16 tensor-core GEMM; otherwise drop it (the
-        fp32 GEMMs). Allocates: never call inside graph capture, and call again after the
-        weights change."""
-        if enabled and tensor_core_eligible(model_dtype, self.wkv.weight.device):
+        """After the weights are loaded: on a bf16 model on CUDA (and `enabled`), split wkv +
+        wgate into one bf16 operand so forward runs both projections as one tensor-core GEMM,
+        and release the fp32 weights (the three terms hold them exactly: SPLIT_TERMS x 2 bytes
+        per element instead of 4); otherwise drop the split, rebuilding the fp32 weights bit for
+        bit. Allocates: never call inside graph capture; load weights before, not after."""
+        want = enabled and tensor_core_eligible(model_dtype, self.wkv.weight.device)
+        if want and self.proj_split is None:
             self.proj_split = split_weight([self.wkv.weight, self.wgate.weight], SPLIT_TERMS)
-        else:
+            for lin in (self.wkv, self.wgate) if RELEASE_FP32_WEIGHTS else ():
+                lin.weight.data = lin.weight.data.new_empty((0, lin.in_features))  # a reload fails on the shape
+        elif not want and self.proj_split is not None:
+            w = merge_split(self.proj_split, SPLIT_TERMS) if RELEASE_FP32_WEIGHTS else \
+                torch.cat([self.wkv.weight, self.wgate.weight])
+            n = self.wkv.out_features
+            self.wkv.weight.data, self.wgate.weight.data = w[:n].contiguous(), w[n:].contiguous()
             self.proj_split = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: DSV4CompressorMetadata,
