@@ -1,9 +1,10 @@
 """Times the fp32 GEMMs of one DeepSeek-V4-Flash layer against their bf16 tensor-core
 replacements (layers/tensor_core_gemm.py) at Flash shapes, each op replayed from a CUDA graph:
-wo_a (FP8 dequantized per step, grouped einsum), the c4 / c128 compressors' and the c4
-indexer's wkv + wgate, the router's logits.
+wo_a (FP8 dequantized per step, grouped einsum; or the FP8 weight-only GEMM per group that
+decode-sized steps take), the c4 / c128 compressors' and the c4 indexer's wkv + wgate, the
+router's logits.
 
-    python benchmark/bench_tensor_core_gemm.py [--tokens 256 4096] [--iters 50] [--out FILE.json]
+    python benchmark/bench_tensor_core_gemm.py [--tokens 16 128 512 4096] [--iters 50] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dsv4_kernels import quant_reference as Q
 
 from sglang.srt.layers import tensor_core_gemm as tc
 from sglang.srt.layers.attention.dsv4.compressor import SPLIT_TERMS
+from sglang.srt.layers.quantization.fp8_linear import Fp8BlockLinear
 
 HIDDEN, HEADS, HEAD_DIM, GROUPS, O_LORA, EXPERTS, INDEX_DIM = 4096, 64, 512, 8, 1024, 256, 128
 
@@ -57,6 +59,12 @@ def cases(T: int, dev: torch.device):
         return tc.grouped_bf16_einsum(o, Q.dequantize_fp8_block(q, s, torch.bfloat16).view(GROUPS, O_LORA, d))
 
     yield "wo_a (dequant + grouped einsum)", 2 * T * GROUPS * d * O_LORA, wo_a_fp32, wo_a_bf16
+    lin = Fp8BlockLinear(d, GROUPS * O_LORA, act_quant=False).to(dev)
+    lin.weight.data.copy_(q)
+    lin.weight_scale.data.copy_(s)
+    # the model takes this path at T <= WO_A_FP8_GEMM_MAX_TOKENS: compare it with the row above
+    yield ("wo_a (FP8 grouped GEMM, no dequant)", 2 * T * GROUPS * d * O_LORA, wo_a_fp32,
+           lambda: lin.grouped_forward(o))
     for name, n in (("c4 compressor wkv+wgate", 2 * HEAD_DIM), ("c4 indexer compressor wkv+wgate", 2 * INDEX_DIM),
                     ("c128 compressor wkv+wgate", HEAD_DIM)):
         wkv, wgate = (torch.randn(n, HIDDEN, device=dev) * 0.02 for _ in range(2))
@@ -74,7 +82,7 @@ def cases(T: int, dev: torch.device):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[256, 4096])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 512, 4096])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default=None, help="also write the rows as JSON")
     args = ap.parse_args()

@@ -45,6 +45,14 @@ deepseek_v4_attention_with_output = register_split_op(
 )
 
 
+# Up to this many tokens (decode and small extends: graph buckets are fixed T, so the choice is
+# static per graph), FP8 wo_a runs as one weight-only FP8 GEMM per group, reading 1 byte per
+# weight element, instead of a bf16 dequantization (~7 bytes of traffic per element per step)
+# and one cuBLAS bmm. A bandwidth estimate, not a measurement: benchmark/bench_tensor_core_gemm.py
+# times both paths.
+WO_A_FP8_GEMM_MAX_TOKENS = 128
+
+
 def rope_tables_for(config, max_positions: int) -> dict:
     """The two RoPE tables every layer shares: plain (ratio 0) and YaRN (compressed layers),
     sized to the positions the runtime can reach, not the model's 1M-position maximum."""
@@ -78,6 +86,8 @@ class DeepseekV4Attention(nn.Module):
             p.requires_grad_(False)
         self.rope = rope
         self.wo_a_tensor_cores = False  # set by use_tensor_core_gemms after load
+        # FP8 wo_a with whole 128-row scale blocks per group can skip the dequantization
+        self.wo_a_fp8_groups = isinstance(self.wo_a, Fp8BlockLinear) and self.o_lora_rank % 128 == 0
 
     def use_tensor_core_gemms(self, model_dtype: torch.dtype, enabled: bool = True) -> None:
         """After load: on a bf16 model on CUDA, the grouped wo_a product on bf16 tensor cores
@@ -135,7 +145,9 @@ class DeepseekV4Attention(nn.Module):
         # FP8 wo_a is applied as the release does: dequantized (exact, on the fly) in the
         # grouped einsum, no activation rounding on its input. Both operands are exact in bf16,
         # so on tensor cores the products are the fp32 einsum's, accumulated in fp32.
-        if self.wo_a_tensor_cores:
+        if self.wo_a_tensor_cores and T <= WO_A_FP8_GEMM_MAX_TOKENS and self.wo_a_fp8_groups:
+            o = self.wo_a.grouped_forward(o)  # FP8 read in the GEMM: no dequantized copy
+        elif self.wo_a_tensor_cores:
             wo_a = dense_weight(self.wo_a, torch.bfloat16).view(self.n_groups, self.o_lora_rank, -1)
             o = grouped_bf16_einsum(o, wo_a)
         else:
