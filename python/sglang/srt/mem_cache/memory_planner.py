@@ -100,8 +100,8 @@ def tensor_core_copy_bytes(config, model_dtype: str) -> int:
     """Bytes a bf16 model adds after load for its tensor-core GEMMs: every run layer's
     compressor wkv + wgate (c4 / c128 compressors and the c4 indexers') held as SPLIT_TERMS
     bf16 terms instead of fp32 (`Compressor.use_tensor_core_gemms` releases the fp32 weights
-    when the terms hold them exactly): 2 bytes per element. MTP layers are never run and keep theirs; an fp32 model adds nothing.
-    dsv4-flash: 0.57 GiB per GPU."""
+    when the terms hold them exactly): 2 bytes per element. MTP layers are never run and keep
+    theirs; an fp32 model adds nothing. dsv4-flash: 0.57 GiB per GPU."""
     from sglang.srt.layers.attention.dsv4.compressor import RELEASE_FP32_WEIGHTS, SPLIT_TERMS
 
     if model_dtype != "bfloat16":
@@ -217,7 +217,9 @@ class MemoryPlan:
     def describe(self) -> str:
         g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
         return (f"weights {g(self.weights)} (replicated {g(self.weights_replicated)}, routed experts "
-                f"{g(self.weights_routed_experts)}, tensor-core copies {g(self.weights_tensor_core_copies)}), KV pool {g(self.kv_pool)} ({self.kv_pool_tokens} tokens x "
+                f"{g(self.weights_routed_experts)}, tensor-core split weights (net) "
+                f"{g(self.weights_tensor_core_copies)}), "
+                f"KV pool {g(self.kv_pool)} ({self.kv_pool_tokens} tokens x "
                 f"{self.kv_bytes_per_token} B), request state {g(self.per_request_state)}, rope tables "
                 f"{g(self.rope_tables)}, graph pool {g(self.graph_pool)}, activation reserve "
                 f"{g(self.activation_reserve)}, headroom {g(self.headroom)} of {g(self.free_memory)} free "

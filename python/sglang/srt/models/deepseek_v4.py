@@ -228,9 +228,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Post-load step (ModelRunner calls it once the weights are in place on their device):
         on a bf16 model on CUDA, the fp32 GEMMs of the layers (wo_a's grouped einsum, the
         compressors' wkv / wgate, the router's logits) move to bf16 tensor cores with the same
-        or ~2^-16-relative products (layers/tensor_core_gemm.py); fp32 models and CPU, or
-        enabled=False, keep the fp32 GEMMs. Derives split weights: never inside graph capture,
-        and again after the weights change. MTP layers are never run, so get nothing."""
+        products, accumulated in fp32 (layers/tensor_core_gemm.py; the compressors' fp32
+        weights are replaced by three bf16 terms that hold them exactly); fp32 models and CPU
+        keep the fp32 GEMMs. enabled=False restores the fp32 weights and GEMMs; a repeated call
+        changes nothing. Allocates: never inside graph capture; load weights before, not after.
+        MTP layers are never run, so get nothing."""
         for module in self.layers.modules():
             if hasattr(module, "use_tensor_core_gemms"):
                 module.use_tensor_core_gemms(self.dtype, enabled)

@@ -19,14 +19,15 @@ from torch import nn
 
 from sglang.srt.layers.attention.dsv4.metadata import DSV4CompressorMetadata
 from sglang.srt.layers.layernorm import RMSNorm
-from sglang.srt.layers.tensor_core_gemm import merge_split, split_linear, split_weight, tensor_core_eligible
 from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_
+from sglang.srt.layers.tensor_core_gemm import merge_split, split_linear, split_weight, tensor_core_eligible
 from sglang.srt.mem_cache.dsv4_kv_pool import CompressorState
 
 # Three bf16 terms hold an fp32 weight exactly (24 significant bits), so the split GEMM has the
-# fp32 GEMM's products in another order, and the fp32 weights need not stay resident. Two terms (2^-16-relative weights, 2/3 of the FLOPs
-# and bytes) moved release-numerics logits of dsv4-tiny-fp8 past fp32's own reordering noise
-# (min cosine 0.985 vs 0.997 on CPU: FP8/FP4 rounding and top-k flips amplify it).
+# fp32 GEMM's products in another order, and the fp32 weights need not stay resident. Two terms
+# (2^-16-relative weights, 2/3 of the FLOPs and bytes) moved release-numerics logits of
+# dsv4-tiny-fp8 past fp32's own reordering noise (min cosine 0.985 vs 0.997 on CPU: FP8/FP4
+# rounding and top-k flips amplify it).
 SPLIT_TERMS = 3
 RELEASE_FP32_WEIGHTS = SPLIT_TERMS == 3  # only an exact split may replace them
 
