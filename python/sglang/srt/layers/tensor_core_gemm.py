@@ -14,15 +14,34 @@ H200: fp32 GEMMs run at ~60 TFLOP/s, bf16 tensor cores at ~990.
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Sequence
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 
 def tensor_core_eligible(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a model of `dtype` on `device` takes the tensor-core path: bf16 on CUDA only
-    (fp16's narrow exponent would flush small w_lo terms; fp32 models keep exact fp32)."""
-    return dtype == torch.bfloat16 and torch.device(device).type == "cuda"
+    (fp16's narrow exponent would flush small w_lo terms; fp32 models keep exact fp32), where
+    torch has the fp32-output GEMMs. Called after load, never per step."""
+    device = torch.device(device)
+    return dtype == torch.bfloat16 and device.type == "cuda" and _fp32_output_gemms(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp32_output_gemms(device: torch.device) -> bool:
+    """torch.mm / bmm with out_dtype=float32 on bf16 CUDA inputs (torch >= 2.8), tried once."""
+    try:
+        a = torch.ones(1, 1, 1, dtype=torch.bfloat16, device=device)
+        ok = torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32 and \
+            torch.mm(a[0], a[0], out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError, AssertionError) as e:  # Assertion: no CUDA build
+        logger.warning("bf16 GEMMs with an fp32 output are not available (%s): the fp32 GEMMs stay", e)
+        return False
+    return ok
 
 
 def _check_16bit_pair(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
