@@ -179,13 +179,29 @@ def _check_fp8_weight(weight: torch.Tensor, scale: torch.Tensor) -> None:
                          f"{scale.dtype} {tuple(scale.shape)}")
 
 
-def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 [N, K] times its fp32 scale per 128x128 block [ceil(N/128), ceil(K/128)] -> fp32
-    (exact)."""
+def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """e4m3 [N, K] times its fp32 scale per 128x128 block [ceil(N/128), ceil(K/128)] -> `dtype`.
+    fp32: exact. bf16: exact when every scale is a power of two (the release's ue8m0 scales;
+    `scales_are_pow2`), half the bytes; whole blocks take one broadcast multiply, no expanded
+    scale tensor."""
     _check_fp8_weight(weight, scale)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dequantize_fp8_block: dtype must be float32 or bfloat16, got {dtype}")
     n, k = weight.shape
-    s = scale.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
-    return weight.float() * s
+    s = scale.to(dtype)
+    if n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0:
+        nb, kb = n // FP8_BLOCK, k // FP8_BLOCK
+        return (weight.view(nb, FP8_BLOCK, kb, FP8_BLOCK).to(dtype) * s[:, None, :, None]).view(n, k)
+    s = s.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+    return weight.to(dtype) * s
+
+
+def scales_are_pow2(scale: torch.Tensor) -> bool:
+    """Whether every fp32 scale is a positive normal power of two (then e4m3 x scale is exact in
+    bf16, which keeps fp32's exponent range). Reads the device: call at load, not per step."""
+    bits = scale.float().contiguous().view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    return bool(((bits & 0x7FFFFF) == 0).all() and (bits >= 0).all() and (exp > 0).all() and (exp < 255).all())
 
 
 def quantize_fp8_weight(w: torch.Tensor):

@@ -96,6 +96,26 @@ def weight_bytes(config, weight_format: str, model_dtype: str = "bfloat16") -> W
     return WeightBytes(replicated, routed)
 
 
+def tensor_core_copy_bytes(config, model_dtype: str) -> int:
+    """Bytes a bf16 model adds after load for its tensor-core GEMMs: every run layer's
+    compressor wkv + wgate (c4 / c128 compressors and the c4 indexers') held as SPLIT_TERMS
+    bf16 terms instead of fp32 (`Compressor.use_tensor_core_gemms` releases the fp32 weights
+    when the terms hold them exactly): 2 bytes per element. MTP layers are never run and keep
+    theirs; an fp32 model adds nothing. dsv4-flash: 0.57 GiB per GPU."""
+    from sglang.srt.layers.attention.dsv4.compressor import RELEASE_FP32_WEIGHTS, SPLIT_TERMS
+
+    if model_dtype != "bfloat16":
+        return 0
+    outputs = 0  # wkv's output width summed over compressors (wgate's is the same)
+    for i in range(config.num_hidden_layers):
+        ratio = config.layer_compress_ratio(i)
+        if ratio:
+            outputs += (2 if ratio == 4 else 1) * config.head_dim
+        if ratio == 4:
+            outputs += 2 * config.index_head_dim
+    return 2 * outputs * config.hidden_size * (SPLIT_TERMS * 2 - (4 if RELEASE_FP32_WEIGHTS else 0))
+
+
 # ---- KV cache and per-request state -------------------------------------------------------
 
 
@@ -185,6 +205,7 @@ class MemoryPlan:
     weights: int
     weights_replicated: int
     weights_routed_experts: int
+    weights_tensor_core_copies: int  # derived after load (bf16 models): tensor_core_copy_bytes
     per_request_state: int  # compressor rings + page table, all request slots
     rope_tables: int
     kv_bytes_per_token: int
@@ -197,7 +218,9 @@ class MemoryPlan:
     def describe(self) -> str:
         g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
         return (f"weights {g(self.weights)} (replicated {g(self.weights_replicated)}, routed experts "
-                f"{g(self.weights_routed_experts)}), KV pool {g(self.kv_pool)} ({self.kv_pool_tokens} tokens x "
+                f"{g(self.weights_routed_experts)}, tensor-core split weights (net) "
+                f"{g(self.weights_tensor_core_copies)}), "
+                f"KV pool {g(self.kv_pool)} ({self.kv_pool_tokens} tokens x "
                 f"{self.kv_bytes_per_token} B), request state {g(self.per_request_state)}, rope tables "
                 f"{g(self.rope_tables)}, graph pool {g(self.graph_pool)}, activation reserve "
                 f"{g(self.activation_reserve)}, headroom {g(self.headroom)} of {g(self.free_memory)} free "
@@ -240,7 +263,8 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
     activation reserve. Raises MemoryPlanError naming the shortfall and the flag to change.
     """
     w = weights if weights is not None else weight_bytes(config, s.weight_format, s.model_dtype)
-    weights_gpu = w.per_gpu(s.dp_size)
+    tensor_core_copies = tensor_core_copy_bytes(config, s.model_dtype)
+    weights_gpu = w.per_gpu(s.dp_size) + tensor_core_copies
     state = per_request_state_bytes(config, s.context_length) * (s.max_running_requests + 1)
     rope = rope_table_bytes(config, s.context_length)
     per_token = kv_bytes_per_token(config, s.kv_cache_dtype, s.model_dtype)
@@ -299,7 +323,8 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
     kv = kv_tokens * per_token
     return MemoryPlan(
         free_memory=free_memory, mem_fraction_static=s.mem_fraction_static, weights=weights_gpu,
-        weights_replicated=w.replicated, weights_routed_experts=weights_gpu - w.replicated,
+        weights_replicated=w.replicated, weights_routed_experts=weights_gpu - tensor_core_copies - w.replicated,
+        weights_tensor_core_copies=tensor_core_copies,
         per_request_state=state, rope_tables=rope, kv_bytes_per_token=per_token, kv_pool_tokens=kv_tokens,
         kv_pool=kv, graph_pool=graph, activation_reserve=reserve,
         headroom=free_memory - fixed - kv - graph - reserve,

@@ -140,7 +140,9 @@ class ModelRunner:
             init_random_weights(model, args.random_seed)
         else:
             load_checkpoint(model, args.model_path)
-        return model.to_device(self.device).eval()
+        model = model.to_device(self.device).eval()
+        model.use_tensor_core_gemms()  # bf16 on CUDA: split / bf16 weights derived from the loaded ones
+        return model
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch, path: Optional[StepPath] = None) -> LogitsOutput:

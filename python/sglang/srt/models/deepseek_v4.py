@@ -21,8 +21,9 @@ from sglang.srt.layers.layernorm import RMSNorm, rms_normalize
 from sglang.srt.layers.mhc import HyperConnection, HyperHead
 from sglang.srt.layers.moe.experts import DeepseekV4MoE
 from sglang.srt.layers.quantization import BF16, QuantMode
-from sglang.srt.layers.quantization.fp8_linear import dense_weight, make_linear
+from sglang.srt.layers.quantization.fp8_linear import Fp8BlockLinear, dense_weight, make_linear
 from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_
+from sglang.srt.layers.tensor_core_gemm import grouped_bf16_einsum, tensor_core_eligible
 from sglang.srt.model_executor.breakable_cuda_graph import register_split_op
 from sglang.srt.model_executor.forward_context import get_forward_context, segment_kernel_ops
 
@@ -42,6 +43,14 @@ deepseek_v4_attention_with_output = register_split_op(
     # one set per layer (model_executor/breakable_cuda_graph/intermediates.py)
     transient=("q", "output", "index_q", "index_weights"),
 )
+
+
+# Up to this many tokens (decode and small extends: graph buckets are fixed T, so the choice is
+# static per graph), FP8 wo_a runs as one weight-only FP8 GEMM per group, reading 1 byte per
+# weight element, instead of a bf16 dequantization (~7 bytes of traffic per element per step)
+# and one cuBLAS bmm. A bandwidth estimate, not a measurement: benchmark/bench_tensor_core_gemm.py
+# times both paths.
+WO_A_FP8_GEMM_MAX_TOKENS = 128
 
 
 def rope_tables_for(config, max_positions: int) -> dict:
@@ -76,6 +85,18 @@ class DeepseekV4Attention(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
         self.rope = rope
+        self.wo_a_tensor_cores = False  # set by use_tensor_core_gemms after load
+        # FP8 wo_a with whole 128-row scale blocks per group can skip the dequantization
+        self.wo_a_fp8_groups = isinstance(self.wo_a, Fp8BlockLinear) and self.o_lora_rank % 128 == 0
+
+    def use_tensor_core_gemms(self, model_dtype: torch.dtype, enabled: bool = True) -> None:
+        """After load: on a bf16 model on CUDA, the grouped wo_a product on bf16 tensor cores
+        (wo_a dequantized to bf16, exact while its scales are powers of two: checked here, once)
+        with fp32 accumulation; otherwise the fp32 einsum."""
+        ok = enabled and tensor_core_eligible(model_dtype, self.attn_sink.device)
+        if ok and isinstance(self.wo_a, Fp8BlockLinear):
+            ok = self.wo_a.scales_are_pow2()
+        self.wo_a_tensor_cores = ok
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
@@ -122,9 +143,16 @@ class DeepseekV4Attention(nn.Module):
 
         o = o.view(T, self.n_groups, self.n_heads * self.head_dim // self.n_groups)
         # FP8 wo_a is applied as the release does: dequantized (exact, on the fly) in the
-        # grouped einsum, no activation rounding on its input.
-        wo_a = dense_weight(self.wo_a).view(self.n_groups, self.o_lora_rank, -1)
-        o = torch.einsum("tgd,grd->tgr", o.float(), wo_a.float()).to(x.dtype)
+        # grouped einsum, no activation rounding on its input. Both operands are exact in bf16,
+        # so on tensor cores the products are the fp32 einsum's, accumulated in fp32.
+        if self.wo_a_tensor_cores and T <= WO_A_FP8_GEMM_MAX_TOKENS and self.wo_a_fp8_groups:
+            o = self.wo_a.grouped_forward(o)  # FP8 read in the GEMM: no dequantized copy
+        elif self.wo_a_tensor_cores:
+            wo_a = dense_weight(self.wo_a, torch.bfloat16).view(self.n_groups, self.o_lora_rank, -1)
+            o = grouped_bf16_einsum(o, wo_a)
+        else:
+            wo_a = dense_weight(self.wo_a).view(self.n_groups, self.o_lora_rank, -1)
+            o = torch.einsum("tgd,grd->tgr", o.float(), wo_a.float()).to(x.dtype)
         return self.wo_b(o.flatten(1))
 
 
@@ -195,6 +223,19 @@ class DeepseekV4ForCausalLM(nn.Module):
                                                     expert_range) for k in range(n_mtp))
         for p in self.parameters():
             p.requires_grad_(False)
+
+    def use_tensor_core_gemms(self, enabled: bool = True) -> None:
+        """Post-load step (ModelRunner calls it once the weights are in place on their device):
+        on a bf16 model on CUDA, the fp32 GEMMs of the layers (wo_a's grouped einsum, the
+        compressors' wkv / wgate, the router's logits) move to bf16 tensor cores with the same
+        products, accumulated in fp32 (layers/tensor_core_gemm.py; the compressors' fp32
+        weights are replaced by three bf16 terms that hold them exactly); fp32 models and CPU
+        keep the fp32 GEMMs. enabled=False restores the fp32 weights and GEMMs; a repeated call
+        changes nothing. Allocates: never inside graph capture; load weights before, not after.
+        MTP layers are never run, so get nothing."""
+        for module in self.layers.modules():
+            if hasattr(module, "use_tensor_core_gemms"):
+                module.use_tensor_core_gemms(self.dtype, enabled)
 
     def to_device(self, device) -> "DeepseekV4ForCausalLM":
         self.to(device)

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from dsv4_kernels.reference import topk_indices
 from torch import nn
 
+from sglang.srt.layers.tensor_core_gemm import mm_fp32, tensor_core_eligible
+
 
 def route(logits: torch.Tensor, topk: int, scaling: float, scoring_func: str,
           bias: Optional[torch.Tensor] = None, tid2eid: Optional[torch.Tensor] = None,
@@ -47,7 +49,17 @@ class Gate(nn.Module):
         else:
             self.tid2eid = None
             self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32), requires_grad=False)
+        self.tensor_core_logits = False  # set by use_tensor_core_gemms after load
+
+    def use_tensor_core_gemms(self, model_dtype: torch.dtype, enabled: bool = True) -> None:
+        """On a bf16 model on CUDA: the fp32 logits from one bf16 GEMM with an fp32 output (x and
+        the weight are bf16, so the products are exact; only the summation order changes)."""
+        self.tensor_core_logits = (enabled and tensor_core_eligible(model_dtype, self.weight.device)
+                                   and self.weight.dtype == torch.bfloat16)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor):
-        logits = F.linear(x.float(), self.weight.float())
+        if self.tensor_core_logits:
+            logits = mm_fp32(x, self.weight.t())
+        else:
+            logits = F.linear(x.float(), self.weight.float())
         return route(logits, self.topk, self.scaling, self.scoring_func, self.bias, self.tid2eid, input_ids)

@@ -43,12 +43,36 @@ class Fp8BlockLinear(nn.Module):
             self._cublas_scale = weight_scale_layout(self.weight_scale)
         return self._cublas_scale
 
-    def dequantized(self) -> torch.Tensor:
-        """fp32 [N, K], exact (e4m3 times a power of two). Used for wo_a, which the release
-        applies dequantized in its grouped einsum; pure tensor ops, so capturable."""
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in fp32 (exact) or bf16 (exact while the scales are powers of two, as the
+        release's ue8m0 scales are: check once with `scales_are_pow2`). Used for wo_a, which the
+        release applies dequantized in its grouped einsum; pure tensor ops, so capturable."""
         from dsv4_kernels.quant_reference import dequantize_fp8_block
 
-        return dequantize_fp8_block(self.weight, self.weight_scale)
+        return dequantize_fp8_block(self.weight, self.weight_scale, dtype)
+
+    def grouped_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal use (wo_a's grouped einsum): x [T, G, K] -> [T, G, N/G] in x.dtype,
+        group g through weight rows [g N/G, (g+1) N/G), one weight-only FP8 GEMM per group: the
+        weight is read as e4m3 (1 byte per element) and never dequantized in memory. With bf16 x
+        and power-of-two scales the products are those of the dense einsum, accumulated in fp32
+        and rounded once. Needs N/G % 128 == 0 (whole scale rows per group) and no act quant."""
+        from dsv4_kernels import ops
+
+        T, G, K = x.shape
+        n = self.out_features // G
+        if K != self.in_features or n * G != self.out_features or n % BLOCK:
+            raise ValueError(f"grouped_forward: x {tuple(x.shape)} for weight {tuple(self.weight.shape)} "
+                             f"(needs K = in_features and whole 128-row blocks per group)")
+        return torch.stack([ops.fp8_block_linear(x[:, g], self.weight[g * n:(g + 1) * n],
+                                                 self.weight_scale[g * n // BLOCK:(g + 1) * n // BLOCK], False)
+                            for g in range(G)], dim=1)
+
+    def scales_are_pow2(self) -> bool:
+        """Whether the bf16 dequantization is exact (reads the device: at load only)."""
+        from dsv4_kernels.quant_reference import scales_are_pow2
+
+        return scales_are_pow2(self.weight_scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, act_quant={self.act_quant}"
@@ -62,6 +86,6 @@ def make_linear(in_features: int, out_features: int, dtype: torch.dtype, quant: 
     return nn.Linear(in_features, out_features, bias=False, dtype=dtype)
 
 
-def dense_weight(linear: nn.Module) -> torch.Tensor:
-    """A linear's weight as a dense tensor (dequantized fp32 for FP8; as stored otherwise)."""
-    return linear.dequantized() if isinstance(linear, Fp8BlockLinear) else linear.weight
+def dense_weight(linear: nn.Module, fp8_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A linear's weight as a dense tensor (FP8: dequantized to `fp8_dtype`; as stored otherwise)."""
+    return linear.dequantized(fp8_dtype) if isinstance(linear, Fp8BlockLinear) else linear.weight

@@ -3,10 +3,15 @@ tokens into one entry per block, then RMSNorm and RoPE at the block's first posi
 
 Incremental by construction: emissions read their source rows from this step's fresh
 projections or from the per-request ring state, so chunked prefill and decode reproduce the
-full-prefill entries exactly. Projections run in fp32 (the checkpoint stores them in fp32).
+full-prefill entries exactly. Projections run in fp32 (the checkpoint stores them in fp32);
+on a bf16 model on CUDA, after `use_tensor_core_gemms`, as one split-bf16 GEMM for wkv and
+wgate together (layers/tensor_core_gemm.py: fp32 output, the fp32 weights held exactly as
+three bf16 terms).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from dsv4_kernels import reference
@@ -15,7 +20,16 @@ from torch import nn
 from sglang.srt.layers.attention.dsv4.metadata import DSV4CompressorMetadata
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_
+from sglang.srt.layers.tensor_core_gemm import merge_split, split_linear, split_weight, tensor_core_eligible
 from sglang.srt.mem_cache.dsv4_kv_pool import CompressorState
+
+# Three bf16 terms hold an fp32 weight exactly (24 significant bits), so the split GEMM has the
+# fp32 GEMM's products in another order, and the fp32 weights need not stay resident. Two terms
+# (2^-16-relative weights, 2/3 of the FLOPs and bytes) moved release-numerics logits of
+# dsv4-tiny-fp8 past fp32's own reordering noise (min cosine 0.985 vs 0.997 on CPU: FP8/FP4
+# rounding and top-k flips amplify it).
+SPLIT_TERMS = 3
+RELEASE_FP32_WEIGHTS = SPLIT_TERMS == 3  # only an exact split may replace them
 
 
 class Compressor(nn.Module):
@@ -29,15 +43,42 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, eps)
         for p in self.parameters():
             p.requires_grad_(False)
+        # [wkv; wgate] as bf16 [w_hi | w_lo | w_lo2], derived after load (not a parameter or buffer:
+        # the loader and random init fill parameters and buffers by name)
+        self.proj_split: Optional[torch.Tensor] = None
+
+    def use_tensor_core_gemms(self, model_dtype: torch.dtype, enabled: bool = True) -> None:
+        """After the weights are loaded: on a bf16 model on CUDA (and `enabled`), split wkv +
+        wgate into one bf16 operand so forward runs both projections as one tensor-core GEMM,
+        and release the fp32 weights (the three terms hold them exactly: SPLIT_TERMS x 2 bytes
+        per element instead of 4); otherwise drop the split, rebuilding the fp32 weights bit for
+        bit. Allocates: never call inside graph capture; load weights before, not after."""
+        want = enabled and tensor_core_eligible(model_dtype, self.wkv.weight.device)
+        if want and self.proj_split is None:
+            self.proj_split = split_weight([self.wkv.weight, self.wgate.weight], SPLIT_TERMS)
+            for lin in (self.wkv, self.wgate) if RELEASE_FP32_WEIGHTS else ():
+                lin.weight.data = lin.weight.data.new_empty((0, lin.in_features))  # a reload fails on the shape
+        elif not want and self.proj_split is not None:
+            w = merge_split(self.proj_split, SPLIT_TERMS) if RELEASE_FP32_WEIGHTS else \
+                torch.cat([self.wkv.weight, self.wgate.weight])
+            n = self.wkv.out_features
+            self.wkv.weight.data, self.wgate.weight.data = w[:n].contiguous(), w[n:].contiguous()
+            self.proj_split = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: DSV4CompressorMetadata,
                 state: CompressorState, pool: torch.Tensor, rope: RotaryTable,
                 kernels=None, nope_fp8: bool = False) -> None:
         """Emitted entries go to `pool` in its format (DSV4KVPool): FP8 rows for a uint8 pool;
         nope_fp8 (the pool's flag) FP8-rounds a float pool's nope dims, as the release does."""
-        xf = x.float()
-        kv = self.wkv(xf)
-        score = self.wgate(xf) + self.ape[positions % self.ratio]
+        if self.proj_split is not None:
+            # one GEMM: kv | score, fp32, same row stride (what the kernels ask of the pair)
+            both = split_linear(x, self.proj_split)
+            kv, score = both.split(self.wkv.out_features, dim=-1)
+            score.add_(self.ape[positions % self.ratio])
+        else:
+            xf = x.float()
+            kv = self.wkv(xf)
+            score = self.wgate(xf) + self.ape[positions % self.ratio]
         pooled = kv.new_empty(meta.gather_idx.shape[0], self.norm.weight.shape[0])
         (kernels or reference).compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled)
         if kernels is not None:  # dsv4_kernels: ring update, then norm + RoPE + store
