@@ -10,8 +10,9 @@ Reports ms per step, eager/bcg and bcg/ideal, breaks per step, capture time, gra
 In decode mode (`--num-tokens` = batch sizes, one token per request) the bcg column is the
 decode graph's replay, which holds the whole step; there is no separate ideal.
 The limit column is the physical bound of the step on one H200 (configs/step_cost.py): HBM
-bytes / bandwidth for decode, FLOPs / peak for extend and mixed (the FP8 peak for a
-release-format model, bf16 otherwise); "% limit" is limit / (ideal, or the decode graph).
+bytes / bandwidth (the weights the step's tokens touch, the KV they read), and for extend and
+mixed the larger of that and FLOPs / peak (the FP8 peak for a release-format model, bf16
+otherwise); "% limit" is limit / (ideal, or the decode graph).
 
 Every mode is warmed up before it is timed (Triton JIT compiles and autotuning must not land
 in a timing), then timed in `--repeats` runs of `--iters` steps; the table gives the median
@@ -112,11 +113,15 @@ def ideal_graph(runner, fb):
 
 
 def limit_ms(config, mode: str, n: int, prefix: int, fp8_kv: bool) -> float:
-    """The step's physical bound on one H200, in ms (see the module docstring)."""
+    """The step's physical bound on one H200, in ms: the larger of its HBM time (the weights
+    its n tokens touch and the KV they read at `prefix` context) and, for extend / mixed, its
+    FLOP time (see the module docstring)."""
+    row = 584 if fp8_kv else None
+    hbm = step_cost.decode_step_cost(config, n, prefix, kv_row_bytes=row).seconds()
     if mode == "decode":
-        return step_cost.decode_step_cost(config, n, prefix, kv_row_bytes=584 if fp8_kv else None).seconds() * 1e3
+        return hbm * 1e3
     peak = step_cost.H200_FP8_FLOPS if config.fp8_linears else step_cost.H200_BF16_FLOPS
-    return n * step_cost.flops_per_token(config, prefix) / peak * 1e3
+    return max(hbm, n * step_cost.flops_per_token(config, prefix) / peak) * 1e3
 
 
 def print_capture_table(bcg) -> None:
