@@ -39,3 +39,16 @@ def dsv4_reference_dir() -> Path:
     if not path.is_dir():
         pytest.skip(f"DSV4 reference data not found at {path} (set DSV4_REFERENCE_DIR)")
     return path
+
+
+@pytest.fixture(scope="module")
+def single_intra_op_thread():
+    """Tests of tiny CPU ops: intra-op threading only adds synchronisation (on a shared 2-core
+    machine two OpenMP threads made the dsv4-tiny suite ~10x slower). Results do not depend on
+    the thread count; only the runtime does. Modules opt in with
+    `pytestmark = pytest.mark.usefixtures("single_intra_op_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+

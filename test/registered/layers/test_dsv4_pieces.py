@@ -37,12 +37,7 @@ def indexer_topk(q, w, keys, cand_slots, cand_len, topk):
     return reference.indexer_topk(q, w, keys, cand_slots, cand_len, topk, out)
 
 
-@pytest.fixture(autouse=True)
-def _single_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
 
 def _gen(seed):

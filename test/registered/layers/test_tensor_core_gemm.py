@@ -27,12 +27,7 @@ from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.test.runner_args import cpu_server_args  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _single_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
 
 def _gen(seed):

@@ -20,12 +20,7 @@ from sglang.test.runner_args import cpu_server_args  # noqa: E402
 P = 128
 
 
-@pytest.fixture(autouse=True)
-def _single_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: threads only add synchronisation
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
 
 def _pool(num_pages=5, max_num_reqs=3, max_context_len=1024):

@@ -1,14 +1,8 @@
-"""Model tests run tiny ops where intra-op threading only adds synchronisation: on a shared
-2-core machine two OpenMP threads made the dsv4-tiny suite ~10x slower. Results do not depend
-on the thread count; only the runtime does."""
+"""Every model test runs with one intra-op thread (test/conftest.py's single_intra_op_thread)."""
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _single_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_intra_op_thread(single_intra_op_thread):
     yield
-    torch.set_num_threads(before)
