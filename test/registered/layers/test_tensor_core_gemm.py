@@ -244,6 +244,8 @@ def test_bf16_model_on_the_tensor_core_paths_matches_the_fp32_gemms(preset, nume
     for mod in ("sglang.srt.layers.attention.dsv4.compressor", "sglang.srt.models.deepseek_v4",
                 "sglang.srt.layers.moe.router"):
         monkeypatch.setattr(f"{mod}.tensor_core_eligible", lambda dtype, device: dtype == torch.bfloat16)
+    # the 150-token prefill above the FP8 per-group wo_a threshold, the decode steps below it
+    monkeypatch.setattr("sglang.srt.models.deepseek_v4.WO_A_FP8_GEMM_MAX_TOKENS", 128)
     calls = {}  # the paths must be taken, not just enabled
 
     def counted(owner, name):
