@@ -87,7 +87,7 @@ def main():
                             PAGED=paged, RATIO=4 if paged else 1), 4)
     compile_report("moe gate_up 64x64x64", moe._gate_up_kernel,
                    dict(x_ptr="*bf16", w1_ptr="*bf16", w3_ptr="*bf16", sorted_ids_ptr="*i32",
-                        block_expert_ptr="*i32", h_ptr="*bf16"),
+                        block_expert_ptr="*i32", weights_ptr="*fp32", h_ptr="*bf16"),
                    dict(NUM_EXPERTS=256, HAS_LIMIT=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
                         DOT_PREC="tf32"), 8, 3, dict(limit="fp32"))
     compile_report("moe down 64x64x64", moe._down_kernel,
