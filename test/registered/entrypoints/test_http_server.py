@@ -3,8 +3,12 @@ driven with the official `openai` client and plain HTTP. Specifies the OpenAI an
 shapes, streaming, concurrency, batch-invariant greedy output, the 400/404 battery, client
 disconnects, and process hygiene (SIGTERM, scheduler death)."""
 
+import ast
+import contextlib
+import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 import requests
+import torch
 
 from sglang.srt.tokenizer import ByteTokenizer
 from sglang.test.server_process import ServerProcess, descendant_pids, free_port, still_alive_after
@@ -285,8 +290,74 @@ def test_scheduler_death_fails_in_flight_requests_and_the_server_exits_nonzero(t
         s.stop()
 
 
-def test_startup_failure_exits_nonzero_with_the_reason():
-    cmd, env = _server_command(free_port(), "--context-length", "100000")
+@pytest.mark.parametrize("args,reason", [
+    (("--context-length", "100000"), "exceeds the model's max_position_embeddings (4096)"),
+    (("--device", "cuda"), "--device cuda was requested but CUDA is not available"),
+], ids=["context-length", "device-cuda"])
+def test_startup_failure_exits_nonzero_with_the_reason_and_no_traceback(args, reason):
+    if args[0] == "--device" and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: --device cuda starts")
+    cmd, env = _server_command(free_port(), *args)
+    cmd.remove("--device") if args[0] == "--device" else None
+    if args[0] == "--device":
+        cmd.remove("cpu")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
     assert r.returncode == 1
-    assert "exceeds the model's max_position_embeddings (4096)" in r.stdout + r.stderr
+    assert reason in out
+    assert "Traceback" not in out, out  # an expected start-up error is a message, not a stack
+
+
+# ---- the README's examples, as a new user would run them --------------------------------------
+
+
+def _readme_blocks(lang: str) -> list[str]:
+    text = (REPO_ROOT / "README.md").read_text()
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+
+
+def test_readme_endpoint_table_is_the_servers_routes():
+    from types import SimpleNamespace
+
+    from sglang.srt.entrypoints.http_server import create_app
+
+    text = (REPO_ROOT / "README.md").read_text()
+    documented = set()
+    for cell in re.findall(r"^\| (`(?:GET|POST) [^|]*)\|", text, flags=re.M):
+        documented |= {(m, re.sub(r"\{[^}]*\}", "{}", path)) for m, path in re.findall(r"`(GET|POST) (/[^`]*)`", cell)}
+    app = create_app(SimpleNamespace(server_args=SimpleNamespace(max_request_bytes=1 << 20)))
+    served = {(r.method, re.sub(r"\{[^}]*\}", "{}", r.resource.canonical)) for r in app.router.routes()
+              if r.method in ("GET", "POST")}
+    assert documented == served
+
+
+def test_readme_curl_and_openai_examples_work_against_the_server(server):
+    curls = re.findall(r"curl -s\w* localhost:30000(\S+) .*?-d '(.*?)'", "".join(_readme_blocks("bash")), flags=re.S)
+    assert [path for path, _ in curls] == ["/generate", "/v1/chat/completions"]
+    for path, body in curls:
+        payload = json.loads(body)
+        r = requests.post(server.url + path, json=payload, stream=payload.get("stream", False), timeout=120)
+        assert r.status_code == 200, r.text
+        if payload.get("stream"):
+            lines = [ln for ln in r.iter_lines(decode_unicode=True) if ln.startswith("data:")]
+            assert lines[-1] == "data: [DONE]" and len(lines) > 2
+        else:
+            assert r.json()["text"] and r.json()["meta_info"]["completion_tokens"] == 16
+    openai_block = next(b for b in _readme_blocks("python") if "import openai" in b)
+    code = openai_block.replace("http://127.0.0.1:30000/v1", server.url + "/v1")
+    assert code != openai_block
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README.md (openai example)", "exec"), {})
+    assert printed.getvalue().strip()
+
+
+def test_readme_engine_example_runs():
+    engine_block = next(b for b in _readme_blocks("python") if "from sglang import Engine" in b)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(engine_block, "README.md (Engine example)", "exec"), {})
+    texts, reason = printed.getvalue().strip().rsplit("] ", 1)  # print(list_of_texts, finish_reason)
+    texts, reason = ast.literal_eval(texts + "]"), ast.literal_eval(reason)
+    assert len(texts) == 2 and all(isinstance(t, str) and t for t in texts)
+    assert reason["type"] in ("length", "stop")  # 16 new tokens, or an EOS before them
