@@ -2,11 +2,13 @@
 the GPU kernels of the same padded step.
 
     python benchmark/profile_bcg_step.py --model-path dsv4-mini --num-tokens 64 256 --out DIR
+    python benchmark/profile_bcg_step.py --modes extend mixed --num-tokens 16 64   # both kinds
 
-For each size it prints (1) host-side time of each replay phase without syncs (what the CPU
-spends enqueueing), (2) the same phases with a sync after each (GPU catches up), (3) the top
-GPU kernels of one padded eager step (forward_padded_eager: the replay's exact kernels) and
-(4) the top host ops of one replay, from torch.profiler. Writes the tables under --out.
+For each mode and size it prints (1) host-side time of each replay phase without syncs (what
+the CPU spends enqueueing), (2) the same phases with a sync after each (GPU catches up), (3) the
+top GPU kernels of one padded eager step (forward_padded_eager: the replay's exact kernels),
+(4) the top host ops of one replay and (5) the GPU kernels of one replay (segments and the
+eager breaks), from torch.profiler. Writes the tables under --out.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", default="dsv4-mini")
     p.add_argument("--num-tokens", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--modes", nargs="+", default=["mixed"], choices=["extend", "mixed"],
+                   help="extend: prefill chunks of one request each; mixed: a chunk plus decode rows")
     p.add_argument("--context-length", type=int, default=8192)
     p.add_argument("--segment-kernels", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--out", default=".")
@@ -68,8 +72,8 @@ def main():
     runner = ModelRunner(args)
     bcg = runner.bcg_runner
     report = []
-    for n in a.num_tokens:
-        fb, slots = make_batch(runner, "mixed", n, 1024, 1024, min(32, n // 2))
+    for mode, n in [(m, n) for m in a.modes for n in a.num_tokens]:
+        fb, slots = make_batch(runner, mode, n, 1024, 1024, min(32, n // 2) if mode == "mixed" else 0)
         with torch.inference_mode():
             for _ in range(3):
                 phases(bcg, fb, sync=False)
@@ -80,7 +84,7 @@ def main():
                     acc_async[k] = acc_async.get(k, 0.0) + v / iters
                 for k, v in phases(bcg, fb, sync=True).items():
                     acc_sync[k] = acc_sync.get(k, 0.0) + v / iters
-            report.append(f"== mixed {n} tokens: host ms per phase (no sync) / (sync after each)")
+            report.append(f"== {mode} {n} tokens: host ms per phase (no sync) / (sync after each)")
             for k in acc_async:
                 report.append(f"  {k:10s} {acc_async[k] * 1e3:8.3f} {acc_sync[k] * 1e3:8.3f}")
             report.append(f"  {'total':10s} {sum(acc_async.values()) * 1e3:8.3f} {sum(acc_sync.values()) * 1e3:8.3f}")
@@ -89,13 +93,18 @@ def main():
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 bcg.forward_padded_eager(fb)
                 torch.cuda.synchronize()
-            report.append(f"== mixed {n}: GPU kernels of one padded eager step")
+            report.append(f"== {mode} {n}: GPU kernels of one padded eager step")
             report.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 runner.forward(fb)
                 torch.cuda.synchronize()
-            report.append(f"== mixed {n}: host ops of one replay")
+            report.append(f"== {mode} {n}: host ops of one replay")
             report.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                runner.forward(fb)
+                torch.cuda.synchronize()
+            report.append(f"== {mode} {n}: GPU kernels of one replay (segments and eager breaks)")
+            report.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
         for s in slots:
             runner.req_to_token_pool.free_req(s)
         print("\n".join(report[-5:]), flush=True)
