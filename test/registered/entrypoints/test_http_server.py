@@ -331,7 +331,15 @@ def test_readme_endpoint_table_is_the_servers_routes():
     assert documented == served
 
 
-def test_readme_curl_and_openai_examples_work_against_the_server(server):
+def test_readme_curl_and_openai_examples_work_against_the_server(tmp_path):
+    server = Server(tmp_path)  # its own: the module's server is stopped by the SIGTERM test above
+    try:
+        _run_readme_http_examples(server)
+    finally:
+        server.stop()
+
+
+def _run_readme_http_examples(server):
     curls = re.findall(r"curl -s\w* localhost:30000(\S+) .*?-d '(.*?)'", "".join(_readme_blocks("bash")), flags=re.S)
     assert [path for path, _ in curls] == ["/generate", "/v1/chat/completions"]
     for path, body in curls:
