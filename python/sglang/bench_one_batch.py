@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Optional
 
 import torch
 
@@ -37,10 +38,10 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
 
 
-def make_batch(runner, mode: str, n: int, prefix: int, max_chunk: int, n_decode: int):
+def make_batch(runner, mode: str, n: int, prefix: int, max_chunk: int, n_decode: int, seed: int = 0):
     """Extend: prefill chunks of <= max_chunk tokens on top of `prefix` cached tokens.
     Mixed: one prefill chunk plus `n_decode` decode rows (all with `prefix` cached tokens).
-    Decode: n requests of one new token each."""
+    Decode: n requests of one new token each. `seed` draws the token ids (a DP rank's own)."""
     rtp = runner.req_to_token_pool
     rows = []
     if mode == "decode":
@@ -55,7 +56,7 @@ def make_batch(runner, mode: str, n: int, prefix: int, max_chunk: int, n_decode:
     slots = [rtp.alloc_req() for _ in rows]
     for s, r in zip(slots, rows):
         rtp.ensure_capacity(s, prefix + r)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     toks = [torch.randint(3, runner.config.vocab_size, (r,), generator=gen).tolist() for r in rows]
     fb_mode = {"mixed": ForwardMode.MIXED, "decode": ForwardMode.DECODE}.get(mode, ForwardMode.EXTEND)
     fb = build_forward_batch(fb_mode, slots, [prefix] * len(rows), toks, runner.device)
@@ -92,13 +93,14 @@ def spread(xs: list) -> float:
     return (max(xs) - min(xs)) / median(xs)
 
 
-def ideal_graph(runner, fb):
+def ideal_graph(runner, fb, dp_moe=None):
     """One unbroken graph for exactly this batch (static metadata captured in).
     Returns (graph, replay); replay re-enters the forward context for the CPU emulator,
-    which re-runs the inline attention op in Python (a CUDA graph runs no Python)."""
+    which re-runs the inline attention op in Python (a CUDA graph runs no Python).
+    Under DP (`dp_moe`, every rank capturing at once) the MoE collectives are in the graph."""
     backend = runner.attn_backend
     metadata = backend.init_forward_metadata_for_breakable_cuda_graph_capture(fb)
-    with torch.inference_mode(), forward_context(fb, backend, fb.num_tokens), break_ops_inline():
+    with torch.inference_mode(), forward_context(fb, backend, fb.num_tokens, dp_moe), break_ops_inline():
         runner.model(fb.input_ids)
         graph = create_breakable_graph(runner.device)
         with graph.capture():
@@ -106,18 +108,19 @@ def ideal_graph(runner, fb):
 
     def replay():
         backend.forward_metadata = metadata
-        with forward_context(fb, backend, fb.num_tokens):
+        with forward_context(fb, backend, fb.num_tokens, dp_moe):
             graph.replay()
 
     return graph, replay
 
 
-def limit_ms(config, mode: str, n: int, prefix: int, fp8_kv: bool) -> float:
+def limit_ms(config, mode: str, n: int, prefix: int, fp8_kv: bool, ep_size: int = 1) -> float:
     """The step's physical bound on one H200, in ms: the larger of its HBM time (the weights
     its n tokens touch and the KV they read at `prefix` context) and, for extend / mixed, its
-    FLOP time (see the module docstring)."""
+    FLOP time (see the module docstring). `ep_size`: under DP each rank holds 1/ep_size of the
+    routed experts and its MoE sees every rank's n tokens."""
     row = 584 if fp8_kv else None
-    hbm = step_cost.decode_step_cost(config, n, prefix, kv_row_bytes=row).seconds()
+    hbm = step_cost.decode_step_cost(config, n, prefix, ep_size=ep_size, kv_row_bytes=row).seconds()
     if mode == "decode":
         return hbm * 1e3
     peak = step_cost.H200_FP8_FLOPS if config.fp8_linears else step_cost.H200_BF16_FLOPS
@@ -134,7 +137,7 @@ def print_capture_table(bcg) -> None:
           f"(device memory taken by the capture: {bcg.capture_memory_bytes / 2**20:.1f} MiB)")
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default="dsv4-mini")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -156,8 +159,20 @@ def main(argv=None):
     p.add_argument("--quant-numerics", default="release", choices=["weight_only", "release"],
                    help="for release-format models (*-fp8 presets, FP8/FP4 checkpoints)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="DP attention ranks (processes; rank r on cuda:r, or gloo on CPU), experts split N ways")
+    p.add_argument("--dp-timeout", type=float, default=600.0, help="DP: seconds any collective may wait")
+    p.add_argument("--skip-ideal", action="store_true", help="no ideal graph (its column shows '-')")
     p.add_argument("--result-file", default=None)
     a = p.parse_args(argv)
+    if a.dp_size < 1:
+        p.error(f"--dp-size must be >= 1, got {a.dp_size}")
+    return a
+
+
+def server_args_for(a: argparse.Namespace, dp_size: int = 1) -> ServerArgs:
+    """The runner's resolved settings for these benchmark flags (under DP: one rank's, built
+    after the rank selected its GPU and joined the DP groups)."""
     max_tokens = max(a.num_tokens)
     n_reqs = 2 * (max_tokens // a.max_chunk + a.decode_rows + 2)
     decode = "decode" in a.modes
@@ -165,7 +180,7 @@ def main(argv=None):
         n_reqs = max(n_reqs, max_tokens + 2)
     # a smaller model than --context-length allows runs at its own limit
     max_positions = load_model_config(a.model_path, a.num_layers).max_position_embeddings
-    args = ServerArgs(
+    return ServerArgs(
         model_path=a.model_path, load_format=a.load_format, num_layers=a.num_layers, device=a.device,
         dtype=a.dtype or "auto", context_length=min(a.context_length, max_positions),
         max_running_requests=n_reqs, max_total_tokens=n_reqs * (a.prefix + a.max_chunk + 128),
@@ -173,56 +188,132 @@ def main(argv=None):
         breakable_cuda_graph_max_tokens=max_tokens, disable_cuda_graph=not decode,
         cuda_graph_max_bs=max_tokens if decode else None, attention_backend=a.attention_backend,
         segment_kernels=a.segment_kernels, quant_numerics=a.quant_numerics, kv_cache_dtype=a.kv_cache_dtype,
+        enable_dp_attention=dp_size > 1, dp_size=dp_size,
     ).resolve(cuda_available=torch.cuda.is_available())
-    dtype = args.dtype
-    runner = ModelRunner(args, cuda_graph_on_cpu=decode)  # on CPU: the emulator, for a smoke run
+
+
+class Steps:
+    """How this process runs the benchmark's steps: a world of one (the runner decides its own
+    path). The DP twin, `bench_one_batch_dp.DPSteps`, runs every step through `dp_step`."""
+
+    rank, dp_size = 0, 1
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def eager(self, fb):
+        path = eager_path(fb)
+        return lambda: self.runner.forward(fb, path)
+
+    def graph(self, fb, want: PathKind):
+        path = decide_step_path((describe(fb),), self.runner.graph_tables)
+        if path.kind != want:
+            raise RuntimeError(f"the batch takes path {path.kind.name} ({path.reason}), not {want.name}")
+        return lambda: self.runner.forward(fb, path)
+
+    def ideal(self, fb):
+        return ideal_graph(self.runner, fb)
+
+    def comm_ms(self, fb) -> Optional[float]:
+        return None  # no collectives in a world of one
+
+    def gather(self, value) -> list:
+        """Every rank's `value`, in rank order (a collective under DP)."""
+        return [value]
+
+
+def _fmt(x: Optional[float], spec: str, width: int) -> str:
+    return f"{x:{width}{spec}}" if x is not None else f"{'-':>{width}}"
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
+    """Every (mode, tokens) row timed eager / graph / ideal on `steps`; rank 0 prints the table.
+    Returns the result (what --result-file holds)."""
     bcg = runner.bcg_runner
     dev = runner.device
+    dp = steps.dp_size > 1
+    say = print if steps.rank == 0 else (lambda *_, **__: None)
     rows = []
     header = (f"{'mode':6} {'tokens':>6} {'eager ms':>9} {'bcg ms':>8} {'ideal ms':>9} {'eager/bcg':>9} "
               f"{'bcg/ideal':>9} {'breaks':>6} {'spread e/b/i':>17} {'limit ms':>9} {'% limit':>7}")
-    print(f"model {a.model_path} on {dev} ({dtype}); BCG capture {bcg.capture_seconds:.1f}s for "
-          f"{len(bcg.buckets)} buckets, graph memory {bcg.graph_memory_bytes / 2**20:.0f} MiB")
-    print_capture_table(bcg)
-    print(header)
+    if dp:
+        header += f" {'comm ms':>8} {'comm %':>6}"
+    say(f"model {a.model_path} on {dev} ({runner.server_args.dtype}); BCG capture {bcg.capture_seconds:.1f}s for "
+        f"{len(bcg.buckets)} buckets, graph memory {bcg.graph_memory_bytes / 2**20:.0f} MiB"
+        + (f"; DP attention {steps.dp_size} ranks, experts split {steps.dp_size} ways (rank 0 shown)" if dp else ""))
+    if steps.rank == 0:
+        print_capture_table(bcg)
+    say(header)
     for mode in a.modes:
+        want = PathKind.DECODE_GRAPH if mode == "decode" else PathKind.BCG
+        graphs = runner.graph_runners[want]
         for n in a.num_tokens:
             n_dec = min(a.decode_rows, n // 2) if mode == "mixed" else 0
-            fb, slots = make_batch(runner, mode, n, a.prefix, a.max_chunk, n_dec)
+            fb, slots = make_batch(runner, mode, n, a.prefix, a.max_chunk, n_dec, seed=steps.rank)
             t = dict(iters=a.iters, repeats=a.repeats, warmup=a.warmup)
             with torch.inference_mode():
-                eager_runs = timed(lambda: runner.forward(fb, eager_path(fb)), dev, **t)
-                path = decide_step_path((describe(fb),), runner.graph_tables)
-                want = PathKind.DECODE_GRAPH if mode == "decode" else PathKind.BCG
-                assert path.kind == want, path.reason
-                bcg_runs = timed(lambda: runner.forward(fb, path), dev, **t)
+                eager_runs = timed(steps.eager(fb), dev, **t)
+                comm = steps.comm_ms(fb)
+                replays_before = graphs.num_replays
+                bcg_runs = timed(steps.graph(fb, want), dev, **t)
+                replays = graphs.num_replays - replays_before
                 if mode == "decode":  # the decode graph is the whole step already
                     ideal_runs = bcg_runs
+                elif a.skip_ideal:
+                    ideal_runs = None
                 else:
-                    graph, replay_ideal = ideal_graph(runner, fb)
+                    graph, replay_ideal = steps.ideal(fb)
                     ideal_runs = timed(replay_ideal, dev, **t)
                     graph.release()
-            eager, replay, ideal = median(eager_runs), median(bcg_runs), median(ideal_runs)
+            eager, replay = median(eager_runs), median(bcg_runs)
+            ideal = median(ideal_runs) if ideal_runs else None
             breaks = 0 if mode == "decode" else bcg.graphs[bcg.bucket_for(n)].num_breaks
-            bound = limit_ms(runner.config, mode, n, a.prefix, a.kv_cache_dtype == "fp8_e4m3")
+            bound = limit_ms(runner.config, mode, n, a.prefix, a.kv_cache_dtype == "fp8_e4m3", steps.dp_size)
+            per_rank = steps.gather(dict(graph_replays=replays, comm_ms=comm))
             row = dict(mode=mode, tokens=n, eager_ms=eager, bcg_ms=replay, ideal_ms=ideal,
-                       eager_over_bcg=eager / replay, bcg_over_ideal=replay / ideal, breaks=breaks,
-                       limit_ms=bound, ideal_over_limit=ideal / bound,
-                       eager_runs_ms=eager_runs, bcg_runs_ms=bcg_runs, ideal_runs_ms=ideal_runs)
+                       eager_over_bcg=eager / replay, bcg_over_ideal=_ratio(replay, ideal), breaks=breaks,
+                       limit_ms=bound, ideal_over_limit=_ratio(ideal, bound),
+                       eager_runs_ms=eager_runs, bcg_runs_ms=bcg_runs, ideal_runs_ms=ideal_runs,
+                       graph_replays_by_rank=[r["graph_replays"] for r in per_rank])
+            if dp:
+                row.update(comm_ms=comm, comm_share=comm / eager, comm_ms_by_rank=[r["comm_ms"] for r in per_rank])
             rows.append(row)
-            noise = "/".join(f"{spread(r):.0%}" for r in (eager_runs, bcg_runs, ideal_runs))
-            print(f"{mode:6} {n:6d} {eager:9.2f} {replay:8.2f} {ideal:9.2f} {eager / replay:9.2f} "
-                  f"{replay / ideal:9.2f} {breaks:6d} {noise:>17} {bound:9.3g} {bound / ideal:7.1%}", flush=True)
+            noise = "/".join(f"{spread(r):.0%}" if r else "-" for r in (eager_runs, bcg_runs, ideal_runs))
+            line = (f"{mode:6} {n:6d} {eager:9.2f} {replay:8.2f} {_fmt(ideal, '.2f', 9)} {eager / replay:9.2f} "
+                    f"{_fmt(_ratio(replay, ideal), '.2f', 9)} {breaks:6d} {noise:>17} {bound:9.3g} "
+                    f"{_fmt(_ratio(bound, ideal), '.1%', 7)}")
+            if dp:
+                line += f" {comm:8.2f} {comm / eager:6.0%}"
+            say(line, flush=True)
             for s in slots:
                 runner.req_to_token_pool.free_req(s)
-    if a.result_file:
+    result = dict(model=a.model_path, device=str(dev), dtype=runner.server_args.dtype, dp_size=steps.dp_size, rows=rows,
+                  capture_seconds=bcg.capture_seconds, graph_memory_bytes=bcg.graph_memory_bytes,
+                  capture_memory_bytes=bcg.capture_memory_bytes,
+                  graph_memory_by_bucket=bcg.graph_memory_by_bucket,
+                  capture_seconds_by_bucket=bcg.capture_seconds_by_bucket)
+    if a.result_file and steps.rank == 0:
         with open(a.result_file, "w") as f:
-            json.dump(dict(model=a.model_path, device=str(dev), dtype=dtype, rows=rows,
-                           capture_seconds=bcg.capture_seconds, graph_memory_bytes=bcg.graph_memory_bytes,
-                           capture_memory_bytes=bcg.capture_memory_bytes,
-                           graph_memory_by_bucket=bcg.graph_memory_by_bucket,
-                           capture_seconds_by_bucket=bcg.capture_seconds_by_bucket), f, indent=1)
-    runner.shutdown()
+            json.dump(result, f, indent=1)
+    return result
+
+
+def main(argv=None) -> dict:
+    """Runs the benchmark; returns the result (rank 0's under DP, see bench_one_batch_dp)."""
+    a = parse_args(argv)
+    if a.dp_size > 1:
+        from sglang.bench_one_batch_dp import run_dp
+
+        return run_dp(a)
+    runner = ModelRunner(server_args_for(a), cuda_graph_on_cpu="decode" in a.modes)  # CPU: the emulator
+    try:
+        return run_bench(a, runner, Steps(runner))
+    finally:
+        runner.shutdown()
 
 
 if __name__ == "__main__":

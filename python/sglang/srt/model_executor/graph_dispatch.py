@@ -101,6 +101,17 @@ def eager_path(fb: ForwardBatch) -> StepPath:
                     reason="requested")
 
 
+def requested_eager_path(infos: Sequence[StepInfo], tables: GraphTables) -> StepPath:
+    """`eager_path` for every DP rank at once, as a `decide_fn` of `dp_step` (benchmarks): eager
+    by request, padded to the largest rank, not a fallback; IDLE when no rank has work."""
+    tokens = tuple(i.num_tokens for i in infos)
+    live = [i for i in infos if not i.idle]
+    if not live:
+        return StepPath(PathKind.IDLE, 0, tokens)
+    extend = any(i.mode != ForwardMode.DECODE for i in live)
+    return StepPath(PathKind.EAGER, max(tokens), tokens, extend, reason="requested")
+
+
 def decide_step_path(infos: Sequence[StepInfo], tables: GraphTables) -> StepPath:
     """Pure function of every rank's description: every rank calls it on the same input.
 
