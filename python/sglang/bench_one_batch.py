@@ -17,6 +17,17 @@ otherwise); "% limit" is limit / (ideal, or the decode graph).
 Every mode is warmed up before it is timed (Triton JIT compiles and autotuning must not land
 in a timing), then timed in `--repeats` runs of `--iters` steps; the table gives the median
 run and the JSON every run, so the spread is visible.
+
+Under DP attention (`--dp-size N`, bench_one_batch_dp.py) N rank processes (rank r on cuda:r
+with NCCL, or gloo on CPU) each build the model with 1/N of the routed experts and run the same
+rows on a batch of their own, every step through the real DP step (consensus + forward with
+the MoE collectives); the ideal graph holds the collectives too. Rank 0 prints the table with
+two more columns: comm ms (the MoE collectives of one eager step, from torch.profiler: NCCL
+kernels' GPU time, or gloo's collective spans on CPU) and comm % (of the eager step). The limit
+is per rank (ep_size N). `--skip-ideal` leaves the ideal out ('-').
+
+    python -m sglang.bench_one_batch --model-path dsv4-flash --load-format dummy --dp-size 2 \
+        --num-tokens 16 256 4096 --modes mixed extend --iters 3 --repeats 3 --warmup 2
 """
 
 from __future__ import annotations
