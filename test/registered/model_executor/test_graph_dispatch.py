@@ -16,6 +16,7 @@ from sglang.srt.model_executor.graph_dispatch import (
     default_capture_bs,
     default_capture_num_tokens,
     describe,
+    requested_eager_path,
 )
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.test.runner_args import cpu_server_args
@@ -82,6 +83,15 @@ def test_a_single_rank_and_dp_decide_identically_on_the_same_batches():
         for world in ([mine] + others, others + [mine]):
             together = decide_step_path(world, TABLES)
             assert (together.kind, together.size, together.reason) == (alone.kind, alone.size, alone.reason)
+
+
+def test_requested_eager_path_is_eager_for_every_rank_and_no_fallback():
+    p = requested_eager_path([ext(40), IDLE, dec(3)], TABLES)
+    assert (p.kind, p.size, p.global_num_tokens) == (PathKind.EAGER, 40, (40, 0, 3))
+    assert p.extend_or_mixed and p.reason == "requested" and p.wanted is None
+    p = requested_eager_path([dec(2), dec(5)], TABLES)  # graph-eligible, still eager
+    assert (p.kind, p.size, p.extend_or_mixed) == (PathKind.EAGER, 5, False)
+    assert requested_eager_path([IDLE, IDLE], TABLES).kind == PathKind.IDLE
 
 
 def test_bucket_tables():
