@@ -133,7 +133,7 @@ def rank_main(rank: int, world: int, port: int, a: argparse.Namespace, out_dir: 
     # fight (as in scheduler_process._init_dp). An explicit OMP_NUM_THREADS wins.
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    if a.device.startswith("cuda"):
+    if a.device == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     else:
@@ -180,7 +180,10 @@ def run_dp(a: argparse.Namespace, timeout_s: float = 24 * 3600.0) -> dict:
 
     from sglang.test.server_process import free_port
 
-    if a.device.startswith("cuda") and torch.cuda.device_count() < a.dp_size:
+    if a.device not in ("cuda", "cpu"):
+        raise ValueError(f"--dp-size {a.dp_size} puts rank r on cuda:r (or on the CPU): pass --device cuda or "
+                         f"--device cpu, not {a.device!r}")
+    if a.device == "cuda" and torch.cuda.device_count() < a.dp_size:
         raise ValueError(f"--dp-size {a.dp_size} needs {a.dp_size} GPUs (one per rank), found "
                          f"{torch.cuda.device_count()}")
     # NVLink multicast hung on the H200 hosts this was built on (docs/design.md); the ranks inherit it.

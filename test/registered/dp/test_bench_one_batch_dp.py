@@ -72,6 +72,8 @@ def test_more_ranks_than_gpus_is_refused():
     want = max(2, torch.cuda.device_count() + 1)
     with pytest.raises(ValueError, match=f"--dp-size {want} needs {want} GPUs"):
         main([*SMALL, "--device", "cuda", "--dp-size", str(want)])
+    with pytest.raises(ValueError, match="pass --device cuda or --device cpu, not 'cuda:1'"):
+        main([*SMALL, "--device", "cuda:1", "--dp-size", "2"])
 
 
 @pytest.mark.multi_gpu
@@ -83,5 +85,5 @@ def test_dp2_nccl_comm_is_the_nccl_kernels(capfd):
     assert result["rank_exitcodes"] == [0, 0]
     for row in result["rows"]:
         assert row["graph_replays_by_rank"] == [STEPS_PER_MODE, STEPS_PER_MODE], row
-        assert 0 < row["comm_ms"] < row["eager_ms"], row
+        assert row["comm_ms"] > 0 and all(c > 0 for c in row["comm_ms_by_rank"]), row
         assert row["ideal_ms"] > 0, "the ideal graph (NCCL inside one CUDA graph) did not run"
