@@ -102,7 +102,7 @@ def tensor_core_copy_bytes(config, model_dtype: str) -> int:
     bf16 terms instead of fp32 (`Compressor.use_tensor_core_gemms` releases the fp32 weights
     when the terms hold them exactly): 2 bytes per element. MTP layers are never run and keep
     theirs; an fp32 model adds nothing. dsv4-flash: 0.57 GiB per GPU."""
-    from sglang.srt.layers.attention.dsv4.compressor import RELEASE_FP32_WEIGHTS, SPLIT_TERMS
+    from sglang.srt.layers.attention.dsv4.compressor import SPLIT_TERMS
 
     if model_dtype != "bfloat16":
         return 0
@@ -113,7 +113,7 @@ def tensor_core_copy_bytes(config, model_dtype: str) -> int:
             outputs += (2 if ratio == 4 else 1) * config.head_dim
         if ratio == 4:
             outputs += 2 * config.index_head_dim
-    return 2 * outputs * config.hidden_size * (SPLIT_TERMS * 2 - (4 if RELEASE_FP32_WEIGHTS else 0))
+    return 2 * outputs * config.hidden_size * (SPLIT_TERMS * 2 - 4)
 
 
 # ---- KV cache and per-request state -------------------------------------------------------

@@ -29,7 +29,6 @@ from sglang.srt.mem_cache.dsv4_kv_pool import CompressorState
 # dsv4-tiny-fp8 past fp32's own reordering noise (min cosine 0.985 vs 0.997 on CPU: FP8/FP4
 # rounding and top-k flips amplify it).
 SPLIT_TERMS = 3
-RELEASE_FP32_WEIGHTS = SPLIT_TERMS == 3  # only an exact split may replace them
 
 
 class Compressor(nn.Module):
@@ -56,11 +55,10 @@ class Compressor(nn.Module):
         want = enabled and tensor_core_eligible(model_dtype, self.wkv.weight.device)
         if want and self.proj_split is None:
             self.proj_split = split_weight([self.wkv.weight, self.wgate.weight], SPLIT_TERMS)
-            for lin in (self.wkv, self.wgate) if RELEASE_FP32_WEIGHTS else ():
+            for lin in (self.wkv, self.wgate):  # the exact split replaces them
                 lin.weight.data = lin.weight.data.new_empty((0, lin.in_features))  # a reload fails on the shape
         elif not want and self.proj_split is not None:
-            w = merge_split(self.proj_split, SPLIT_TERMS) if RELEASE_FP32_WEIGHTS else \
-                torch.cat([self.wkv.weight, self.wgate.weight])
+            w = merge_split(self.proj_split, SPLIT_TERMS)
             n = self.wkv.out_features
             self.wkv.weight.data, self.wgate.weight.data = w[:n].contiguous(), w[n:].contiguous()
             self.proj_split = None
