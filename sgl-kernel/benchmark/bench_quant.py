@@ -180,7 +180,7 @@ def _tma_case(x, q, s):
 
 
 def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
-    from dsv4_kernels import fp4_moe
+    from dsv4_kernels import fp4_gemv_moe, fp4_moe
     from dsv4_kernels import quant_reference as Q
 
     def experts(o, i):
@@ -211,7 +211,7 @@ def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
             flops = 2 * n_assign * 3 * MOE_D * MOE_I
             runs = [("bf16", True, None, ""), ("fp8", True, None, ""), ("bf16", False, None, "")]
             if T <= GEMV_MAX_T:
-                gemv = fp4_moe.gemv_config(T, MOE_TOPK)
+                gemv = fp4_gemv_moe.gemv_config(T, MOE_TOPK)
                 alts = [(dict(gemv, block_m=1), "_bm1"), (dict(gemv, block_m=4), "_bm4"),
                         (dict(gemv, block_n_up=16, block_n_down=32, chunks=16), "_narrow"),
                         (dict(gemv, block_n_up=64, block_n_down=64, chunks=4), "_wide")]
@@ -338,7 +338,7 @@ def compile_report(only=None):
 def _moe_compile_report():
     import triton.language as tl
 
-    from dsv4_kernels import fp4_moe
+    from dsv4_kernels import fp4_gemv_moe, fp4_moe
     from dsv4_kernels import moe
 
     _sm90_report("moe_align one kernel (M <= 128, E 256)", moe._align_small_kernel,
@@ -385,21 +385,21 @@ def _moe_compile_report():
     _sm90_report("moe grouped scatter", GM._scatter_rows_kernel,
                  dict(rows, y_ptr="*bf16", partial_ptr="*bf16"),
                  dict(BLOCK_R=GM.BLOCK_R, BLOCK_D=GM.BLOCK_D), 4, 1, ("g",))
-    gemv_configs = [fp4_moe.gemv_config(T, MOE_TOPK) for T in (1, 16, 256)]  # bm 1, 2, 4
+    gemv_configs = [fp4_gemv_moe.gemv_config(T, MOE_TOPK) for T in (1, 16, 256)]  # bm 1, 2, 4
     gemv_configs += [dict(gemv_configs[0], block_m=m) for m in (2, 4)]  # bench's _narrow
     gemv_configs += [dict(gemv_configs[1], block_m=1)]  # bench's _wide / _bm1
     for c in gemv_configs:
         kw = dict(NUM_EXPERTS=MOE_E // 2, BLOCK_M=c["block_m"])
         tag = (f"gemv bm={c['block_m']} bn={c['block_n_up']}/{c['block_n_down']} "
                f"k={32 * c['chunks']} w{c['num_warps']} s{c['num_stages']}")
-        _sm90_report(f"moe gate_up {tag}", fp4_moe._gemv_gate_up_kernel,
+        _sm90_report(f"moe gate_up {tag}", fp4_gemv_moe._gemv_gate_up_kernel,
                      dict(a_ptr="*bf16", w1_ptr="*i32", w1s_ptr="*u8", w3_ptr="*i32",
                           w3s_ptr="*u8", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
                           weights_ptr="*fp32", h_ptr="*bf16", limit="fp32"),
                      dict(kw, HAS_LIMIT=True, BLOCK_N=c["block_n_up"], X_DTYPE=tl.bfloat16,
                           CHUNKS=fp4_moe._chunks(MOE_D, c["chunks"])),
                      c["num_warps"], c["num_stages"], ("M", "topk"))
-        _sm90_report(f"moe down {tag}", fp4_moe._gemv_down_kernel,
+        _sm90_report(f"moe down {tag}", fp4_gemv_moe._gemv_down_kernel,
                      dict(h_ptr="*bf16", w2_ptr="*i32", w2s_ptr="*u8", sorted_ids_ptr="*i32",
                           block_expert_ptr="*i32", partial_ptr="*fp32"),
                      dict(kw, BLOCK_N=c["block_n_down"],

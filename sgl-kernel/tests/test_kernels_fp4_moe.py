@@ -143,7 +143,7 @@ def test_fp8_variant_needs_act_quant_and_shapes_are_checked(device):
 @pytest.mark.parametrize("block_m", [1, 2, 4])
 def test_gemv_variant_matches_reference_at_each_block_m(device, block_m, act_quant):
     require_triton()
-    from dsv4_kernels import fp4_moe
+    from dsv4_kernels import fp4_gemv_moe, fp4_moe
     E, d, inter, T, topk = 4, 128, 256, 6, 3
     torch.manual_seed(block_m)
     ws = _experts(E, d, inter, device)
@@ -154,7 +154,7 @@ def test_gemv_variant_matches_reference_at_each_block_m(device, block_m, act_qua
     weights = torch.rand(T, topk, device=device)
     # Wider N tiles than the default (fewer programs under the interpreter), K steps of 64
     # inputs (2 and 4 steps: the prefetch of the next step's bytes).
-    cfg = dict(fp4_moe.gemv_config(T, topk), block_m=block_m, block_n_up=64, block_n_down=64,
+    cfg = dict(fp4_gemv_moe.gemv_config(T, topk), block_m=block_m, block_n_up=64, block_n_down=64,
                chunks=2)
     out = torch.full((T, d), float("nan"), device=device)
     res = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 1.5, out, act_quant, "gemv", config=cfg)
@@ -180,7 +180,7 @@ def test_gemv_variant_at_one_token_with_its_default_tiles(device, act_quant):
 
 def test_gemv_duplicate_experts_in_a_row_add_up_without_swiglu_limit(device):
     require_triton()
-    from dsv4_kernels import fp4_moe
+    from dsv4_kernels import fp4_gemv_moe, fp4_moe
     E, d, inter = 3, 128, 128
     ws = _experts(E, d, inter, device)
     x = torch.randn(3, d, device=device) * 4
@@ -190,7 +190,7 @@ def test_gemv_duplicate_experts_in_a_row_add_up_without_swiglu_limit(device):
     ids = torch.tensor([[1, 1, 1], [-1, 3, 7], [2, 0, -1]], dtype=torch.int32, device=device)
     weights = torch.tensor([[0.5, 0.25, 2.0], [1.0, 1.0, 1.0], [0.75, 1.5, 9.0]],
                            device=device)
-    cfg = dict(fp4_moe.gemv_config(64, 6), block_m=4)  # the larger-batch tiles
+    cfg = dict(fp4_gemv_moe.gemv_config(64, 6), block_m=4)  # the larger-batch tiles
     out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 0.0, torch.empty(3, d, device=device),
                                 False, "gemv", config=cfg)
     assert out[1].eq(0).all()
@@ -203,7 +203,7 @@ def test_gemv_duplicate_experts_in_a_row_add_up_without_swiglu_limit(device):
 
 def test_gemv_is_picked_only_below_its_switch(device, monkeypatch):
     require_triton()
-    from dsv4_kernels import fp4_moe
+    from dsv4_kernels import fp4_gemv_moe, fp4_moe
     # Release numerics on bf16/fp16 activations take gemv up to its switch; fp32 and
     # weight-only calls keep the bf16 decode.
     bf16, fp32 = torch.bfloat16, torch.float32
@@ -213,14 +213,14 @@ def test_gemv_is_picked_only_below_its_switch(device, monkeypatch):
     monkeypatch.setattr(fp4_moe, "GEMV_MAX_ASSIGNMENTS", 0)
     assert fp4_moe.select_variant(1, 6, True, bf16) == "fp8"
     # the tiles measured fastest on an H200 at T = 1, 16, 64 (gemv_config's docstring)
-    assert [fp4_moe.gemv_config(T, 6)["block_m"] for T in (1, 16, 17, 64, 65)] == [1, 1, 2, 2, 4]
-    assert [fp4_moe.gemv_config(T, 6)["block_n_up"] for T in (5, 6, 16, 17, 64, 65)] == [16, 64, 64, 16, 16, 64]
+    assert [fp4_gemv_moe.gemv_config(T, 6)["block_m"] for T in (1, 16, 17, 64, 65)] == [1, 1, 2, 2, 4]
+    assert [fp4_gemv_moe.gemv_config(T, 6)["block_n_up"] for T in (5, 6, 16, 17, 64, 65)] == [16, 64, 64, 16, 16, 64]
     # the wiring: a weight-only fp32 call with variant=None does not reach the gemv kernels,
     # and variant="gemv" does
     monkeypatch.setattr(fp4_moe, "GEMV_MAX_ASSIGNMENTS", 64 * 6)
     calls = []
-    real = fp4_moe._gemv_moe
-    monkeypatch.setattr(fp4_moe, "_gemv_moe", lambda *a: calls.append(a[-1]) or real(*a))
+    real = fp4_gemv_moe.gemv_moe
+    monkeypatch.setattr(fp4_gemv_moe, "gemv_moe", lambda *a: calls.append(a[-1]) or real(*a))
     ws = _experts(2, 128, 128, device)
     x = torch.randn(2, 128, device=device)
     ids = torch.tensor([[0, 5], [1, 0]], dtype=torch.int32, device=device)
