@@ -52,6 +52,69 @@ def phases(bcg, fb, sync: bool):
     return t
 
 
+def break_host_times(bcg, fb, iters: int = 20) -> list:
+    """Host µs per segment launch and per break (the break op's own enqueueing, attention
+    kernel launch included), averaged over `iters` replays without syncs."""
+    n = fb.num_tokens
+    bucket = bcg.bucket_for(n)
+    graph = bcg.graphs[bucket]
+    seg_sum, brk_sum = None, None
+    for _ in range(iters):
+        static_fb = bcg._fill(fb, bucket)
+        bcg.spec.replay_metadata(bcg.attn_backend, bcg.captured_metadata[bucket], fb, static_fb)
+        with forward_context(static_fb, bcg.attn_backend, n, bcg.model_runner.dp_moe(bucket)):
+            segs, brks = graph.replay_host_seconds()
+        seg_sum = segs if seg_sum is None else [a + b for a, b in zip(seg_sum, segs)]
+        brk_sum = brks if brk_sum is None else [a + b for a, b in zip(brk_sum, brks)]
+        torch.cuda.synchronize()
+    seg = [1e6 * v / iters for v in seg_sum]
+    brk = [1e6 * v / iters for v in brk_sum]
+    out = [f"== {fb.forward_mode.name.lower()} {n}: host µs per segment launch and per break ({len(seg)} segments, "
+           f"{len(brk)} breaks; mean of {iters} replays)",
+           f"  segment launch: mean {sum(seg) / len(seg):8.1f}  max {max(seg):8.1f}  total {sum(seg):9.1f}",
+           f"  break:          mean {sum(brk) / max(1, len(brk)):8.1f}  max {max(brk, default=0):8.1f}  "
+           f"total {sum(brk):9.1f}",
+           "  per segment: " + " ".join(f"{v:.0f}" for v in seg),
+           "  per break:   " + " ".join(f"{v:.0f}" for v in brk)]
+    return out
+
+
+def metadata_host_profile(bcg, fb, iters: int = 50) -> list:
+    """cProfile of the metadata refresh (host functions by own time), `iters` builds."""
+    import cProfile
+    import io
+    import pstats
+    n = fb.num_tokens
+    bucket = bcg.bucket_for(n)
+    static_fb = bcg._fill(fb, bucket)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        bcg.spec.replay_metadata(bcg.attn_backend, bcg.captured_metadata[bucket], fb, static_fb)
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    return [f"== {fb.forward_mode.name.lower()} {n}: metadata refresh, cProfile of {iters} builds (own time)", buf.getvalue()]
+
+
+def host_syncs_of_one_replay(runner, fb) -> list:
+    """Every synchronizing CUDA call of one replay step (torch's sync debug mode), with the
+    Python line that made it: a sync serialises host and GPU, so the step costs host + GPU."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            runner.forward(fb)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    lines = sorted({f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in caught})
+    return [f"== {fb.forward_mode.name.lower()} {fb.num_tokens}: synchronizing calls in one replay step: {len(caught)}"] + \
+        [f"  {line}" for line in lines]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", default="dsv4-mini")
@@ -88,6 +151,10 @@ def main():
             for k in acc_async:
                 report.append(f"  {k:10s} {acc_async[k] * 1e3:8.3f} {acc_sync[k] * 1e3:8.3f}")
             report.append(f"  {'total':10s} {sum(acc_async.values()) * 1e3:8.3f} {sum(acc_sync.values()) * 1e3:8.3f}")
+
+            report += break_host_times(bcg, fb)
+            report += metadata_host_profile(bcg, fb)
+            report += host_syncs_of_one_replay(runner, fb)
 
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -100,6 +100,21 @@ def test_replay_matches_eager_for_many_random_inputs(inference_mode):
     assert len(nonzero_rows_seen) > 1
 
 
+def test_timed_replay_computes_what_replay_does_and_times_every_segment_and_break():
+    model = TinyModel(seed=2)
+    static_x = torch.randn(8, 16)
+    graph, out = _capture(model.forward, static_x)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(5))
+    static_x.copy_(x)
+    segments, breaks = graph.replay_host_seconds()
+    assert len(segments) == graph.num_segments == 4 and len(breaks) == graph.num_breaks == 3
+    assert all(s >= 0 for s in segments + breaks)
+    assert torch.equal(out, model.forward(x))
+    graph.release()
+    with pytest.raises(RuntimeError, match="before capture"):
+        graph.replay_host_seconds()
+
+
 def test_replay_sees_state_written_in_place_by_earlier_replays():
     cache = torch.zeros(4, 8)
     step = torch.zeros((), dtype=torch.long)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import time
 from typing import Callable, Iterator, NamedTuple
 
 import torch
@@ -167,6 +168,27 @@ class BreakableGraph(abc.ABC):
                     check_break_arguments(index, record.name, self._break_snapshots[index])
                 self._break_fns[index](*record.args, **record.kwargs)
             self._replay_segment(len(self._breaks))
+
+    def replay_host_seconds(self) -> tuple[list[float], list[float]]:
+        """replay(), timed on the host without syncs: (seconds to launch each segment,
+        seconds each break op took to enqueue its work). For profiling only
+        (benchmark/profile_bcg_step.py): what the CPU spends per segment and per break."""
+        if not self._captured:
+            raise RuntimeError("replay_host_seconds() before capture() finished (or after release())")
+        segments, breaks = [], []
+        clock = time.perf_counter
+        with torch.inference_mode():
+            for index, record in enumerate(self._breaks):
+                start = clock()
+                self._replay_segment(index)
+                mid = clock()
+                self._break_fns[index](*record.args, **record.kwargs)
+                segments.append(mid - start)
+                breaks.append(clock() - mid)
+            start = clock()
+            self._replay_segment(len(self._breaks))
+            segments.append(clock() - start)
+        return segments, breaks
 
     def release(self) -> None:
         """Drop the segments and every reference the graph holds; safe to call twice."""
