@@ -79,6 +79,50 @@ def test_triton_topk_selects_best_visible_slots(device, C, topk):
     assert (out[0] == -1).all()
 
 
+def _integer_case(device, lengths, C, NH=4, DI=16, S=300, negative_weights=False):
+    """Small-integer q, keys and weights: every score is exact in fp32 (so the kernel's and
+    the reference's logits are equal) and tied often; negative weights make -0.0 scores."""
+    T = len(lengths)
+    q = torch.randint(-2, 3, (T, NH, DI)).float()
+    keys = torch.randint(-2, 3, (S, DI)).float()
+    weights = torch.randint(-2, 3, (T, NH)).float() / 2
+    if negative_weights:
+        weights = -weights.abs() - 0.5  # every score is a sum of non-positive terms: 0 or -0.0 when the ReLU cuts
+    slots = torch.stack([torch.randperm(S)[:C] for _ in range(T)]).int()
+    slots[torch.rand(T, C) < 0.05] = -1  # padding inside the lists
+    lens = torch.as_tensor(lengths, dtype=torch.int32)
+    return [x.to(device) for x in (q, weights, keys, slots, lens)]
+
+
+@pytest.mark.parametrize("C, topk", [(300, 64), (40, 64), (64, 64), (1, 8)])
+@pytest.mark.parametrize("negative_weights", [False, True])
+def test_triton_topk_equals_the_reference_exactly_on_tied_scores(device, C, topk, negative_weights):
+    """Same slots in the same order (score descending, then candidate position) as the
+    reference, on scores full of exact ties, -0.0 among them."""
+    require_triton()
+    from dsv4_kernels import indexer
+
+    lengths = [min(C, n) for n in [0, 1, 63, 64, 65, 300, 17]]
+    case = _integer_case(device, lengths, C, negative_weights=negative_weights)
+    torch.testing.assert_close(indexer.indexer_logits(*case), reference.indexer_logits(*case), rtol=0, atol=0)
+    out = torch.full((len(lengths), topk), 12345, dtype=torch.int32, device=device)
+    indexer.indexer_topk(*case, topk, out)
+    want = reference.indexer_topk(*[x.cpu() for x in case], topk, torch.empty(len(lengths), topk, dtype=torch.int32))
+    assert torch.equal(out.cpu(), want)
+
+
+def test_triton_topk_chunks_of_tokens_equal_one_pass(device, monkeypatch):
+    require_triton()
+    from dsv4_kernels import indexer
+
+    lengths = [0, 5, 40, 40, 33, 2, 40]
+    case = _integer_case(device, lengths, 40)
+    whole = indexer.indexer_topk(*case, 16, torch.empty(7, 16, dtype=torch.int32, device=device))
+    monkeypatch.setattr(indexer, "MAX_LOGITS_ELEMENTS", 2 * 40 * 3)  # 3 tokens per chunk
+    chunked = indexer.indexer_topk(*case, 16, torch.full((7, 16), 7, dtype=torch.int32, device=device))
+    assert torch.equal(chunked, whole)
+
+
 # ---- candidates read through the page table (PageTableList, the runtime's form) ----------
 
 
@@ -127,6 +171,21 @@ def test_triton_over_the_page_table_equals_its_gathered_list(device, num_heads):
     indexer.indexer_topk(q, w, keys, listed, lens, 64, out_listed)
     assert torch.equal(out, out_listed)
     _assert_same_selection(out.cpu(), q.cpu(), w.cpu(), keys.cpu(), listed.cpu(), lens.cpu(), 64)
+
+
+def test_triton_topk_over_the_page_table_equals_the_reference_exactly(device):
+    require_triton()
+    from dsv4_kernels import indexer
+
+    q, w, keys, cands, lens = _paged_case(device, LENGTHS)
+    q, keys = q.round(), keys.round()  # integer scores: exact in fp32, tied often
+    w = (w * 8).round() / 2
+    out = torch.full((len(LENGTHS), 64), 12345, dtype=torch.int32, device=device)
+    indexer.indexer_topk(q, w, keys, cands, lens, 64, out)
+    host = PageTableList(cands.rtt.cpu(), cands.rows.cpu(), cands.ratio, cands.width)
+    want = reference.indexer_topk(q.cpu(), w.cpu(), keys.cpu(), host, lens.cpu(), 64,
+                                  torch.empty(len(LENGTHS), 64, dtype=torch.int32))
+    assert torch.equal(out.cpu(), want)
 
 
 @pytest.mark.gpu

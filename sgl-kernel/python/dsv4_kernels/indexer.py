@@ -4,6 +4,12 @@ I(t, j) = sum_h w[t,h] * relu(q[t,h] . K[cand(t, j)]). The candidates are a [T, 
 or (the runtime's case) a PageTableList read straight from the page table, so no [T, C]
 list exists. Heads are the M side of the dot so a tile of gathered keys is read once per
 token. Masked candidates get -inf and never win.
+
+`indexer_topk` is three launches per chunk of tokens: the logits kernel writes each score as
+the deterministic top-k's int64 key (reference.topk_indices: the score's order-preserving
+bits, then the reversed column), one torch.topk over the keys, and a kernel that decodes the
+chosen keys into slots. The reference's ~25 small torch ops cost ~0.65 ms of host time per
+c4 layer in every breakable-graph replay (benchmark/profile_bcg_step.py, docs/benchmarks.md).
 """
 
 import torch
@@ -13,7 +19,6 @@ import triton.language as tl
 from ._dot import dot_precision
 from ._page_table import load_page_table_slots
 from .page_table_list import PageTableList
-from .reference import select_topk_slots
 
 # Bound on the fp32 logits scratch (elements); longer batches are scored in token chunks.
 MAX_LOGITS_ELEMENTS = 1 << 26
@@ -26,9 +31,10 @@ def _indexer_logits_kernel(
     NH, DI, C,
     TILES_PER_PROG: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, PAGED: tl.constexpr, RATIO: tl.constexpr,
+    KEYS: tl.constexpr,
 ):
     """PAGED: slots_ptr is the page table (row stride stride_st) and rows_ptr each token's row;
-    else slots_ptr is the [T, C] list."""
+    else slots_ptr is the [T, C] list. KEYS: store int64 top-k keys instead of fp32 logits."""
     t = tl.program_id(0).to(tl.int64)
     if PAGED:
         list_row = slots_ptr + tl.load(rows_ptr + t).to(tl.int64) * stride_st
@@ -53,24 +59,70 @@ def _indexer_logits_kernel(
                     mask=valid[:, None] & d_mask[None, :], other=0.0)
         dots = tl.maximum(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), 0.0)
         score = tl.sum(dots * w[:, None], 0)
-        tl.store(logits_ptr + t * stride_lt + offs_n, tl.where(valid, score, float("-inf")),
-                 mask=offs_n < C)
+        score = tl.where(valid, score, float("-inf"))
+        if KEYS:
+            tl.store(logits_ptr + t * stride_lt + offs_n, _topk_key(score, offs_n, C), mask=offs_n < C)
+        else:
+            tl.store(logits_ptr + t * stride_lt + offs_n, score, mask=offs_n < C)
 
 
-def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len, logits=None):
+# The keys' high halves of -inf and +inf (reference.topk_indices' order-preserving bits):
+# a chosen key with either is not a real candidate (the reference's isinf test).
+_NEG_INF_ORDERED = -2139095041  # bits 0xFF800000 ^ 0x7FFFFFFF, as int32
+_POS_INF_ORDERED = 2139095040  # bits 0x7F800000
+
+
+@triton.jit
+def _topk_key(score, cols, C):
+    """reference.topk_indices' key of fp32 `score` at column `cols`: the order-preserving
+    int32 of the score (-0.0 as +0.0) in the high half, C - 1 - col in the low half."""
+    bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (ordered.to(tl.int64) << 32) | (C - 1 - cols).to(tl.int64)
+
+
+@triton.jit
+def _keys_to_slots_kernel(
+    keys_ptr, slots_ptr, rows_ptr, max_col, out_ptr,
+    stride_kt, stride_st, stride_ot, C, K, TOPK,
+    BLOCK_K: tl.constexpr, PAGED: tl.constexpr, RATIO: tl.constexpr,
+):
+    """out[t, j] = the slot of the candidate behind chosen key j (< K), -1 for a masked
+    candidate and for j >= K."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    chosen = j < K
+    key = tl.load(keys_ptr + t * stride_kt + j, mask=chosen, other=0)
+    high = (key >> 32).to(tl.int32)
+    live = chosen & (high != _NEG_INF_ORDERED) & (high != _POS_INF_ORDERED)
+    col = (C - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
+    if PAGED:
+        row = slots_ptr + tl.load(rows_ptr + t).to(tl.int64) * stride_st
+        slot = load_page_table_slots(row, col, live, max_col, RATIO)
+    else:
+        slot = tl.load(slots_ptr + t * stride_st + col, mask=live, other=-1)
+    tl.store(out_ptr + t * stride_ot + j, tl.where(live, slot, -1), mask=j < TOPK)
+
+
+def _candidates(cand_slots, cand_len, T):
+    """(width C, the table the kernels read, its row per token, ratio) of a list or a
+    PageTableList."""
+    if isinstance(cand_slots, PageTableList):
+        assert cand_slots.rows.shape[0] == T
+        return cand_slots.width, cand_slots.rtt, cand_slots.rows, cand_slots.ratio
+    return cand_slots.shape[1], cand_slots, cand_len, 1  # rows never read
+
+
+def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len, logits=None, keys: bool = False):
     """logits [T, C] fp32 (see reference.indexer_logits); cand_slots: a [T, C] list or a
-    PageTableList of width C."""
+    PageTableList of width C. keys=True: the int64 keys of reference.topk_indices instead."""
     T, NH, DI = q_idx.shape
     paged = isinstance(cand_slots, PageTableList)
-    if paged:
-        C, table, rows, ratio = cand_slots.width, cand_slots.rtt, cand_slots.rows, cand_slots.ratio
-        assert rows.shape[0] == T and table.stride(-1) == 1
-    else:
-        C, table, rows, ratio = cand_slots.shape[1], cand_slots, cand_len, 1  # rows never read
+    C, table, rows, ratio = _candidates(cand_slots, cand_len, T)
     assert q_idx.stride(-1) == 1 and key_pool.stride(-1) == 1 and table.stride(-1) == 1
     assert key_pool.dtype == q_idx.dtype and weights.stride(-1) == 1
     if logits is None:
-        logits = torch.empty(T, C, dtype=torch.float32, device=q_idx.device)
+        logits = torch.empty(T, C, dtype=torch.int64 if keys else torch.float32, device=q_idx.device)
     if T == 0 or C == 0:
         return logits
     block_n = 64
@@ -82,18 +134,35 @@ def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len, logits=None):
         table.stride(0), logits.stride(0), NH, DI, C,
         TILES_PER_PROG=tiles, BLOCK_H=max(16, triton.next_power_of_2(NH)), BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(DI), DOT_PREC=dot_precision(q_idx.dtype), PAGED=paged, RATIO=ratio,
-        num_warps=4, num_stages=2,
+        KEYS=keys, num_warps=4, num_stages=2,
     )
     return logits
 
 
 def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots):
+    """reference.indexer_topk in three launches per chunk of tokens: keys, torch.topk over
+    them (sorted: the reference's order), slots of the chosen keys."""
     T = q_idx.shape[0]
-    C = cand_slots.width if isinstance(cand_slots, PageTableList) else cand_slots.shape[1]
-    chunk = max(1, MAX_LOGITS_ELEMENTS // max(C, 1))
+    C = _candidates(cand_slots, cand_len, T)[0]
+    k = min(topk, C)
+    # int64 keys: half the elements of the fp32 logits bound, the same bytes
+    chunk = max(1, MAX_LOGITS_ELEMENTS // 2 // max(C, 1))
+    block_k = min(1024, triton.next_power_of_2(max(topk, 1)))
+    assert out_slots.stride(-1) == 1
     # A static Python loop over token chunks: the chunk count depends only on T and C.
     for start in range(0, T, chunk):
         sl = slice(start, min(start + chunk, T))
-        logits = indexer_logits(q_idx[sl], weights[sl], key_pool, cand_slots[sl], cand_len[sl])
-        select_topk_slots(logits, cand_slots[sl], topk, out_slots[sl])
+        if k == 0:
+            out_slots[sl].fill_(-1)
+            continue
+        cands = cand_slots[sl]
+        keys = indexer_logits(q_idx[sl], weights[sl], key_pool, cands, cand_len[sl], keys=True)
+        chosen = keys.topk(k, dim=-1).values
+        _, table, rows, ratio = _candidates(cands, cand_len[sl], sl.stop - sl.start)
+        out = out_slots[sl]
+        _keys_to_slots_kernel[(sl.stop - sl.start, triton.cdiv(topk, block_k))](
+            chosen, table, rows, table.shape[1] - 1, out,
+            chosen.stride(0), table.stride(0), out.stride(0), C, k, topk,
+            BLOCK_K=block_k, PAGED=isinstance(cands, PageTableList), RATIO=ratio, num_warps=4,
+        )
     return out_slots
