@@ -25,7 +25,7 @@ for mode in bcg eager; do
   if [[ -n $up ]]; then
     timeout 90 python benchmark/greedy_agreement.py collect --port $port --num 64 --out "$OUT/greedy_$mode.json"
     for c in 1 16 64; do
-      n=$(( c == 1 ? 4 : 2 * c ))
+      n=$(( c == 1 ? 4 : (c == 64 ? 64 : 2 * c) ))
       timeout 100 python -m sglang.bench_serving --port $port --num-prompts $n --max-concurrency $c \
         --random-input-len $IN --random-output-len $OUTLEN --warmup-requests 2 \
         --output-file "$OUT/serving_$mode.jsonl" > "$OUT/serving_${mode}_c$c.log" 2>&1

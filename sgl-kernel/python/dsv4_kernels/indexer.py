@@ -68,8 +68,8 @@ def _indexer_logits_kernel(
 
 # The keys' high halves of -inf and +inf (reference.topk_indices' order-preserving bits):
 # a chosen key with either is not a real candidate (the reference's isinf test).
-_NEG_INF_ORDERED = -2139095041  # bits 0xFF800000 ^ 0x7FFFFFFF, as int32
-_POS_INF_ORDERED = 2139095040  # bits 0x7F800000
+_NEG_INF_ORDERED = tl.constexpr(-2139095041)  # bits 0xFF800000 ^ 0x7FFFFFFF, as int32
+_POS_INF_ORDERED = tl.constexpr(2139095040)  # bits 0x7F800000
 
 
 @triton.jit
