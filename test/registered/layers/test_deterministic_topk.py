@@ -51,7 +51,8 @@ def indexer_topk(q, w, keys, cand_slots, cand_len, topk):
 def _tied_indexer_case(T=6, C=20, width=20):
     """Every indexer head weight zero: every visible candidate scores exactly 0."""
     g = torch.Generator().manual_seed(3)
-    q, keys = torch.randn(T, 4, 8, generator=g), torch.randn(50, 8, generator=g)
+    # 16 dims: the Triton kernel's dot needs K >= 16 (every real config has 64 or more)
+    q, keys = torch.randn(T, 4, 16, generator=g), torch.randn(50, 16, generator=g)
     w = torch.zeros(T, 4)
     cand_len = torch.tensor([20, 3, 7, 12, 20, 1], dtype=torch.int32)[:T]
     slots = torch.full((T, width), -1, dtype=torch.int32)

@@ -167,12 +167,21 @@ def test_conformance_tiny_on_cuda_float32_matches_cpu(conformance):
 def test_conformance_tiny_on_cuda_with_the_reference_tie_order(dsv4_reference_dir, monkeypatch):
     """With DeepSeek's tie order (CPU torch.topk) swapped in for the one tie rule, everything
     else running on CUDA in float32 (Triton kernels) reproduces every reference row."""
+    import dsv4_kernels.indexer as kernel_indexer
     import dsv4_kernels.reference as kernel_reference
 
     def cpu_topk(score, k):  # eager only: it syncs
         return score.cpu().topk(k, dim=-1).indices.to(score.device)
 
     monkeypatch.setattr(kernel_reference, "topk_indices", cpu_topk)
+
+    def indexer_topk(q, w, keys, cands, lens, topk, out):
+        # the Triton top-k has our tie order built in: Triton logits, then the reference's
+        # selection (through cpu_topk)
+        logits = kernel_indexer.indexer_logits(q, w, keys, cands, lens)
+        return kernel_reference.select_topk_slots(logits, cands, topk, out)
+
+    monkeypatch.setattr(kernel_indexer, "indexer_topk", indexer_topk)
     d = dsv4_reference_dir / "conformance-tiny"
     runner = ModelRunner(cpu_server_args(model_path=str(d), context_length=512, max_total_tokens=2048,
                                          dtype="float32", device="cuda", disable_cuda_graph=True))
