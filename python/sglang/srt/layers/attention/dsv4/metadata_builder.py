@@ -45,30 +45,32 @@ class HostLayout:
     @staticmethod
     def from_forward_batch(fb, emissions: Dict[int, Optional[int]]) -> "HostLayout":
         T = fb.num_tokens
-        # numpy, not torch: torch's CPU repeat_interleave fans out to the OpenMP pool at any
-        # size, which cost milliseconds per call on a busy 16-core host (profile_bcg_step.py).
+        # All in numpy, one torch tensor at the end: torch's CPU ops cost microseconds each
+        # (and its repeat_interleave fans out to the OpenMP pool), on the host's critical path
+        # of every replay (profile_bcg_step.py).
         ext = np.asarray(fb.extend_seq_lens_cpu, dtype=np.int64)
         n_real = int(ext.sum())
         starts = np.cumsum(ext) - ext
-        prefix = torch.from_numpy(np.repeat(np.asarray(fb.extend_prefix_lens_cpu, dtype=np.int64), ext))
-        start = torch.from_numpy(np.repeat(starts, ext))
-        pos = prefix + torch.arange(n_real, dtype=torch.int64) - start
-        rows, counts, widths = [], {}, {}
+        prefix = np.repeat(np.asarray(fb.extend_prefix_lens_cpu, dtype=np.int64), ext)
+        start = np.repeat(starts, ext)
+        pos = prefix + np.arange(n_real, dtype=np.int64) - start
+        widths, emits, counts = {}, {}, {}
         for ratio in sorted(emissions):
-            emit = torch.nonzero((pos + 1) % ratio == 0).squeeze(1)
-            counts[ratio] = k = emit.numel()
+            emits[ratio] = emit = np.flatnonzero((pos + 1) % ratio == 0)
+            counts[ratio] = k = emit.size
             widths[ratio] = E = k if emissions[ratio] is None else emissions[ratio]
             if k > E:
                 raise ValueError(f"{k} ratio-{ratio} emissions exceed the static bound {E}")
-            rows.append(torch.cat([emit, emit.new_zeros(E - k)]))
-        host = torch.zeros(4 * T + sum(widths.values()), dtype=torch.int64)
+        host = np.zeros(4 * T + sum(widths.values()), dtype=np.int64)
         host[0:n_real] = prefix
         host[T:T + n_real] = start
-        host[2 * T:2 * T + n_real] = torch.from_numpy(np.repeat(np.asarray(fb.seq_lens_cpu, dtype=np.int64), ext))
+        host[2 * T:2 * T + n_real] = np.repeat(np.asarray(fb.seq_lens_cpu, dtype=np.int64), ext)
         host[3 * T:3 * T + n_real] = 1
-        if rows:
-            host[4 * T:] = torch.cat(rows)
-        dev = to_device_async(host, fb.device)
+        off = 4 * T
+        for ratio in sorted(emissions):  # each ratio's emitting rows, zero-padded to its width
+            host[off:off + counts[ratio]] = emits[ratio]
+            off += widths[ratio]
+        dev = to_device_async(torch.from_numpy(host), fb.device)
         emit_rows, off = {}, 4 * T
         for ratio in sorted(emissions):
             emit_rows[ratio] = dev[off:off + widths[ratio]]
