@@ -12,17 +12,27 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 # Importable without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+COMPILE_ONLY = os.environ.get("DSV4_TRITON_COMPILE_ONLY") == "1" and not torch.cuda.is_available()
+if COMPILE_ONLY:  # every launch compiled for sm_90, none run (triton_compile_only.py)
+    import triton_compile_only
+
+    triton_compile_only.install()
+elif not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):
     # Registered here too so these tests also run outside the repository's pyproject.
     config.addinivalue_line("markers", "gpu: needs one CUDA GPU")
     config.addinivalue_line("markers", "multi_gpu: needs two or more CUDA GPUs")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if COMPILE_ONLY:
+        triton_compile_only.write_report()
 
 
 def pytest_collection_modifyitems(config, items):

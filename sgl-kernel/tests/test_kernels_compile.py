@@ -1,0 +1,54 @@
+"""Every Triton kernel compiles for an H200 (sm_90), checked on a machine without a GPU.
+
+The interpreter the other CPU tests use accepts code that Triton's compiler rejects (see
+triton_compile_only.py), so this test runs the kernel tests once more in compile-only mode
+(every launch compiled with the tests' own arguments, none run) and reads the report.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).resolve().parent
+KERNELS = TESTS.parent / "python" / "dsv4_kernels"
+
+# Kernels the compile-only run cannot reach, with the reason.
+NOT_REACHED = {
+    # moe_align launches it for CUDA tensors or under the interpreter only; on CPU tensors it
+    # takes the torch path. Its GPU tests compile it on the H200.
+    "dsv4_kernels.moe._align_small_kernel",
+}
+
+
+def defined_kernels() -> set:
+    """Every `@triton.jit` function whose name ends in `_kernel` (the launched ones; the
+    helpers they call are compiled with them)."""
+    names = set()
+    for path in KERNELS.glob("*.py"):
+        for name in re.findall(r"@triton\.jit[^\n]*\ndef (\w+_kernel)\(", path.read_text()):
+            names.add(f"dsv4_kernels.{path.stem}.{name}")
+    return names
+
+
+@pytest.mark.skipif(os.environ.get("DSV4_TRITON_COMPILE_ONLY") == "1", reason="the compile-only run itself")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernel tests compile every kernel themselves")
+def test_every_kernel_compiles_for_sm90(tmp_path):
+    pytest.importorskip("triton")
+    report = tmp_path / "report.json"
+    env = dict(os.environ, DSV4_TRITON_COMPILE_ONLY="1", DSV4_TRITON_COMPILE_REPORT=str(report))
+    env.pop("TRITON_INTERPRET", None)
+    # The tests' assertions fail in this mode (nothing runs); only the report counts.
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS)],
+                         cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=1200)
+    assert report.exists(), run.stdout[-3000:] + run.stderr[-3000:]
+    got = json.loads(report.read_text())
+    assert got["errors"] == {}, "\n\n".join(f"{k}:\n{v}" for k, v in got["errors"].items())
+    missing = defined_kernels() - set(got["compiled"]) - NOT_REACHED
+    assert missing == set(), f"kernels no test launches, so never compiled: {sorted(missing)}"
+    assert NOT_REACHED <= defined_kernels(), "NOT_REACHED names a kernel that no longer exists"
