@@ -125,6 +125,25 @@ def test_native_generate_with_input_ids(server):
     assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
 
 
+def test_generate_returns_the_logprobs_of_its_tokens_and_the_top_alternatives(server):
+    body = {"input_ids": [10, 20, 30], "return_logprob": True, "top_logprobs_num": 3,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    out = requests.post(server.url + "/generate", json=body, timeout=120).json()
+    meta, ids = out["meta_info"], out["output_ids"]
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == ids
+    assert len(meta["output_top_logprobs"]) == len(ids) == 5
+    for (lp, tok, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+        assert len(top) == 3 and top[0][:2] == [lp, tok]  # greedy: the chosen token is the most likely
+        assert lp <= 0 and top[0][0] >= top[1][0] >= top[2][0]
+    # Streaming carries them so far, like the ids; the last event equals the response.
+    events = requests.post(server.url + "/generate", json=dict(body, stream=True), stream=True, timeout=120)
+    last = [json.loads(line[6:]) for line in events.iter_lines() if line.startswith(b"data: {")][-1]
+    assert last["meta_info"]["output_token_logprobs"] == meta["output_token_logprobs"]
+    assert last["meta_info"]["output_top_logprobs"] == meta["output_top_logprobs"]
+    plain = _generate(server, [10, 20, 30], 5)
+    assert plain["output_ids"] == ids and "output_token_logprobs" not in plain["meta_info"]
+
+
 def test_stop_string_ends_the_request_and_is_cut_from_the_text(server, client):
     full = _generate(server, [40, 41, 42], 32)
     # A stop string taken from the greedy output itself: its first printable ASCII character.
@@ -184,6 +203,9 @@ def test_32_concurrent_requests_finish_and_greedy_is_the_same_alone_and_under_lo
 # ---- bad input ----------------------------------------------------------------------------
 
 BAD_REQUESTS = [
+    ("/generate", {"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob"),
+    ("/generate", {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+    ("/generate", {"input_ids": [1, 2], "top_logprobs_num": 2}, "needs return_logprob"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -0.5}, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p"),

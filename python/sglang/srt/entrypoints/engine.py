@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from typing import Any, Dict, List, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -23,6 +23,7 @@ from sglang.srt.managers.io_struct import (
     TokenOut,
     check_prompt_ids,
     kv_capacity_tokens,
+    logprob_meta_info,
     output_text,
 )
 from sglang.srt.managers.scheduler import Scheduler
@@ -70,11 +71,15 @@ class Engine:
         prompt: Union[Prompt, Sequence[Prompt], None] = None,
         sampling_params: Union[Dict[str, Any], SamplingParams, Sequence[Any], None] = None,
         input_ids: Union[List[int], List[List[int]], None] = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
     ) -> Union[Dict[str, Any], List[Dict[str, Any]]]:
         """prompt: a str, a list of str, token ids, or a list of token-id lists (or pass
         input_ids=). Returns one dict per prompt, a list when a list was given:
         {"text", "output_ids", "meta_info": {"prompt_tokens", "completion_tokens", "finish_reason"}}.
-        Bad input raises ValueError and queues nothing."""
+        return_logprob / top_logprobs_num: meta_info also holds `output_token_logprobs` (and
+        `output_top_logprobs`), as /generate returns them. Bad input raises ValueError and
+        queues nothing."""
         self._check_open()
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt and input_ids")
@@ -83,7 +88,7 @@ class Engine:
         reqs = [
             GenerateReqInput(rid=f"engine-{next(self._rids)}",
                              input_ids=self.tokenizer.encode(p) if isinstance(p, str) else list(p),
-                             sampling_params=sp)
+                             sampling_params=sp, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
             for p, sp in zip(prompts, params)
         ]
         added = []
@@ -103,25 +108,27 @@ class Engine:
         return outs[0] if single else outs
 
     def _run_until_finished(self, rids: List[str]) -> Dict[str, dict]:
-        acc: Dict[str, List[int]] = {rid: [] for rid in rids}
+        acc: Dict[str, _Acc] = {rid: _Acc() for rid in rids}
         results: Dict[str, dict] = {}
         while len(results) < len(rids):
             if not self.scheduler.has_work():
                 raise RuntimeError(f"scheduler went idle with unfinished requests {sorted(set(rids) - set(results))}")
             for out in self.scheduler.step():
                 if out.rid in acc:
-                    acc[out.rid] += out.new_token_ids
+                    acc[out.rid].add(out)
                     if out.finished:
                         results[out.rid] = self._result(acc[out.rid], out)
         return results
 
-    def _result(self, output_ids: List[int], out) -> Dict[str, Any]:
+    def _result(self, acc: "_Acc", out) -> Dict[str, Any]:
         meta = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                 "finish_reason": out.finish_reason}
         if out.error:
             meta["error"] = out.error
-        return {"text": output_text(self.tokenizer.decode, output_ids, out.finish_reason),
-                "output_ids": output_ids, "meta_info": meta}
+        if acc.logprobs is not None:
+            meta.update(logprob_meta_info(acc.ids, acc.logprobs, acc.top_logprobs))
+        return {"text": output_text(self.tokenizer.decode, acc.ids, out.finish_reason),
+                "output_ids": acc.ids, "meta_info": meta}
 
     # ---- lifecycle and info ----------------------------------------------------------
 
@@ -210,6 +217,22 @@ class _DPSchedulerClient:
 
     def shutdown(self) -> None:
         self.client.shutdown()
+
+
+class _Acc:
+    """One request's outputs so far (ids, and logprobs when it asked)."""
+
+    def __init__(self):
+        self.ids: List[int] = []
+        self.logprobs: Optional[List[float]] = None
+        self.top_logprobs: Optional[list] = None
+
+    def add(self, out: TokenOut) -> None:
+        self.ids += out.new_token_ids
+        if out.new_logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.new_logprobs
+        if out.new_top_logprobs is not None:
+            self.top_logprobs = (self.top_logprobs or []) + out.new_top_logprobs
 
 
 def _as_prompt_list(prompt) -> tuple:

@@ -16,6 +16,7 @@ from aiohttp import web
 from sglang.srt.entrypoints import openai_api as oai
 from sglang.srt.entrypoints.openai_api import APIError
 from sglang.srt.entrypoints.request_body import OFF_LOOP_BYTES, BadBody, parse_json_off_loop, read_body
+from sglang.srt.managers.io_struct import logprob_meta_info
 from sglang.srt.managers.tokenizer_manager import (
     RequestError,
     SchedulerDiedError,
@@ -26,7 +27,7 @@ from sglang.srt.managers.tokenizer_manager import (
 logger = logging.getLogger(__name__)
 
 MANAGER = web.AppKey("manager", TokenizerManager)
-_NATIVE_KEYS = {"text", "input_ids", "sampling_params", "stream", "rid"}
+_NATIVE_KEYS = {"text", "input_ids", "sampling_params", "stream", "rid", "return_logprob", "top_logprobs_num"}
 RETRY_AFTER_S = 5  # what a client is told to wait while the server drains for a restart
 
 
@@ -141,12 +142,13 @@ async def _collect(gen):
 # ---- SGLang-native ---------------------------------------------------------------------
 
 
-def _meta_info(out) -> dict:
+def _meta_info(out, logprob_fields: dict | None = None) -> dict:
     return {
         "id": out.rid,
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens,
         "finish_reason": out.finish_reason,
+        **(logprob_fields or {}),
     }
 
 
@@ -164,7 +166,9 @@ def _native_request(manager: TokenizerManager, body: dict):
             raise APIError("text is empty: the prompt needs at least one token")
         input_ids = manager.tokenize(text)
     stream = oai.get_bool(body, "stream", False)
-    return manager.build_request(input_ids, body.get("sampling_params"), stream, body.get("rid"))
+    return manager.build_request(input_ids, body.get("sampling_params"), stream, body.get("rid"),
+                                 return_logprob=body.get("return_logprob", False),
+                                 top_logprobs_num=body.get("top_logprobs_num", 0))
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -172,16 +176,30 @@ async def generate(request: web.Request) -> web.StreamResponse:
     req, skip = await prepare(request, _native_request)
     stream = req.stream
     gen = manager.generate(req, skip)
-    if not stream:
-        text, ids, last = await _collect(gen)
-        return web.json_response({"text": text, "output_ids": ids, "meta_info": _meta_info(last)})
-    # Like SGLang: every event carries the text and ids so far.
+    # Like SGLang: every event carries the text, ids (and logprobs) so far.
     acc_text, acc_ids = [], []
+    acc_lp = [] if req.return_logprob else None
+    acc_top = [] if req.top_logprobs_num else None
 
-    def events(out):
+    def fold(out):
         acc_text.append(out.text)
         acc_ids.extend(out.output_ids)
-        return [{"text": "".join(acc_text), "output_ids": list(acc_ids), "meta_info": _meta_info(out)}]
+        if acc_lp is not None:
+            acc_lp.extend(out.output_logprobs)
+        if acc_top is not None:
+            acc_top.extend(out.output_top_logprobs)
+        meta = _meta_info(out, logprob_meta_info(acc_ids, acc_lp, acc_top) if acc_lp is not None else None)
+        return {"text": "".join(acc_text), "output_ids": list(acc_ids), "meta_info": meta}
+
+    if not stream:
+        last = None
+        async with contextlib.aclosing(gen):  # an error or a cancel aborts the request
+            async for out in gen:
+                last = fold(out)
+        return web.json_response(last)
+
+    def events(out):
+        return [fold(out)]
 
     return await _sse(request, gen, events)
 

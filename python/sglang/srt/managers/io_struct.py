@@ -18,12 +18,21 @@ from typing import Any, Callable, Optional, Sequence
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 
+# Most alternatives per generated token a request may ask for (`top_logprobs_num`).
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass
 class GenerateReqInput:
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     stream: bool = False
+    # Log-probabilities of the generated tokens under the model's distribution (the logits'
+    # log-softmax: temperature 1, no top-k/p filtering), and of the `top_logprobs_num` most
+    # likely tokens at each step.
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
 
 
 @dataclass
@@ -47,6 +56,10 @@ class TokenOut:
     prompt_tokens: int
     completion_tokens: int
     error: Optional[str] = None
+    # With return_logprob: one per new token, and per new token its top_logprobs_num
+    # (logprob, token id) pairs, most likely first.
+    new_logprobs: Optional[list[float]] = None
+    new_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
 
 
 @dataclass
@@ -95,6 +108,31 @@ class RankHello:
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+
+
+def logprob_meta_info(output_ids: Sequence[int], logprobs: Optional[Sequence[float]],
+                      top_logprobs: Optional[Sequence[Sequence[tuple[float, int]]]]) -> dict:
+    """meta_info fields of a request with return_logprob, SGLang's shape without token texts:
+    `output_token_logprobs` [[logprob, token_id, null], ...] per output id, and
+    `output_top_logprobs` a list of such triples per output id, most likely first."""
+    meta = {}
+    if logprobs is not None:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, output_ids)]
+    if top_logprobs is not None:
+        meta["output_top_logprobs"] = [[[lp, tok, None] for lp, tok in step] for step in top_logprobs]
+    return meta
+
+
+def check_logprob_args(return_logprob, top_logprobs_num) -> None:
+    """ValueError unless return_logprob is a bool and top_logprobs_num an int in
+    [0, MAX_TOP_LOGPROBS], non-zero only with return_logprob."""
+    if not isinstance(return_logprob, bool):
+        raise ValueError(f"return_logprob must be true or false, got {return_logprob!r}")
+    if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) \
+            or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs_num must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top_logprobs_num!r}")
+    if top_logprobs_num and not return_logprob:
+        raise ValueError("top_logprobs_num needs return_logprob")
 
 
 def visible_output_ids(output_ids: Sequence[int], finish_reason: Optional[dict]) -> list[int]:

@@ -62,19 +62,29 @@ class LaunchedStep:
     reqs: List = field(default_factory=list)
     placeholders: List[int] = field(default_factory=list)
     host_ids: Optional[torch.Tensor] = None  # pinned on CUDA
-    event: Optional[object] = None  # torch.cuda.Event recorded after the copy
+    event: Optional[object] = None  # torch.cuda.Event recorded after the copies
     early_outs: List = field(default_factory=list)  # TokenOuts known at launch (max_new_tokens 0)
+    # return_logprob: the positions in `reqs` that asked, and their layers/logprobs.py results
+    # (chosen [n], top values [n, k], top ids [n, k]; top ones None when no row wants any)
+    logprob_rows: List[int] = field(default_factory=list)
+    host_logprobs: tuple = ()
 
     @staticmethod
-    def copy_to_host(ids: torch.Tensor):
-        """(host tensor, event): a non-blocking device->host copy the host waits on later."""
-        if ids.device.type != "cuda":
-            return ids, None
-        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        host.copy_(ids, non_blocking=True)
+    def copy_to_host(*tensors: Optional[torch.Tensor]):
+        """(host tensors, event): non-blocking device->host copies the host waits on later,
+        one event after all of them (None stays None)."""
+        if all(t is None or t.device.type != "cuda" for t in tensors):
+            return tensors, None
+        hosts = []
+        for t in tensors:
+            if t is not None:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                t = host
+            hosts.append(t)
         event = torch.cuda.Event()
         event.record()
-        return host, event
+        return tuple(hosts), event
 
     def wait_tokens(self) -> List[int]:
         if self.host_ids is None:
@@ -82,6 +92,21 @@ class LaunchedStep:
         if self.event is not None:
             self.event.synchronize()
         return self.host_ids.tolist()
+
+    def logprobs_by_position(self) -> dict:
+        """{position in reqs: (logprob, [(logprob, id), ...])} (after wait_tokens)."""
+        if not self.logprob_rows:
+            return {}
+        chosen, top_vals, top_ids = self.host_logprobs
+        chosen = chosen.tolist()
+        top_vals = top_vals.tolist() if top_vals is not None else None
+        top_ids = top_ids.tolist() if top_ids is not None else None
+        out = {}
+        for j, pos in enumerate(self.logprob_rows):
+            k = self.reqs[pos].top_logprobs_num
+            top = list(zip(top_vals[j][:k], top_ids[j][:k])) if k else []
+            out[pos] = (chosen[j], top)
+        return out
 
 
 def rows_to_device(rows: List[int], device: torch.device) -> torch.Tensor:

@@ -39,6 +39,10 @@ class Req:
     error: Optional[str] = None
     num_sent: int = 0  # output tokens already reported in a TokenOut
     num_retractions: int = 0
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    output_logprobs: List[float] = field(default_factory=list)  # with return_logprob, per output id
+    output_top_logprobs: List[list] = field(default_factory=list)  # (logprob, id) pairs per output id
 
     def __post_init__(self):
         assert len(self.origin_input_ids) > 0, "a request needs at least one prompt token"

@@ -44,8 +44,9 @@ import collections
 import logging
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
+from sglang.srt.layers.logprobs import token_logprobs
 from sglang.srt.layers.sampler import Sampler, make_generator
-from sglang.srt.managers.io_struct import GenerateReqInput, TokenOut, check_prompt_ids
+from sglang.srt.managers.io_struct import GenerateReqInput, TokenOut, check_logprob_args, check_prompt_ids
 from sglang.srt.managers.overlap import FutureMap, LaunchedStep, rows_to_device
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, check_finished, eos_ids_of
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -107,7 +108,9 @@ class Scheduler:
             raise ValueError(f"a request with rid {req_in.rid!r} is already running")
         ids = check_prompt_ids(req_in.input_ids, self.vocab_size, self.context_length,
                                self.pool.pages.capacity * self.page_size)
+        check_logprob_args(req_in.return_logprob, req_in.top_logprobs_num)
         req = Req(rid=req_in.rid, origin_input_ids=list(ids), sampling_params=params, stream=req_in.stream,
+                  return_logprob=req_in.return_logprob, top_logprobs_num=req_in.top_logprobs_num,
                   arrival_seq=self._next_arrival,
                   generator=make_generator(params.seed) if params.seed is not None else None)
         self._next_arrival += 1
@@ -360,7 +363,14 @@ class Scheduler:
             logits = logits[rows_to_device(rows, logits.device)]
         ids = self.sampler(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
         first = self.future_map.store(ids)
-        step.host_ids, step.event = LaunchedStep.copy_to_host(ids)
+        step.logprob_rows = [j for j, r in enumerate(reqs) if r.return_logprob]
+        logprobs = ()
+        if step.logprob_rows:
+            rows_lp = step.logprob_rows
+            sel = rows_to_device(rows_lp, logits.device) if len(rows_lp) < len(reqs) else None
+            logprobs = token_logprobs(logits if sel is None else logits[sel], ids if sel is None else ids[sel],
+                                      max(reqs[j].top_logprobs_num for j in rows_lp))
+        (step.host_ids, *step.host_logprobs), step.event = LaunchedStep.copy_to_host(ids, *logprobs)
         for j, (i, req) in enumerate(zip(rows, reqs)):
             req.pending_ids.append(-(first + j))
             step.reqs.append(req)
@@ -374,13 +384,18 @@ class Scheduler:
         append, finish checks, stream outputs. A request that finished meanwhile (a stop seen
         one step late, an abort) drops its token."""
         outs = list(step.early_outs)
-        for req, placeholder, tok in zip(step.reqs, step.placeholders, step.wait_tokens()):
+        tokens = step.wait_tokens()
+        logprobs = step.logprobs_by_position()
+        for pos, (req, placeholder, tok) in enumerate(zip(step.reqs, step.placeholders, tokens)):
             if req.finished:
                 self.counters["dropped_tokens"] += 1
                 continue
             assert req.pending_ids and req.pending_ids[0] == placeholder, "in-flight tokens resolve in order"
             req.pending_ids.pop(0)
             req.output_ids.append(tok)
+            if pos in logprobs:
+                req.output_logprobs.append(logprobs[pos][0])
+                req.output_top_logprobs.append(logprobs[pos][1])
             self.counters["generated_tokens"] += 1
             reason = check_finished(req, self.eos_token_ids, self.context_length, self.decode_fn)
             if reason is not None:
@@ -391,16 +406,17 @@ class Scheduler:
         return outs
 
     def _token_out(self, req: Req) -> TokenOut:
-        new = req.output_ids[req.num_sent :]
-        req.num_sent = len(req.output_ids)
+        sent, req.num_sent = req.num_sent, len(req.output_ids)
         return TokenOut(
             rid=req.rid,
-            new_token_ids=new,
+            new_token_ids=req.output_ids[sent:],
             finished=req.finished,
             finish_reason=req.finish_reason,
             prompt_tokens=len(req.origin_input_ids),
             completion_tokens=len(req.output_ids),
             error=req.error,
+            new_logprobs=req.output_logprobs[sent:] if req.return_logprob else None,
+            new_top_logprobs=req.output_top_logprobs[sent:] if req.top_logprobs_num else None,
         )
 
     # ---- introspection ---------------------------------------------------------------

@@ -21,6 +21,7 @@ from sglang.srt.managers.io_struct import (
     GenerateReqInput,
     ReadyMsg,
     ServerInfo,
+    check_logprob_args,
     check_prompt_ids,
     kv_capacity_tokens,
     visible_output_ids,
@@ -59,6 +60,9 @@ class GenerateOutput:
     finish_reason: dict | None
     prompt_tokens: int
     completion_tokens: int
+    # with return_logprob: per token of output_ids, and its top (logprob, id) pairs
+    output_logprobs: list[float] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
 
 
 @dataclass
@@ -197,6 +201,8 @@ class TokenizerManager:
         sampling_params: dict | None,
         stream: bool = False,
         rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
     ) -> tuple[GenerateReqInput, bool]:
         """Validate and build a request; returns it with its `skip_special_tokens`.
         Raises RequestError (HTTP 400) for any bad input."""
@@ -229,7 +235,12 @@ class TokenizerManager:
         if rid is not None and not isinstance(rid, str):
             raise RequestError("rid must be a string")
         rid = rid or uuid.uuid4().hex
-        return GenerateReqInput(rid=rid, input_ids=ids, sampling_params=params, stream=stream), skip_special_tokens
+        try:
+            check_logprob_args(return_logprob, top_logprobs_num)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        return GenerateReqInput(rid=rid, input_ids=ids, sampling_params=params, stream=stream,
+                                return_logprob=return_logprob, top_logprobs_num=top_logprobs_num), skip_special_tokens
 
     def _check_input_ids(self, input_ids) -> list[int]:
         try:
@@ -269,6 +280,8 @@ class TokenizerManager:
 
     def _fold(self, req: GenerateReqInput, detok: IncrementalDetokenizer, items: list) -> GenerateOutput:
         text, ids, last = [], [], None
+        logprobs = [] if req.return_logprob else None
+        top_logprobs = [] if req.top_logprobs_num else None
         finish_reason = None
         finished = False
         for item in items:
@@ -277,6 +290,10 @@ class TokenizerManager:
             if item.error is not None:
                 raise RequestError(item.error)
             ids.extend(item.new_token_ids)
+            if logprobs is not None:
+                logprobs.extend(item.new_logprobs)
+            if top_logprobs is not None:
+                top_logprobs.extend(item.new_top_logprobs)
             # A matched stop token ends the text; it is not part of it (it stays in the ids).
             visible = visible_output_ids(item.new_token_ids, item.finish_reason) if item.finished else item.new_token_ids
             text.append(detok.add(visible))
@@ -299,6 +316,8 @@ class TokenizerManager:
             finish_reason=finish_reason,
             prompt_tokens=last.prompt_tokens,
             completion_tokens=last.completion_tokens,
+            output_logprobs=logprobs,
+            output_top_logprobs=top_logprobs,
         )
 
     async def get_server_info(self, timeout_s: float = 30.0) -> dict:
