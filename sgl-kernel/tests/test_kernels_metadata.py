@@ -195,6 +195,50 @@ def test_triton_emission_metadata_equals_reference(device, ratio):
     assert ((gather[:-3] >= 0) | (gather[:-3] <= -2)).any(dim=1).all()  # every entry has sources
 
 
+@pytest.mark.parametrize("with_c4", [True, False])
+def test_triton_whole_step_in_one_launch_equals_the_reference(device, with_c4):
+    """step_metadata: token fields and both ratios' emissions (with padding emissions) from one
+    launch, equal to the reference's token_metadata + emission_metadata."""
+    require_triton()
+    from dsv4_kernels import metadata, reference
+
+    T, n_reqs, max_ctx, W = 300, 4, 900, 8
+    rtt, L, n = _random_step(T, n_reqs, max_ctx, n_reqs, device, seed=11)
+    ratios = (4, 128) if with_c4 else (128,)
+    results = []
+    for impl in (reference, metadata):
+        out = _token_outputs(T, W, device, with_c4)
+        emissions = {}
+        for ratio in ratios:
+            emit = torch.nonzero((L["positions"][:n] + 1) % ratio == 0).squeeze(1)
+            E, R = emit.numel() + 2, 2 * ratio if ratio == 4 else ratio
+            emissions[ratio] = (torch.cat([emit, emit.new_zeros(2)]), emit.numel(),
+                                torch.full((E, R), -77, dtype=torch.int32, device=device),
+                                torch.full((E,), -77, dtype=torch.int32, device=device),
+                                torch.full((E,), -77, dtype=torch.int32, device=device))
+        impl.step_metadata(rtt, L["req_slot"], L["positions"], L["seq_len"], L["valid"], L["prefix"],
+                           L["chunk_start"], n_reqs, 16, out, emissions)
+        results.append((out, emissions))
+    (want, want_em), (got, got_em) = results
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    for ratio in ratios:
+        assert want_em[ratio][1] > 0
+        for a, b in zip(want_em[ratio][2:], got_em[ratio][2:]):
+            assert torch.equal(a, b), ratio
+    assert (got["window_len"][:n] > 0).all() and (got_em[ratios[-1]][3][-2:] == -1).all()
+
+
+def test_step_metadata_refuses_a_ratio_the_kernel_does_not_know():
+    require_triton()
+    from dsv4_kernels import metadata
+
+    idx = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="ratios 4 and 128"):
+        metadata.step_metadata(None, idx, idx, idx, idx, idx, idx, 0, 1, {"positions": idx},
+                               {16: (idx, 1, torch.zeros(2, 16, dtype=torch.int32), idx, idx)})
+
+
 @pytest.mark.gpu
 def test_gpu_step_builders_at_real_widths():
     from dsv4_kernels import metadata, reference

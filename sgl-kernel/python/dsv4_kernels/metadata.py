@@ -1,6 +1,7 @@
-"""Triton builders of the per-step DSV4 attention metadata: one launch for every per-token
-field, one per compression ratio for the compressor emissions. No per-token list of
-compressed entries is built: consumers read them through the page table (PageTableList).
+"""Triton builder of the per-step DSV4 attention metadata: one launch for a whole step, every
+per-token field and the compressor emissions of each ratio (programs [0, T) are tokens, the
+rest emissions). No per-token list of compressed entries is built: consumers read them
+through the page table (PageTableList).
 
 The torch version of the same builder (reference.token_metadata / emission_metadata) is
 ~100 small launches; under breakable graphs it runs on the host before every replay, so
@@ -16,13 +17,13 @@ BLOCK = 128
 
 
 @triton.jit
-def _token_metadata_kernel(
-    rtt_ptr, stride_rtt, max_col, req_ptr, pos_ptr, seq_len_ptr, valid_ptr, padding_slot,
+def _token_row(
+    t, rtt_ptr, stride_rtt, max_col, req_ptr, pos_ptr, seq_len_ptr, valid_ptr, padding_slot,
     pos_out, rows_out, raw_out, win_ptr, win_len_ptr, W,
     c128_len_ptr, ring128_ptr, cand_len_ptr, topk_len_ptr, topk, ring4_ptr,
     HAS_C4: tl.constexpr, HAS_C128: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    """Every per-token field of token t (reference.token_metadata)."""
     valid = tl.load(valid_ptr + t) != 0
     slot = tl.where(valid, tl.load(req_ptr + t), padding_slot).to(tl.int64)
     pos = tl.where(valid, tl.load(pos_ptr + t), 0).to(tl.int64)
@@ -56,12 +57,12 @@ def _token_metadata_kernel(
 
 
 @triton.jit
-def _emission_metadata_kernel(
-    rtt_ptr, stride_rtt, max_col, req_ptr, pos_ptr, valid_ptr, prefix_ptr, start_ptr, rows_ptr,
+def _emission_row(
+    e, rtt_ptr, stride_rtt, max_col, req_ptr, pos_ptr, valid_ptr, prefix_ptr, start_ptr, rows_ptr,
     num_real, padding_slot, gather_ptr, out_loc_ptr, epos_ptr,
     RATIO: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    e = tl.program_id(0)
+    """Emission e of one ratio (reference.emission_metadata)."""
     real = e < num_real
     tok = tl.load(rows_ptr + e)
     valid = tl.load(valid_ptr + tok) != 0
@@ -82,32 +83,83 @@ def _emission_metadata_kernel(
     tl.store(epos_ptr + e, tl.where(real, entry * RATIO, 0).to(tl.int32))
 
 
-def token_metadata(rtt, req_slot, positions, seq_len, valid, padding_slot, topk, out):
-    """See reference.token_metadata."""
-    T = positions.shape[0]
-    if T == 0:
+@triton.jit
+def _step_metadata_kernel(
+    rtt_ptr, stride_rtt, max_col, req_ptr, pos_ptr, seq_len_ptr, valid_ptr, prefix_ptr, start_ptr,
+    padding_slot, T,
+    pos_out, rows_out, raw_out, win_ptr, win_len_ptr, W,
+    c128_len_ptr, ring128_ptr, cand_len_ptr, topk_len_ptr, topk, ring4_ptr,
+    rows4_ptr, num_real4, gather4_ptr, out_loc4_ptr, epos4_ptr, E4,
+    rows128_ptr, num_real128, gather128_ptr, out_loc128_ptr, epos128_ptr,
+    HAS_C4: tl.constexpr, HAS_C128: tl.constexpr, HAS_E4: tl.constexpr, HAS_E128: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Programs [0, T): tokens; [T, T + E4): ratio-4 emissions; then ratio-128 emissions."""
+    p = tl.program_id(0)
+    if p < T:
+        _token_row(p.to(tl.int64), rtt_ptr, stride_rtt, max_col, req_ptr, pos_ptr, seq_len_ptr, valid_ptr,
+                   padding_slot, pos_out, rows_out, raw_out, win_ptr, win_len_ptr, W,
+                   c128_len_ptr, ring128_ptr, cand_len_ptr, topk_len_ptr, topk, ring4_ptr,
+                   HAS_C4, HAS_C128, BLOCK)
+    elif p < T + E4:
+        if HAS_E4:
+            _emission_row(p - T, rtt_ptr, stride_rtt, max_col, req_ptr, pos_ptr, valid_ptr, prefix_ptr, start_ptr,
+                          rows4_ptr, num_real4, padding_slot, gather4_ptr, out_loc4_ptr, epos4_ptr,
+                          4, 8, 8)
+    else:
+        if HAS_E128:
+            _emission_row(p - T - E4, rtt_ptr, stride_rtt, max_col, req_ptr, pos_ptr, valid_ptr, prefix_ptr,
+                          start_ptr, rows128_ptr, num_real128, padding_slot, gather128_ptr, out_loc128_ptr,
+                          epos128_ptr, 128, 128, 128)
+
+
+# The compressors' ring sizes per ratio (R rows of state per request), as the kernel hard-codes.
+EMISSION_RING = {4: 8, 128: 128}
+
+
+def step_metadata(rtt, req_slot, positions, seq_len, valid, prefix, chunk_start, padding_slot, topk, out,
+                  emissions):
+    """token_metadata, then emission_metadata of every ratio in `emissions` ({ratio: (rows,
+    num_real, gather_idx, out_loc, emit_pos)}), in one launch. See the reference's two. The
+    token programs are out["positions"]'s rows (none when it is empty)."""
+    T = out["positions"].shape[0]
+    for ratio, em in emissions.items():
+        if ratio not in EMISSION_RING or em[2].shape[1] != EMISSION_RING[ratio]:
+            raise ValueError(f"ratio {ratio}: the kernel handles ratios 4 and 128 with rings of 8 and 128 rows")
+    E4 = emissions[4][0].shape[0] if 4 in emissions else 0
+    E128 = emissions[128][0].shape[0] if 128 in emissions else 0
+    if T + E4 + E128 == 0:
         return out
-    has_c4, has_c128 = "cand_len" in out, "c128_len" in out
     dummy = out["window_len"]
-    W = out["window_slots"].shape[1]
-    _token_metadata_kernel[(T,)](
-        rtt, rtt.stride(0), rtt.shape[1] - 1, req_slot, positions, seq_len, valid, padding_slot,
-        out["positions"], out["token_rows"], out["raw_out_loc"], out["window_slots"], out["window_len"], W,
+    e4 = emissions.get(4, (dummy, 0, dummy, dummy, dummy))
+    e128 = emissions.get(128, (dummy, 0, dummy, dummy, dummy))
+    _step_metadata_kernel[(T + E4 + E128,)](
+        rtt, rtt.stride(0), rtt.shape[1] - 1, req_slot, positions, seq_len, valid, prefix, chunk_start,
+        padding_slot, T,
+        out["positions"], out["token_rows"], out["raw_out_loc"], out["window_slots"], out["window_len"],
+        out["window_slots"].shape[1],
         out.get("c128_len", dummy), out.get("ring128", dummy),
         out.get("cand_len", dummy), out.get("topk_len", dummy), topk, out.get("ring4", dummy),
-        HAS_C4=has_c4, HAS_C128=has_c128, BLOCK=BLOCK, num_warps=4,
+        e4[0], e4[1], e4[2], e4[3], e4[4], E4,
+        e128[0], e128[1], e128[2], e128[3], e128[4],
+        HAS_C4="cand_len" in out, HAS_C128="c128_len" in out, HAS_E4=E4 > 0, HAS_E128=E128 > 0,
+        BLOCK=BLOCK, num_warps=4,
     )
     return out
 
 
+def token_metadata(rtt, req_slot, positions, seq_len, valid, padding_slot, topk, out):
+    """See reference.token_metadata (the step kernel's token programs only)."""
+    return step_metadata(rtt, req_slot, positions, seq_len, valid, valid, valid, padding_slot, topk, out, {})
+
+
 def emission_metadata(rtt, req_slot, positions, valid, prefix, chunk_start, rows, num_real,
                       padding_slot, ratio, gather_idx, out_loc, emit_pos):
-    """See reference.emission_metadata."""
-    E, R = gather_idx.shape
-    if E == 0:
+    """See reference.emission_metadata (the step kernel's programs of one ratio only)."""
+    if rows.shape[0] == 0:
         return
-    _emission_metadata_kernel[(E,)](
-        rtt, rtt.stride(0), rtt.shape[1] - 1, req_slot, positions, valid, prefix, chunk_start, rows,
-        num_real, padding_slot, gather_idx, out_loc, emit_pos,
-        RATIO=ratio, R=R, BLOCK_R=triton.next_power_of_2(R), num_warps=4,
-    )
+    empty = positions[:0]
+    out = {"positions": empty, "token_rows": empty, "raw_out_loc": empty, "window_slots": gather_idx[:0],
+           "window_len": out_loc}  # no token programs run; these only fill the signature
+    step_metadata(rtt, req_slot, positions, positions, valid, prefix, chunk_start, padding_slot, 0, out,
+                  {ratio: (rows, num_real, gather_idx, out_loc, emit_pos)})

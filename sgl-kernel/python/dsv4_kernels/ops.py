@@ -119,6 +119,14 @@ def emission_metadata(rtt, req_slot, positions, valid, prefix, chunk_start, rows
                            padding_slot, ratio, gather_idx, out_loc, emit_pos)
 
 
+def step_metadata(rtt, req_slot, positions, seq_len, valid, prefix, chunk_start, padding_slot, topk, out,
+                  emissions):
+    """A step's token metadata and every ratio's emissions (see reference) in one launch on CUDA."""
+    impl = _kernels("metadata") if _use_triton(positions) else reference
+    return impl.step_metadata(rtt, req_slot, positions, seq_len, valid, prefix, chunk_start, padding_slot, topk,
+                              out, emissions)
+
+
 # Per-token compressor plan (one pooled row per token; the kernel tests' metadata source):
 # vectorised torch, no per-request loop, no host sync, identical on CPU and CUDA.
 compressor_plan = reference.compressor_plan

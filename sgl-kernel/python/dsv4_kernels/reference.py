@@ -381,6 +381,18 @@ def emission_metadata(rtt, req_slot, positions, valid, prefix, chunk_start, rows
     emit_pos.copy_(torch.where(real, entry * ratio, 0))
 
 
+def step_metadata(rtt, req_slot, positions, seq_len, valid, prefix, chunk_start, padding_slot: int, topk: int,
+                  out, emissions):
+    """token_metadata into `out`, then emission_metadata of each ratio in `emissions`
+    ({ratio: (rows, num_real, gather_idx, out_loc, emit_pos)}): one step's whole metadata."""
+    token_metadata(rtt, req_slot, positions, seq_len, valid, padding_slot, topk, out)
+    for ratio in sorted(emissions):
+        rows, num_real, gather_idx, out_loc, emit_pos = emissions[ratio]
+        emission_metadata(rtt, req_slot, positions, valid, prefix, chunk_start, rows, num_real, padding_slot,
+                          ratio, gather_idx, out_loc, emit_pos)
+    return out
+
+
 # ----------------------------------------------------------------------------------------
 # MoE
 # ----------------------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 replay, so it is on the host's critical path of every step:
 - everything that depends on the request lengths is computed from the batch's host lists and
   uploaded in one non-blocking copy (building metadata never waits for the GPU);
-- the device side is dsv4_kernels' builder: one launch for every per-token field and one per
-  compression ratio with Triton, or the same math as vectorised torch (the reference, and
-  the CPU path);
+- the device side is dsv4_kernels' builder: one launch for the whole step with Triton (every
+  per-token field and each ratio's compressor emissions), or the same math as vectorised
+  torch (the reference, and the CPU path);
 - at replay the copy fields are written straight into the captured storage (`into`), so the
   field-class refresh has nothing left to copy for them.
 """
@@ -135,18 +135,18 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
             topk_len=take(cap_idx and cap_idx.topk_len, (T,), i32),
             ring4=take(cap and cap.c4_compressor and cap.c4_compressor.ring_write_loc, (T,), i32),
         )
-    impl.token_metadata(rtt, fb.token_req_slot, fb.positions, H.seq_len, H.valid, padding_slot, index_topk, out)
-
-    compressors = {}
+    compressors, emissions = {}, {}
     for r in sorted(ratios):
         c = cap and cap.compressor(r)
         E, R = H.emit_rows[r].shape[0], 2 * r if r == 4 else r
         gather_idx = take(c and c.gather_idx, (E, R), i32)
         out_loc = take(c and c.out_loc, (E,), i32)
         emit_pos = take(c and c.positions, (E,), i32)
-        impl.emission_metadata(rtt, fb.token_req_slot, fb.positions, H.valid, H.prefix, H.chunk_start,
-                               H.emit_rows[r], H.emit_count[r], padding_slot, r, gather_idx, out_loc, emit_pos)
+        emissions[r] = (H.emit_rows[r], H.emit_count[r], gather_idx, out_loc, emit_pos)
         compressors[r] = DSV4CompressorMetadata(r, gather_idx, out_loc, emit_pos, out[f"ring{r}"])
+    # every field of the step in one launch with Triton (the reference: the same math in torch)
+    impl.step_metadata(rtt, fb.token_req_slot, fb.positions, H.seq_len, H.valid, H.prefix, H.chunk_start,
+                       padding_slot, index_topk, out, emissions)
 
     indexer = None
     if 4 in ratios:
