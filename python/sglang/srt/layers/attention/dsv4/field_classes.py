@@ -62,45 +62,60 @@ def unclassified_fields(cls) -> list[str]:
     return out
 
 
+_PLANS: dict = {}
+
+
+def _plan(cls) -> tuple:
+    """(field name, field class) of each field of `cls`, computed once per class: the refresh
+    runs before every replay, on the host's critical path."""
+    plan = _PLANS.get(cls)
+    if plan is None:
+        plan = _PLANS[cls] = tuple((f.name, field_class(f)) for f in dataclasses.fields(cls))
+    return plan
+
+
 def refresh_(captured: Any, fresh: Any, path: str = "") -> None:
     """Make `captured` (the object the graph captured) hold `fresh`'s values per the contract."""
     if type(captured) is not type(fresh):
         raise MetadataContractError(
             f"{path or type(captured).__name__}: captured {type(captured).__name__}, fresh {type(fresh).__name__}"
         )
-    for f in dataclasses.fields(captured):
-        cls = field_class(f)
-        name = f"{path}{type(captured).__name__}.{f.name}"
-        old, new = getattr(captured, f.name), getattr(fresh, f.name)
+    for fname, cls in _plan(type(captured)):
+        old, new = getattr(captured, fname), getattr(fresh, fname)
         if cls == COPY:
-            _copy_into(old, new, name)
+            _copy_into(old, new, captured, fname, path)
         elif cls == ASSIGN:
-            setattr(captured, f.name, new)
+            setattr(captured, fname, new)
         elif cls == STATIC:
             if not _static_equal(old, new):
-                raise MetadataContractError(f"{name}: static field differs (captured {old!r}, replay {new!r})")
+                raise MetadataContractError(
+                    f"{_name(captured, fname, path)}: static field differs (captured {old!r}, replay {new!r})")
         elif cls == PRODUCED:
             continue
         else:
-            raise MetadataContractError(f"{name}: field has no breakable-cuda-graph class")
+            raise MetadataContractError(f"{_name(captured, fname, path)}: field has no breakable-cuda-graph class")
 
 
-def _copy_into(old: Any, new: Any, name: str) -> None:
+def _name(obj: Any, fname: str, path: str) -> str:
+    """The field's path in error messages (built only when raising)."""
+    return f"{path}{type(obj).__name__}.{fname}"
+
+
+def _copy_into(old: Any, new: Any, owner: Any, fname: str, path: str) -> None:
     if old is None or new is None:
         if old is not new:
-            raise MetadataContractError(f"{name}: present at capture xor replay")
+            raise MetadataContractError(f"{_name(owner, fname, path)}: present at capture xor replay")
         return
     if isinstance(old, torch.Tensor):
         if old.shape != new.shape:
-            raise MetadataContractError(
-                f"{name}: copy field shape {tuple(new.shape)} at replay, {tuple(old.shape)} at capture"
-            )
+            raise MetadataContractError(f"{_name(owner, fname, path)}: copy field shape {tuple(new.shape)} at "
+                                        f"replay, {tuple(old.shape)} at capture")
         if old is not new:  # a builder may already have written into the captured storage
             old.copy_(new)
     elif dataclasses.is_dataclass(old):
-        refresh_(old, new, path=f"{name} -> ")
+        refresh_(old, new, path=f"{_name(owner, fname, path)} -> ")
     else:
-        raise MetadataContractError(f"{name}: copy field must be a tensor or nested metadata")
+        raise MetadataContractError(f"{_name(owner, fname, path)}: copy field must be a tensor or nested metadata")
 
 
 def _static_equal(a: Any, b: Any) -> bool:
