@@ -79,3 +79,21 @@ def test_only_the_asking_request_gets_them_and_the_tokens_do_not_change(engine):
 def test_bad_logprob_arguments_are_refused(engine, kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         engine.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}, **kwargs)
+
+
+@pytest.mark.gpu
+def test_logprobs_on_cuda_come_back_with_the_ids_one_step_late():
+    """The CUDA path: logprobs copied to pinned memory with the ids under one event (overlap on,
+    BCG and decode graphs), equal to a forward's log-softmax."""
+    e = Engine(model_path="dsv4-tiny", device="cuda", dtype="float32", context_length=256, max_running_requests=4,
+               enable_breakable_cuda_graph=True)
+    try:
+        params = {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True}
+        res = e.generate(input_ids=PROMPT, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+        ids = res["output_ids"]
+        for step, (lp, tok, _) in enumerate(res["meta_info"]["output_token_logprobs"]):
+            want = _logprobs_of_next_token(e, PROMPT + ids[:step])
+            assert tok == ids[step] and lp == pytest.approx(float(want[tok].cpu()), abs=1e-3)
+        assert e.get_server_info()["num_overlap_steps"] > 0
+    finally:
+        e.shutdown()
