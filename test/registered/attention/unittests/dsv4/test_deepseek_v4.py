@@ -277,12 +277,18 @@ def test_segment_kernels_path_replays_and_matches_the_model_torch_path(kv_cache_
     assert all(r.attn_backend.segment_kernels for r in runners)
     assert all((r.kv_pool.fp8_layout is not None) == bool(over) for r in runners)
     batches = 6 if over else 12  # the FP8 case only adds the cache format: fewer batches
-    report = run_equivalence(runners, buckets, batches_per_bucket=batches, seed=4)
+    # Replay equals padded eager exactly in both cases. Against unpadded eager, fp32 results
+    # may differ in the last bits with the batch's row count (CPU GEMM blocking, which changes
+    # between torch versions), and an FP8 cache turns such a difference into a whole e4m3 step
+    # when a value sits on a rounding boundary: 0.018 on torch 2.11, 0 on 2.13. A padding row
+    # that corrupted real rows would be off by O(1).
+    atol = 5e-2 if over else 1e-4
+    report = run_equivalence(runners, buckets, batches_per_bucket=batches, seed=4, atol_unpadded=atol)
     assert report.mismatches == [], report.mismatches[:3]
     plain = make_runners(buckets, **over)
-    plain_report = run_equivalence(plain, buckets, batches_per_bucket=batches, seed=4)
+    plain_report = run_equivalence(plain, buckets, batches_per_bucket=batches, seed=4, atol_unpadded=atol)
     assert plain_report.tokens == report.tokens
-    assert report.max_unpadded_diff < 1e-4 and plain_report.max_unpadded_diff < 1e-4
+    assert report.max_unpadded_diff < atol and plain_report.max_unpadded_diff < atol
 
 
 # ---- decode graphs -----------------------------------------------------------------------
