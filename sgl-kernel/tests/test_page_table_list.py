@@ -38,6 +38,9 @@ def test_columns_past_the_table_are_clamped_and_slicing_keeps_the_rest():
     part = lists[1:]
     assert part.num_tokens == 2 and part.width == 2 and part.ratio == 128 and part.rtt is lists.rtt
     assert part.rows.tolist() == [1, 0]
+    # a slice of every token is the list itself (no rebuild); any other slice is a new one
+    assert lists[0:3] is lists and lists[:] is lists and lists[0:10] is lists
+    assert lists[0:2] is not lists and lists[::2].rows.tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -47,6 +47,8 @@ class PageTableList:
         """The lists of a slice of the tokens (same page table, ratio and width)."""
         if not isinstance(tokens, slice):
             raise TypeError(f"PageTableList can only be sliced by tokens, got {type(tokens).__name__}")
+        if tokens.indices(self.num_tokens) == (0, self.num_tokens, 1):
+            return self  # every token: the common one-chunk case of each break, without a rebuild
         return replace(self, rows=self.rows[tokens])
 
     def slots_at(self, cols: torch.Tensor) -> torch.Tensor:
