@@ -79,7 +79,7 @@ _ODD_VALUES = [None, True, False, 0, -1, 1.5, -1e300, 2**63, 10**19, "", "x", "\
 _SAMPLING_KEYS = ["temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                   "max_new_tokens", "skip_special_tokens", "n", "bogus"]
 _OPENAI_KEYS = ["prompt", "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "stream",
-                "stream_options", "stop", "n", "logprobs", "echo", "logit_bias", "tools", "tool_choice", "seed",
+                "stream_options", "stop", "n", "logprobs", "top_logprobs", "echo", "logit_bias", "tools", "tool_choice", "seed",
                 "response_format", "chat_template_kwargs", "top_p", "suffix"]
 
 

@@ -144,6 +144,35 @@ def test_generate_returns_the_logprobs_of_its_tokens_and_the_top_alternatives(se
     assert plain["output_ids"] == ids and "output_token_logprobs" not in plain["meta_info"]
 
 
+def test_openai_logprobs_match_the_native_ones(server, client):
+    """Completions' `logprobs: n` and chat's `logprobs` / `top_logprobs`, streamed and not,
+    carry the same values as /generate's for the same prompt ids."""
+    ids = TOK.encode("The sky is")
+    native = requests.post(server.url + "/generate", timeout=120, json={
+        "input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}).json()["meta_info"]
+    want = [lp for lp, _, _ in native["output_token_logprobs"]]
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, logprobs=2, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(want, abs=1e-6) and len(lp.tokens) == 4
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    assert all(len(top) >= 1 and max(top.values()) == pytest.approx(v, abs=1e-6) for top, v in zip(lp.top_logprobs, want))
+    assert client.completions.create(model=MODEL, prompt=ids, max_tokens=4, **GREEDY).choices[0].logprobs is None
+
+    messages = [{"role": "user", "content": "Hi!"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, logprobs=True, top_logprobs=2,
+                                          **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert entry.bytes == list(entry.token.encode())
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, logprobs=True,
+                                            top_logprobs=2, stream=True, **GREEDY)
+    streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
 def test_stop_string_ends_the_request_and_is_cut_from_the_text(server, client):
     full = _generate(server, [40, 41, 42], 32)
     # A stop string taken from the greedy output itself: its first printable ASCII character.
@@ -203,6 +232,10 @@ def test_32_concurrent_requests_finish_and_greedy_is_the_same_alone_and_under_lo
 # ---- bad input ----------------------------------------------------------------------------
 
 BAD_REQUESTS = [
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "needs logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}, "logprobs"),
     ("/generate", {"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob"),
     ("/generate", {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
     ("/generate", {"input_ids": [1, 2], "top_logprobs_num": 2}, "needs return_logprob"),

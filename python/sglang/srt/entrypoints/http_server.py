@@ -129,14 +129,19 @@ async def _sse(request: web.Request, gen, chunks_of) -> web.StreamResponse:
 
 
 async def _collect(gen):
-    """Run `gen` to the end: the full text, all output ids and the last output."""
-    text, ids, last = [], [], None
+    """Run `gen` to the end: the full text, all output ids, the last output, and the logprobs
+    and top logprobs of every output id (None unless the request asked)."""
+    text, ids, last, logprobs, top = [], [], None, None, None
     async with contextlib.aclosing(gen):
         async for out in gen:
             text.append(out.text)
             ids.extend(out.output_ids)
+            if out.output_logprobs is not None:
+                logprobs = (logprobs or []) + out.output_logprobs
+            if out.output_top_logprobs is not None:
+                top = (top or []) + out.output_top_logprobs
             last = out
-    return "".join(text), ids, last
+    return "".join(text), ids, last, logprobs, top
 
 
 # ---- SGLang-native ---------------------------------------------------------------------
@@ -215,7 +220,9 @@ def _openai_request(manager: TokenizerManager, body: dict, chat: bool):
     stream = oai.get_bool(body, "stream", False)
     include_usage = stream and oai.stream_include_usage(body)
     sampling_params["skip_special_tokens"] = skip
-    req, skip = manager.build_request(input_ids, sampling_params, stream)
+    want_logprobs, top_logprobs = oai.logprobs_of(body, chat)
+    req, skip = manager.build_request(input_ids, sampling_params, stream, return_logprob=want_logprobs,
+                                      top_logprobs_num=top_logprobs)
     return req, skip, model, include_usage
 
 
@@ -231,10 +238,12 @@ async def _openai_generate(request: web.Request, chat: bool):
     manager = request.app[MANAGER]
     req, skip, model, include_usage = await prepare(request, lambda m, body: _openai_request(m, body, chat))
     gen = manager.generate(req, skip)
-    fmt = oai.ResponseFormatter(chat=chat, model=model, rid=req.rid, created=int(time.time()))
+    token_text = (lambda i: manager.tokenizer.decode([i], skip_special_tokens=False)) if req.return_logprob else None
+    fmt = oai.ResponseFormatter(chat=chat, model=model, rid=req.rid, created=int(time.time()),
+                                token_text=token_text, top_logprobs=req.top_logprobs_num)
     if not req.stream:
-        text, _, last = await _collect(gen)
-        return web.json_response(fmt.response(text, last))
+        text, ids, last, logprobs, top = await _collect(gen)
+        return web.json_response(fmt.response(text, last, fmt.logprobs(ids, logprobs, top, last.finish_reason)))
     return await _sse(request, gen, lambda out: fmt.stream_events(out, include_usage))
 
 

@@ -3,6 +3,7 @@ parameter mapping onto SamplingParams names, and the JSON of responses and strea
 
 from __future__ import annotations
 
+from sglang.srt.managers.io_struct import MAX_TOP_LOGPROBS, visible_output_ids
 from sglang.srt.tokenizer import encode_messages
 
 # OpenAI parameters this server cannot honour: accepted only at their neutral values, so a
@@ -11,8 +12,6 @@ _NEUTRAL = {
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
@@ -118,6 +117,30 @@ def sampling_params_of(body: dict, chat: bool) -> tuple[dict, bool]:
     return params, get_bool(body, "skip_special_tokens", True)
 
 
+def _int_in_range(body: dict, key: str) -> int:
+    value = body.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise APIError(f"{key} must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {value!r}")
+    return value
+
+
+def logprobs_of(body: dict, chat: bool) -> tuple[bool, int]:
+    """(return_logprob, top_logprobs_num) of OpenAI's parameters. Completions: `logprobs` is
+    the number of alternatives (0 to 20). Chat: `logprobs` true/false and `top_logprobs`
+    (0 to 20, only with logprobs)."""
+    if not chat:
+        if body.get("logprobs") is None:
+            return False, 0
+        return True, _int_in_range(body, "logprobs")
+    want = get_bool(body, "logprobs", False)
+    if body.get("top_logprobs") is None:
+        return want, 0
+    top = _int_in_range(body, "top_logprobs")
+    if top and not want:
+        raise APIError("top_logprobs needs logprobs: true")
+    return want, top
+
+
 def stream_include_usage(body: dict) -> bool:
     options = body.get("stream_options")
     if options is None:
@@ -132,12 +155,37 @@ def finish_reason_str(reason: dict | None) -> str | None:
 
 
 class ResponseFormatter:
-    """Builds one request's response (or its stream chunks) in OpenAI's shapes."""
+    """Builds one request's response (or its stream chunks) in OpenAI's shapes. With logprobs
+    (`token_text`: id -> the token's text), each choice carries them for its visible tokens (a
+    matched stop token is not text, so it has none): chat's `content` entries, or completions'
+    tokens / token_logprobs / top_logprobs / text_offset (offsets into the completion text,
+    from the tokens' own texts)."""
 
-    def __init__(self, chat: bool, model: str, rid: str, created: int):
+    def __init__(self, chat: bool, model: str, rid: str, created: int, token_text=None, top_logprobs: int = 0):
         self.chat, self.model, self.created = chat, model, created
         self.id = ("chatcmpl-" if chat else "cmpl-") + rid
         self._role_sent = False
+        self.token_text, self.top_n = token_text, top_logprobs
+        self._offset = 0  # completions' text_offset across stream chunks
+
+    def logprobs(self, ids, logprobs, top_logprobs, finish_reason) -> dict | None:
+        """The choice's `logprobs` for these output tokens (None without logprobs)."""
+        if self.token_text is None:
+            return None
+        ids = visible_output_ids(ids, finish_reason)
+        top_logprobs = top_logprobs or [[] for _ in ids]
+        texts = [self.token_text(i) for i in ids]
+        if self.chat:
+            entry = lambda text, lp: {"token": text, "logprob": lp, "bytes": list(text.encode())}  # noqa: E731
+            return {"content": [dict(entry(t, lp), top_logprobs=[entry(self.token_text(i), v) for v, i in top])
+                                for t, lp, top in zip(texts, logprobs, top_logprobs)], "refusal": None}
+        offsets = []
+        for t in texts:
+            offsets.append(self._offset)
+            self._offset += len(t)
+        top = [{self.token_text(i): v for v, i in step} for step in top_logprobs[:len(ids)]] if self.top_n else None
+        return {"tokens": texts, "token_logprobs": list(logprobs[:len(ids)]), "top_logprobs": top,
+                "text_offset": offsets}
 
     @staticmethod
     def usage(out) -> dict:
@@ -147,8 +195,8 @@ class ResponseFormatter:
             "total_tokens": out.prompt_tokens + out.completion_tokens,
         }
 
-    def response(self, text: str, out) -> dict:
-        choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason_str(out.finish_reason)}
+    def response(self, text: str, out, logprobs: dict | None = None) -> dict:
+        choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason_str(out.finish_reason)}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -162,10 +210,10 @@ class ResponseFormatter:
             "usage": self.usage(out),
         }
 
-    def _chunk(self, piece, finish_reason=None, usage=None) -> dict:
+    def _chunk(self, piece, finish_reason=None, usage=None, logprobs=None) -> dict:
         choices = []
         if piece is not None:
-            choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
             choice["delta" if self.chat else "text"] = piece
             choices.append(choice)
         chunk = {
@@ -184,8 +232,12 @@ class ResponseFormatter:
         if self.chat and not self._role_sent:
             events.append(self._chunk({"role": "assistant", "content": ""}))
             self._role_sent = True
-        if out.text:
-            events.append(self._chunk({"content": out.text} if self.chat else out.text))
+        logprobs = None
+        reason = out.finish_reason if out.finished else None
+        if self.token_text is not None and visible_output_ids(out.output_ids, reason):
+            logprobs = self.logprobs(out.output_ids, out.output_logprobs, out.output_top_logprobs, reason)
+        if out.text or logprobs:
+            events.append(self._chunk({"content": out.text} if self.chat else out.text, logprobs=logprobs))
         if out.finished:
             events.append(self._chunk({} if self.chat else "", finish_reason_str(out.finish_reason)))
             if include_usage:
