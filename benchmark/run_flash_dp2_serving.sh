@@ -26,10 +26,12 @@ for mode in bcg eager; do
     timeout 90 python benchmark/greedy_agreement.py collect --port $port --num 64 --out "$OUT/greedy_$mode.json"
     for c in 1 16 64; do
       n=$(( c == 1 ? 4 : (c == 64 ? 64 : 2 * c) ))
+      # one results file for both modes and every concurrency, per-run logs outside $OUT: a call
+      # returns at most 8 files (session 6 lost eager's percentiles to that limit)
       timeout 100 python -m sglang.bench_serving --port $port --num-prompts $n --max-concurrency $c \
-        --random-input-len $IN --random-output-len $OUTLEN --warmup-requests 2 \
-        --output-file "$OUT/serving_$mode.jsonl" > "$OUT/serving_${mode}_c$c.log" 2>&1
-      echo "c=$c rc=$?"; grep -iE "throughput|TTFT|TPOT|ITL" "$OUT/serving_${mode}_c$c.log" | head -6
+        --random-input-len $IN --random-output-len $OUTLEN --warmup-requests 2 --tag $mode \
+        --output-file "$OUT/serving.jsonl" > "/tmp/serving_${mode}_c$c.log" 2>&1
+      echo "c=$c rc=$?"; grep -iE "throughput|TTFT|TPOT|ITL" "/tmp/serving_${mode}_c$c.log" | head -16
     done
     curl -s "http://127.0.0.1:$port/get_server_info" > "$OUT/server_info_$mode.json"
   fi

@@ -187,6 +187,7 @@ def main(argv=None) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds without a streamed byte")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--output-file", default=None, help="append the result as one JSON line")
+    p.add_argument("--tag", default=None, help="a label stored in that line (e.g. which server: bcg / eager)")
     args = p.parse_args(argv)
     metrics = asyncio.run(run(args))
     print_summary(metrics, args)
