@@ -10,7 +10,8 @@ OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python
 timeout 200 python -m pytest -q --timeout 150 -p no:cacheprovider -rfE --tb=short \
   sgl-kernel/tests/test_kernels_metadata.py sgl-kernel/tests/test_kernels_indexer.py \
-  test/registered/managers/test_logprobs.py test/registered/attention > "$OUT/gpu_tests.log" 2>&1
+  test/registered/managers/test_logprobs.py test/registered/attention test/registered/layers/test_deterministic_topk.py \
+  > "$OUT/gpu_tests.log" 2>&1
 tail -2 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR) |^E  " "$OUT/gpu_tests.log" | cut -c1-250 | head -12
 timeout 120 python benchmark/profile_bcg_step.py --model-path dsv4-mini --modes extend mixed --num-tokens 16 \
   --out "$OUT/profile_mini" > "$OUT/profile_mini.log" 2>&1
