@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ._dot import dot_precision
 from ._page_table import load_page_table_slots
-from .page_table_list import PageTableList
+from .page_table_list import kernel_list_args, list_width
 
 # Bound on the fp32 logits scratch (elements); longer batches are scored in token chunks.
 MAX_LOGITS_ELEMENTS = 1 << 26
@@ -104,22 +104,13 @@ def _keys_to_slots_kernel(
     tl.store(out_ptr + t * stride_ot + j, tl.where(live, slot, -1), mask=j < TOPK)
 
 
-def _candidates(cand_slots, cand_len, T):
-    """(width C, the table the kernels read, its row per token, ratio) of a list or a
-    PageTableList."""
-    if isinstance(cand_slots, PageTableList):
-        assert cand_slots.rows.shape[0] == T
-        return cand_slots.width, cand_slots.rtt, cand_slots.rows, cand_slots.ratio
-    return cand_slots.shape[1], cand_slots, cand_len, 1  # rows never read
-
-
 def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len, logits=None, keys: bool = False):
     """logits [T, C] fp32 (see reference.indexer_logits); cand_slots: a [T, C] list or a
     PageTableList of width C. keys=True: the int64 keys of reference.topk_indices instead."""
     T, NH, DI = q_idx.shape
-    paged = isinstance(cand_slots, PageTableList)
-    C, table, rows, ratio = _candidates(cand_slots, cand_len, T)
-    assert q_idx.stride(-1) == 1 and key_pool.stride(-1) == 1 and table.stride(-1) == 1
+    cands = kernel_list_args(cand_slots, cand_len, T)
+    C = cands.width
+    assert q_idx.stride(-1) == 1 and key_pool.stride(-1) == 1
     assert key_pool.dtype == q_idx.dtype and weights.stride(-1) == 1
     if logits is None:
         logits = torch.empty(T, C, dtype=torch.int64 if keys else torch.float32, device=q_idx.device)
@@ -129,11 +120,12 @@ def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len, logits=None, 
     tiles = 4 if C >= 4 * block_n else 1
     grid = (T, triton.cdiv(C, block_n * tiles))
     _indexer_logits_kernel[grid](
-        q_idx, weights, key_pool, table, rows, table.shape[1] - 1, cand_len, logits,
+        q_idx, weights, key_pool, cands.table, cands.rows, cands.max_col, cand_len, logits,
         q_idx.stride(0), q_idx.stride(1), weights.stride(0), key_pool.stride(0),
-        table.stride(0), logits.stride(0), NH, DI, C,
+        cands.table.stride(0), logits.stride(0), NH, DI, C,
         TILES_PER_PROG=tiles, BLOCK_H=max(16, triton.next_power_of_2(NH)), BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(DI), DOT_PREC=dot_precision(q_idx.dtype), PAGED=paged, RATIO=ratio,
+        BLOCK_D=triton.next_power_of_2(DI), DOT_PREC=dot_precision(q_idx.dtype), PAGED=cands.paged,
+        RATIO=cands.ratio,
         KEYS=keys, num_warps=4, num_stages=2,
     )
     return logits
@@ -143,7 +135,7 @@ def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots
     """reference.indexer_topk in three launches per chunk of tokens: keys, torch.topk over
     them (sorted: the reference's order), slots of the chosen keys."""
     T = q_idx.shape[0]
-    C = _candidates(cand_slots, cand_len, T)[0]
+    C = list_width(cand_slots)
     k = min(topk, C)
     # int64 keys: half the elements of the fp32 logits bound, the same bytes
     chunk = max(1, MAX_LOGITS_ELEMENTS // 2 // max(C, 1))
@@ -155,14 +147,14 @@ def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots
         if k == 0:
             out_slots[sl].fill_(-1)
             continue
-        cands = cand_slots[sl]
-        keys = indexer_logits(q_idx[sl], weights[sl], key_pool, cands, cand_len[sl], keys=True)
+        part, lens = cand_slots[sl], cand_len[sl]
+        keys = indexer_logits(q_idx[sl], weights[sl], key_pool, part, lens, keys=True)
         chosen = keys.topk(k, dim=-1).values
-        _, table, rows, ratio = _candidates(cands, cand_len[sl], sl.stop - sl.start)
+        cands = kernel_list_args(part, lens, sl.stop - sl.start)
         out = out_slots[sl]
         _keys_to_slots_kernel[(sl.stop - sl.start, triton.cdiv(topk, block_k))](
-            chosen, table, rows, table.shape[1] - 1, out,
-            chosen.stride(0), table.stride(0), out.stride(0), C, k, topk,
-            BLOCK_K=block_k, PAGED=isinstance(cands, PageTableList), RATIO=ratio, num_warps=4,
+            chosen, cands.table, cands.rows, cands.max_col, out,
+            chosen.stride(0), cands.table.stride(0), out.stride(0), C, k, topk,
+            BLOCK_K=block_k, PAGED=cands.paged, RATIO=cands.ratio, num_warps=4,
         )
     return out_slots

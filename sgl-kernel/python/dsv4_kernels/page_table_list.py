@@ -66,3 +66,32 @@ class PageTableList:
         cols = torch.arange(self.width, device=self.rows.device)
         live = cols[None, :] < lengths.long()[:, None]
         return torch.where(live, self.slots_at(cols), -1).to(torch.int32)
+
+
+def list_width(idx) -> int:
+    """Width of an index list: a [T, W] tensor's W, or a PageTableList's width."""
+    return idx.width if isinstance(idx, PageTableList) else idx.shape[1]
+
+
+@dataclass(frozen=True)
+class KernelListArgs:
+    """An index list as the Triton kernels take it: `table` rows of `width` entries, either a
+    [T, W] slot list (row t) or, when `paged`, the page table read at `rows[t]` with `ratio`
+    (load_page_table_slots, which clamps columns at `max_col`)."""
+
+    table: torch.Tensor
+    rows: torch.Tensor
+    width: int
+    max_col: int
+    paged: bool
+    ratio: int
+
+
+def kernel_list_args(idx, length: torch.Tensor, num_tokens: int) -> KernelListArgs:
+    """KernelListArgs of a [T, W] slot list or a PageTableList of `num_tokens` tokens (for a
+    plain list, `length` stands in for the rows, which the kernels never read)."""
+    if isinstance(idx, PageTableList):
+        assert idx.num_tokens == num_tokens and idx.rtt.stride(-1) == 1
+        return KernelListArgs(idx.rtt, idx.rows, idx.width, idx.rtt.shape[1] - 1, True, idx.ratio)
+    assert idx.stride(-1) == 1
+    return KernelListArgs(idx, length, idx.shape[1], idx.shape[1] - 1, False, 1)

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 import torch
 
 from .kv_fp8 import FP8KVLayout, round_nope_fp8
-from .page_table_list import PageTableList
+from .page_table_list import PageTableList, list_width
 
 # ----------------------------------------------------------------------------------------
 # Deterministic top-k
@@ -70,10 +70,6 @@ def check_kv_layout(kv, kv_layout, what: str) -> None:
 ATTN_REFERENCE_WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
-def _list_width(idx) -> int:
-    return idx.width if isinstance(idx, PageTableList) else idx.shape[1]
-
-
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
                           token_chunk: Optional[int] = None, kv_layout=None):
     """out[t,h] = softmax over the union of valid a- and b-entries, the sink only in the
@@ -86,7 +82,7 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
         check_kv_layout(kv_b, kv_layout, "sparse_attn_with_sink kv_b")
     T, H, D = q.shape
     if token_chunk is None:
-        width = _list_width(idx_a) + (_list_width(idx_b) if kv_b is not None else 0)
+        width = list_width(idx_a) + (list_width(idx_b) if kv_b is not None else 0)
         # per token and entry: the gathered row and its concatenated copy (fp32), and the
         # scores, masked scores and probabilities of every head
         token_chunk = max(1, min(64, ATTN_REFERENCE_WORKSPACE_BYTES // max(1, width * (8 * D + 12 * H))))

@@ -20,7 +20,7 @@ import triton.language as tl
 from ._dot import dot_precision
 from ._page_table import load_page_table_slots
 from .kv_fp8 import KV_FP8_BLOCK
-from .page_table_list import PageTableList
+from .page_table_list import kernel_list_args
 from .reference import check_kv_layout
 
 LOG2E = 1.4426950408889634
@@ -229,27 +229,6 @@ def _merge_splits_kernel(
              o.to(out_ptr.dtype.element_ty), mask=hd_mask)
 
 
-@dataclass(frozen=True)
-class _ListArgs:
-    """One index list as the kernel takes it: `table` rows of `width` entries (a [T, W] list,
-    or the page table with `rows` per token and `ratio` when `paged`)."""
-
-    table: torch.Tensor
-    rows: torch.Tensor
-    width: int
-    max_col: int
-    paged: bool
-    ratio: int
-
-
-def _list_args(idx, length, num_tokens: int) -> _ListArgs:
-    if isinstance(idx, PageTableList):
-        assert idx.num_tokens == num_tokens and idx.rtt.stride(-1) == 1
-        return _ListArgs(idx.rtt, idx.rows, idx.width, idx.rtt.shape[1] - 1, True, idx.ratio)
-    assert idx.stride(-1) == 1
-    return _ListArgs(idx, length, idx.shape[1], 0, False, 1)  # rows never read
-
-
 def measured_config(num_tokens: int) -> SparseAttnConfig:
     """Best configurations measured on an H200 at dsv4-flash-slice decode shapes (H=64,
     D=512, 128 window + 512 c4 entries; benchmark/bench_sparse_attention.py): 32-head blocks
@@ -273,7 +252,7 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
         check_kv_layout(kv_b, kv_layout, "sparse_attn_with_sink kv_b")
     fp8 = kv_layout is not None
     assert q.stride(-1) == 1 and kv_a.stride(-1) == 1 and out.stride(-1) == 1
-    list_a = _list_args(idx_a, len_a, T)
+    list_a = kernel_list_args(idx_a, len_a, T)
     assert fp8 or kv_a.dtype == q.dtype
     assert not fp8 or kv_layout.head_dim == D
     if T == 0:
@@ -281,7 +260,7 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
     has_b = kv_b is not None
     if has_b:
         assert kv_b.stride(-1) == 1 and (fp8 or kv_b.dtype == q.dtype)
-        list_b = _list_args(idx_b, len_b, T)
+        list_b = kernel_list_args(idx_b, len_b, T)
     else:
         kv_b, len_b, list_b = kv_a, len_a, list_a  # never read
     # FP8 rows: the rope parts as views in the rope dtype (never read for float pools)

@@ -24,7 +24,8 @@ def candidate_widths(max_seq_len: int) -> tuple[int, int]:
 
 def indexer_bytes_per_candidate(config, kernels: bool) -> int:
     """Working-set bytes per (token, candidate) of the indexer top-k. The Triton kernel reads
-    the candidates from the page table and keeps one fp32 logit (plus torch.topk's scratch);
+    the candidates from the page table and keeps one int64 top-k key (plus torch.topk's
+    scratch);
     the torch version gathers the chunk's candidate slots from the page table (int64 index
     math, then the int32 list: 20 bytes), then the keys, and scores every head, in fp32."""
     return 12 if kernels else 4 * (config.index_head_dim + config.index_n_heads + 2) + 20
