@@ -63,7 +63,8 @@ def break_host_times(bcg, fb, iters: int = 20) -> list:
         static_fb = bcg._fill(fb, bucket)
         bcg.spec.replay_metadata(bcg.attn_backend, bcg.captured_metadata[bucket], fb, static_fb)
         with forward_context(static_fb, bcg.attn_backend, n, bcg.model_runner.dp_moe(bucket)):
-            segs, brks = graph.replay_host_seconds()
+            segs, brks = [], []
+            graph.replay(host_seconds=(segs, brks))
         seg_sum = segs if seg_sum is None else [a + b for a, b in zip(seg_sum, segs)]
         brk_sum = brks if brk_sum is None else [a + b for a, b in zip(brk_sum, brks)]
         torch.cuda.synchronize()

@@ -106,13 +106,14 @@ def test_timed_replay_computes_what_replay_does_and_times_every_segment_and_brea
     graph, out = _capture(model.forward, static_x)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(5))
     static_x.copy_(x)
-    segments, breaks = graph.replay_host_seconds()
+    segments, breaks = [], []
+    graph.replay(host_seconds=(segments, breaks))
     assert len(segments) == graph.num_segments == 4 and len(breaks) == graph.num_breaks == 3
     assert all(s >= 0 for s in segments + breaks)
     assert torch.equal(out, model.forward(x))
     graph.release()
     with pytest.raises(RuntimeError, match="before capture"):
-        graph.replay_host_seconds()
+        graph.replay(host_seconds=([], []))
 
 
 def test_replay_sees_state_written_in_place_by_earlier_replays():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import time
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -155,40 +155,31 @@ class BreakableGraph(abc.ABC):
             self._break_snapshots.append(snapshot_break_arguments(fn, args, kwargs))
         self._open_segment()
 
-    def replay(self) -> None:
-        """Replay segment 0, call break 0 on its recorded arguments, replay segment 1, ..."""
+    def replay(self, host_seconds: Optional[Tuple[list, list]] = None) -> None:
+        """Replay segment 0, call break 0 on its recorded arguments, replay segment 1, ...
+        host_seconds=(segments, breaks): also append the host seconds each segment launch and
+        each break op took, without syncs (benchmark/profile_bcg_step.py)."""
         if not self._captured:
             raise RuntimeError("replay() before capture() finished (or after release())")
+        clock = time.perf_counter
+        timed = host_seconds is not None
         # Graph replay has no autograd, and tensors captured under inference mode may only
         # be written in place under inference mode, so break ops run under it too.
         with torch.inference_mode():
             for index, record in enumerate(self._breaks):
+                t0 = clock() if timed else 0.0
                 self._replay_segment(index)
+                t1 = clock() if timed else 0.0
                 if self.debug:
                     check_break_arguments(index, record.name, self._break_snapshots[index])
                 self._break_fns[index](*record.args, **record.kwargs)
+                if timed:
+                    host_seconds[0].append(t1 - t0)
+                    host_seconds[1].append(clock() - t1)
+            t0 = clock() if timed else 0.0
             self._replay_segment(len(self._breaks))
-
-    def replay_host_seconds(self) -> tuple[list[float], list[float]]:
-        """replay(), timed on the host without syncs: (seconds to launch each segment,
-        seconds each break op took to enqueue its work). For profiling only
-        (benchmark/profile_bcg_step.py): what the CPU spends per segment and per break."""
-        if not self._captured:
-            raise RuntimeError("replay_host_seconds() before capture() finished (or after release())")
-        segments, breaks = [], []
-        clock = time.perf_counter
-        with torch.inference_mode():
-            for index, record in enumerate(self._breaks):
-                start = clock()
-                self._replay_segment(index)
-                mid = clock()
-                self._break_fns[index](*record.args, **record.kwargs)
-                segments.append(mid - start)
-                breaks.append(clock() - mid)
-            start = clock()
-            self._replay_segment(len(self._breaks))
-            segments.append(clock() - start)
-        return segments, breaks
+            if timed:
+                host_seconds[0].append(clock() - t0)
 
     def release(self) -> None:
         """Drop the segments and every reference the graph holds; safe to call twice."""
