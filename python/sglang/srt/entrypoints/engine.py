@@ -13,17 +13,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Sequence, Union
 
 import torch
 
 from sglang.srt.managers.io_struct import (
     GenerateReqInput,
+    OutputsSoFar,
     ServerInfo,
     TokenOut,
     check_prompt_ids,
     kv_capacity_tokens,
-    logprob_meta_info,
     output_text,
 )
 from sglang.srt.managers.scheduler import Scheduler
@@ -103,30 +103,30 @@ class Engine:
             while self.scheduler.has_work():
                 self.scheduler.step()
             raise
-        results = self._run_until_finished([r.rid for r in reqs])
+        results = self._run_until_finished(reqs)
         outs = [results[r.rid] for r in reqs]
         return outs[0] if single else outs
 
-    def _run_until_finished(self, rids: List[str]) -> Dict[str, dict]:
-        acc: Dict[str, _Acc] = {rid: _Acc() for rid in rids}
+    def _run_until_finished(self, reqs: List[GenerateReqInput]) -> Dict[str, dict]:
+        acc = {r.rid: OutputsSoFar(r.return_logprob, r.top_logprobs_num) for r in reqs}
+        rids = list(acc)
         results: Dict[str, dict] = {}
         while len(results) < len(rids):
             if not self.scheduler.has_work():
                 raise RuntimeError(f"scheduler went idle with unfinished requests {sorted(set(rids) - set(results))}")
             for out in self.scheduler.step():
                 if out.rid in acc:
-                    acc[out.rid].add(out)
+                    acc[out.rid].add(out.new_token_ids, out.new_logprobs, out.new_top_logprobs)
                     if out.finished:
                         results[out.rid] = self._result(acc[out.rid], out)
         return results
 
-    def _result(self, acc: "_Acc", out) -> Dict[str, Any]:
+    def _result(self, acc: OutputsSoFar, out) -> Dict[str, Any]:
         meta = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                 "finish_reason": out.finish_reason}
         if out.error:
             meta["error"] = out.error
-        if acc.logprobs is not None:
-            meta.update(logprob_meta_info(acc.ids, acc.logprobs, acc.top_logprobs))
+        meta.update(acc.meta_info())
         return {"text": output_text(self.tokenizer.decode, acc.ids, out.finish_reason),
                 "output_ids": acc.ids, "meta_info": meta}
 
@@ -217,22 +217,6 @@ class _DPSchedulerClient:
 
     def shutdown(self) -> None:
         self.client.shutdown()
-
-
-class _Acc:
-    """One request's outputs so far (ids, and logprobs when it asked)."""
-
-    def __init__(self):
-        self.ids: List[int] = []
-        self.logprobs: Optional[List[float]] = None
-        self.top_logprobs: Optional[list] = None
-
-    def add(self, out: TokenOut) -> None:
-        self.ids += out.new_token_ids
-        if out.new_logprobs is not None:
-            self.logprobs = (self.logprobs or []) + out.new_logprobs
-        if out.new_top_logprobs is not None:
-            self.top_logprobs = (self.top_logprobs or []) + out.new_top_logprobs
 
 
 def _as_prompt_list(prompt) -> tuple:

@@ -16,7 +16,7 @@ from aiohttp import web
 from sglang.srt.entrypoints import openai_api as oai
 from sglang.srt.entrypoints.openai_api import APIError
 from sglang.srt.entrypoints.request_body import OFF_LOOP_BYTES, BadBody, parse_json_off_loop, read_body
-from sglang.srt.managers.io_struct import logprob_meta_info
+from sglang.srt.managers.io_struct import OutputsSoFar
 from sglang.srt.managers.tokenizer_manager import (
     RequestError,
     SchedulerDiedError,
@@ -128,32 +128,28 @@ async def _sse(request: web.Request, gen, chunks_of) -> web.StreamResponse:
         return resp
 
 
-async def _collect(gen):
-    """Run `gen` to the end: the full text, all output ids, the last output, and the logprobs
-    and top logprobs of every output id (None unless the request asked)."""
-    text, ids, last, logprobs, top = [], [], None, None, None
+async def _collect(req, gen):
+    """Run `gen` (request `req`'s outputs) to the end: the full text, the outputs so far (ids,
+    and logprobs when asked) and the last output."""
+    text, outs, last = [], OutputsSoFar(req.return_logprob, req.top_logprobs_num), None
     async with contextlib.aclosing(gen):
         async for out in gen:
             text.append(out.text)
-            ids.extend(out.output_ids)
-            if out.output_logprobs is not None:
-                logprobs = (logprobs or []) + out.output_logprobs
-            if out.output_top_logprobs is not None:
-                top = (top or []) + out.output_top_logprobs
+            outs.add(out.output_ids, out.output_logprobs, out.output_top_logprobs)
             last = out
-    return "".join(text), ids, last, logprobs, top
+    return "".join(text), outs, last
 
 
 # ---- SGLang-native ---------------------------------------------------------------------
 
 
-def _meta_info(out, logprob_fields: dict | None = None) -> dict:
+def _meta_info(out, outs: OutputsSoFar) -> dict:
     return {
         "id": out.rid,
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens,
         "finish_reason": out.finish_reason,
-        **(logprob_fields or {}),
+        **outs.meta_info(),
     }
 
 
@@ -181,30 +177,16 @@ async def generate(request: web.Request) -> web.StreamResponse:
     req, skip = await prepare(request, _native_request)
     stream = req.stream
     gen = manager.generate(req, skip)
-    # Like SGLang: every event carries the text, ids (and logprobs) so far.
-    acc_text, acc_ids = [], []
-    acc_lp = [] if req.return_logprob else None
-    acc_top = [] if req.top_logprobs_num else None
-
-    def fold(out):
-        acc_text.append(out.text)
-        acc_ids.extend(out.output_ids)
-        if acc_lp is not None:
-            acc_lp.extend(out.output_logprobs)
-        if acc_top is not None:
-            acc_top.extend(out.output_top_logprobs)
-        meta = _meta_info(out, logprob_meta_info(acc_ids, acc_lp, acc_top) if acc_lp is not None else None)
-        return {"text": "".join(acc_text), "output_ids": list(acc_ids), "meta_info": meta}
-
     if not stream:
-        last = None
-        async with contextlib.aclosing(gen):  # an error or a cancel aborts the request
-            async for out in gen:
-                last = fold(out)
-        return web.json_response(last)
+        text, outs, last = await _collect(req, gen)
+        return web.json_response({"text": text, "output_ids": outs.ids, "meta_info": _meta_info(last, outs)})
+    # Like SGLang: every event carries the text, ids (and logprobs) so far.
+    acc_text, outs = [], OutputsSoFar(req.return_logprob, req.top_logprobs_num)
 
     def events(out):
-        return [fold(out)]
+        acc_text.append(out.text)
+        outs.add(out.output_ids, out.output_logprobs, out.output_top_logprobs)
+        return [{"text": "".join(acc_text), "output_ids": list(outs.ids), "meta_info": _meta_info(out, outs)}]
 
     return await _sse(request, gen, events)
 
@@ -242,8 +224,9 @@ async def _openai_generate(request: web.Request, chat: bool):
     fmt = oai.ResponseFormatter(chat=chat, model=model, rid=req.rid, created=int(time.time()),
                                 token_text=token_text, top_logprobs=req.top_logprobs_num)
     if not req.stream:
-        text, ids, last, logprobs, top = await _collect(gen)
-        return web.json_response(fmt.response(text, last, fmt.logprobs(ids, logprobs, top, last.finish_reason)))
+        text, outs, last = await _collect(req, gen)
+        logprobs = fmt.logprobs(outs.ids, outs.logprobs, outs.top_logprobs, last.finish_reason)
+        return web.json_response(fmt.response(text, last, logprobs))
     return await _sse(request, gen, lambda out: fmt.stream_events(out, include_usage))
 
 

@@ -110,6 +110,27 @@ class RankHello:
 # ---- helpers ---------------------------------------------------------------------------------
 
 
+class OutputsSoFar:
+    """A request's output ids so far, and their logprobs / top logprobs when it asked (None
+    otherwise): what every consumer of TokenOut chunks accumulates."""
+
+    def __init__(self, return_logprob: bool = False, top_logprobs_num: int = 0):
+        self.ids: list[int] = []
+        self.logprobs: Optional[list[float]] = [] if return_logprob else None
+        self.top_logprobs: Optional[list] = [] if top_logprobs_num else None
+
+    def add(self, ids: Sequence[int], logprobs: Optional[Sequence[float]], top_logprobs: Optional[Sequence]) -> None:
+        self.ids.extend(ids)
+        if self.logprobs is not None:
+            self.logprobs.extend(logprobs)
+        if self.top_logprobs is not None:
+            self.top_logprobs.extend(top_logprobs)
+
+    def meta_info(self) -> dict:
+        """The logprob fields of meta_info (logprob_meta_info), empty without logprobs."""
+        return logprob_meta_info(self.ids, self.logprobs, self.top_logprobs) if self.logprobs is not None else {}
+
+
 def logprob_meta_info(output_ids: Sequence[int], logprobs: Optional[Sequence[float]],
                       top_logprobs: Optional[Sequence[Sequence[tuple[float, int]]]]) -> dict:
     """meta_info fields of a request with return_logprob, SGLang's shape without token texts:

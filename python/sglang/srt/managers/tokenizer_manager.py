@@ -19,6 +19,7 @@ from sglang.srt.managers.dp_controller import DataParallelController
 from sglang.srt.managers.dp_stats import aggregate_stats
 from sglang.srt.managers.io_struct import (
     GenerateReqInput,
+    OutputsSoFar,
     ReadyMsg,
     ServerInfo,
     check_logprob_args,
@@ -279,9 +280,8 @@ class TokenizerManager:
                 self._abort(rid)
 
     def _fold(self, req: GenerateReqInput, detok: IncrementalDetokenizer, items: list) -> GenerateOutput:
-        text, ids, last = [], [], None
-        logprobs = [] if req.return_logprob else None
-        top_logprobs = [] if req.top_logprobs_num else None
+        text, last = [], None
+        outs = OutputsSoFar(req.return_logprob, req.top_logprobs_num)
         finish_reason = None
         finished = False
         for item in items:
@@ -289,11 +289,7 @@ class TokenizerManager:
                 raise item
             if item.error is not None:
                 raise RequestError(item.error)
-            ids.extend(item.new_token_ids)
-            if logprobs is not None:
-                logprobs.extend(item.new_logprobs)
-            if top_logprobs is not None:
-                top_logprobs.extend(item.new_top_logprobs)
+            outs.add(item.new_token_ids, item.new_logprobs, item.new_top_logprobs)
             # A matched stop token ends the text; it is not part of it (it stays in the ids).
             visible = visible_output_ids(item.new_token_ids, item.finish_reason) if item.finished else item.new_token_ids
             text.append(detok.add(visible))
@@ -311,13 +307,13 @@ class TokenizerManager:
         return GenerateOutput(
             rid=req.rid,
             text="".join(text),
-            output_ids=ids,
+            output_ids=outs.ids,
             finished=finished,
             finish_reason=finish_reason,
             prompt_tokens=last.prompt_tokens,
             completion_tokens=last.completion_tokens,
-            output_logprobs=logprobs,
-            output_top_logprobs=top_logprobs,
+            output_logprobs=outs.logprobs,
+            output_top_logprobs=outs.top_logprobs,
         )
 
     async def get_server_info(self, timeout_s: float = 30.0) -> dict:
