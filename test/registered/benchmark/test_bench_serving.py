@@ -5,24 +5,15 @@ import json
 import subprocess
 import sys
 
-from sglang.test.server_process import ServerProcess, free_port
 
-
-def test_bench_serving_records_a_tagged_run_of_completed_requests(tmp_path):
-    port = free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", "dsv4-tiny", "--device", "cpu",
-           "--port", str(port)]
-    server = ServerProcess(cmd, port, tmp_path / "server.log")
-    server.wait_ready(180, poll_s=0.25)
+def test_bench_serving_records_a_tagged_run_of_completed_requests(tmp_path, tiny_server):
     out = tmp_path / "serving.jsonl"
-    try:
-        for tag in ("first", "second"):
-            run = subprocess.run([sys.executable, "-m", "sglang.bench_serving", "--port", str(port), "--num-prompts",
-                                  "4", "--max-concurrency", "2", "--random-input-len", "8", "--random-output-len", "5",
-                                  "--tag", tag, "--output-file", str(out)], capture_output=True, text=True, timeout=120)
-            assert run.returncode == 0, run.stdout + run.stderr
-    finally:
-        server.stop()
+    for tag in ("first", "second"):
+        run = subprocess.run([sys.executable, "-m", "sglang.bench_serving", "--port", str(tiny_server.port),
+                              "--num-prompts", "4", "--max-concurrency", "2", "--random-input-len", "8",
+                              "--random-output-len", "5", "--tag", tag, "--output-file", str(out)],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["args"]["tag"] for line in lines] == ["first", "second"]
     for m in lines:

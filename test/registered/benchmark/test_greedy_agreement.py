@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from sglang.test.server_process import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[3]
 spec = importlib.util.spec_from_file_location("greedy_agreement", REPO / "benchmark" / "greedy_agreement.py")
@@ -47,20 +46,12 @@ def test_compare_of_files_without_logprobs_leaves_the_call_open(tmp_path):
     assert got["first_divergence_steps"] == [1] and got["divergences"][0]["near_tie"] is None
 
 
-def test_collect_against_a_server_records_ids_and_top2(tmp_path):
-    port = free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", "dsv4-tiny", "--device", "cpu",
-           "--port", str(port)]
-    server = ServerProcess(cmd, port, tmp_path / "server.log")
-    server.wait_ready(180, poll_s=0.25)
-    try:
-        out = tmp_path / "run.json"
-        for path in (out, tmp_path / "again.json"):
-            subprocess.run([sys.executable, str(REPO / "benchmark" / "greedy_agreement.py"), "collect", "--port",
-                            str(port), "--num", "3", "--input-len", "8", "--output-len", "4", "--out", str(path)],
-                           check=True, timeout=120)
-    finally:
-        server.stop()
+def test_collect_against_a_server_records_ids_and_top2(tmp_path, tiny_server):
+    out = tmp_path / "run.json"
+    for path in (out, tmp_path / "again.json"):
+        subprocess.run([sys.executable, str(REPO / "benchmark" / "greedy_agreement.py"), "collect", "--port",
+                        str(tiny_server.port), "--num", "3", "--input-len", "8", "--output-len", "4",
+                        "--out", str(path)], check=True, timeout=120)
     data = json.loads(out.read_text())
     assert len(data["outputs"]) == 3 and all(len(o) == 4 for o in data["outputs"])
     for ids, top2 in zip(data["outputs"], data["top2"]):
