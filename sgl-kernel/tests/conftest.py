@@ -54,3 +54,15 @@ def device() -> str:
 def _fresh_seed(request):
     # Fresh random inputs per test, but reproducible from the test id when one fails.
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="module")
+def flash_experts():
+    """8 FP4 experts at Flash's dims, quantized once per module and moved to the GPU (the
+    fp4 MoE kernel files' gpu tests)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kernel_test_utils import fp4_experts
+
+    torch.manual_seed(0)
+    return fp4_experts(8, 4096, 2048, "cuda")

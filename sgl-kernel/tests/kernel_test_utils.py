@@ -34,3 +34,22 @@ def paged_page_table(num_rows, context, page_size=128, device="cpu", seed=0):
     pos = torch.arange(context)
     rtt = pages[:, pos // page_size] * page_size + pos % page_size
     return rtt.to(torch.int32).to(device)
+
+
+def fp4_experts(E, d, inter, device):
+    """E experts' FP4 weights and scales (w1, s1, w3, s3, w2, s2) at dims d / inter, drawn on
+    the CPU with unit-variance outputs and quantized by quant_reference."""
+    from dsv4_kernels import quant_reference as Q
+
+    def q(o, i, gain):
+        p, s = Q.quantize_fp4(torch.randn(E, o, i) * gain)
+        return p.to(device), s.to(device)
+    (w1, s1), (w3, s3), (w2, s2) = q(inter, d, d ** -0.5), q(inter, d, d ** -0.5), \
+        q(d, inter, inter ** -0.5)
+    return w1, s1, w3, s3, w2, s2
+
+
+def distinct_expert_ids(T, topk, low, high, device):
+    """[T, topk] distinct per row in [low, high) (outside [0, E): another shard, or -1)."""
+    ids = torch.rand(T, high - low).argsort(dim=1)[:, :topk] + low
+    return ids.to(torch.int32).to(device)
