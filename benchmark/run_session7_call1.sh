@@ -4,6 +4,7 @@
 # (2) profile_bcg_step on dsv4-mini at 16 tokens (metadata ms, host µs per break: session 6 had
 #     0.57 ms and 130-365 µs before the one-launch metadata and the numpy host layout);
 # (3) bench_one_batch dsv4-mini at 16 / 64 / 256 tokens (issue 14's before/after).
+# (4) benchmark/bench_launch_overhead.py.
 # Usage (repo root, GPU machine): OUT=/dir DSV4_REFERENCE_DIR=... bash benchmark/run_session7_call1.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -19,3 +20,6 @@ grep -A5 -E "^== .*(host ms per phase|per segment launch)" "$OUT/profile_mini/pr
 timeout 200 python -m sglang.bench_one_batch --model-path dsv4-mini --num-tokens 16 64 256 --modes extend mixed \
   --repeats 5 --result-file "$OUT/bob_mini.json" > "$OUT/bob_mini.log" 2>&1
 grep -E "^(extend|mixed|mode) " "$OUT/bob_mini.log"
+# (4) the host µs of each break piece: Triton's launch path vs the raw launcher, by arg count
+timeout 120 python benchmark/bench_launch_overhead.py > "$OUT/launch_overhead.log" 2>&1
+cat "$OUT/launch_overhead.log"

@@ -216,3 +216,19 @@ def test_gpu_cuda_graph_replay_reads_live_inputs():
     graph.replay()
     expected = ops.sparse_attn_with_sink(*fresh, D ** -0.5, torch.empty_like(out))
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_key_lists_split_only_into_splits_of_at_least_four_blocks():
+    pick = pytest.importorskip("dsv4_kernels.sparse_attention").pick_num_splits
+    # Under one wave of 132 SMs: 16 programs alone could split 8 ways, 1 program 16 ways.
+    assert pick(16, 132) == 8 and pick(1, 132) == 16
+    # A 128-key window list (dsv4-mini's c0 layers): 4 blocks of 32, so no split and no merge.
+    assert pick(16, 132, width=128) == 1
+    # Window + a 256-entry top-k list: 12 blocks, 2 splits of 6.
+    assert pick(16, 132, width=128 + 256) == 2
+    # Window + Flash's 512-entry top-k at one token: 20 blocks, capped at 4 splits.
+    assert pick(2, 132, width=128 + 512) == 4
+    # Long c128 lists: the wave decides, never more than MAX_SPLITS.
+    assert pick(2, 132, width=128 + 8192) == 16 and pick(64, 132, width=10**6) == 2
+    # Larger key blocks need longer lists for the same split.
+    assert pick(16, 132, width=384, block_n=64) == 1

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv, next_power_of_2
 from .kv_fp8 import KV_FP8_BLOCK, FP8KVLayout
 from .quant_reference import AMAX_FLOOR, E4M3_MAX
 
@@ -71,7 +72,7 @@ def encode_e4m3(x):
     tests hold it to torch's cast, ties and subnormals included)."""
     out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     if x.numel():
-        _encode_e4m3_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+        _encode_e4m3_kernel[(cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
     return out
 
 
@@ -188,7 +189,7 @@ def _launch(x3, weight, eps, cos, sin, positions, rope_dim, out3, pool, out_loc,
         assert out3.stride(-1) == 1
     if T == 0:
         return
-    block_half = max(triton.next_power_of_2(D // 2), KV_FP8_BLOCK // 2)
+    block_half = max(next_power_of_2(D // 2), KV_FP8_BLOCK // 2)
     rope_pool = layout.rope(pool) if layout is not None else x3
     _norm_rope_row_kernel[(T * H,)](
         x3, x3.stride(0), x3.stride(1), weight if weight is not None else x3,

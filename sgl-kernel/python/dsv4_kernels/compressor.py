@@ -8,6 +8,7 @@ import triton.language as tl
 
 from . import reference
 from .cache_write import rmsnorm_rope_store
+from .host_math import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -58,8 +59,8 @@ def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio,
     if E == 0:
         return out
     # Register-sized tiles of [R, BLOCK_C] fp32 (sm_90 reports: no spills; see benchmark/).
-    block_c = min(triton.next_power_of_2(D), 32 if ratio == 128 else 256)
-    _compressor_pool_kernel[(E, triton.cdiv(D, block_c))](
+    block_c = min(next_power_of_2(D), 32 if ratio == 128 else 256)
+    _compressor_pool_kernel[(E, cdiv(D, block_c))](
         kv_state, score_state, kv_new, score_new, gather_idx, out,
         kv_state.shape[-1], kv_new.stride(0), gather_idx.stride(0), out.stride(0), D,
         RATIO=ratio, COFF=coff, BLOCK_C=block_c, num_warps=8 if ratio == 128 else 4,
@@ -97,8 +98,8 @@ def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write
     # programs would otherwise leave an arbitrary one. Two small torch launches, no sync.
     keep = reference.ring_write_winners(ring_write_loc, num_rows)
     loc = torch.where(keep, ring_write_loc.long(), -1)
-    block = min(triton.next_power_of_2(C), 1024)
-    _scatter_rows_kernel[(T, triton.cdiv(C, block))](
+    block = min(next_power_of_2(C), 1024)
+    _scatter_rows_kernel[(T, cdiv(C, block))](
         kv_new, score_new, kv_state, score_state, loc, kv_new.stride(0), C, C,
         BLOCK=block, num_warps=4,
     )

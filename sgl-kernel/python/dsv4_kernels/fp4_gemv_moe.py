@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .fp4_moe import _TL_DTYPE, _chunks
 from .fp8_gemm import round_act
+from .host_math import cdiv
 from .moe import moe_align, sum_topk
 
 
@@ -308,7 +309,7 @@ def gemv_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, o
     kw = dict(NUM_EXPERTS=E, BLOCK_M=bm, num_warps=cfg["num_warps"],
               num_stages=cfg["num_stages"])
     bn = cfg["block_n_up"]
-    _gemv_gate_up_kernel[(max_blocks, triton.cdiv(I, bn))](
+    _gemv_gate_up_kernel[(max_blocks, cdiv(I, bn))](
         a, w1.view(torch.int32), w1_scale.view(torch.uint8), w3.view(torch.int32),
         w3_scale.view(torch.uint8), sorted_ids, block_expert, weights_flat, h,
         M, d, I, topk, a.stride(0), w1.stride(0) // 4, w1.stride(1) // 4, w1_scale.stride(0),
@@ -317,7 +318,7 @@ def gemv_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, o
     if act_quant:  # padding rows are rounded too, never read
         h = round_act(h)
     bn = cfg["block_n_down"]
-    _gemv_down_kernel[(max_blocks, triton.cdiv(d, bn))](
+    _gemv_down_kernel[(max_blocks, cdiv(d, bn))](
         h, w2.view(torch.int32), w2_scale.view(torch.uint8), sorted_ids, block_expert, partial,
         M, d, I, h.stride(0), w2.stride(0) // 4, w2.stride(1) // 4, w2_scale.stride(0),
         w2_scale.stride(1), partial.stride(0), BLOCK_N=bn, CHUNKS=_chunks(I, cfg["chunks"]),

@@ -61,6 +61,7 @@ import triton.language as tl
 
 from .fp4_moe import _chunk_scale, _chunks, _e2m1_scaled, _load_codes, _step_scales
 from .fp8_gemm import INV_E4M3_MAX, QBLOCK, e4m3_bits, pow2_recip, pow2_scale, round_act
+from .host_math import cdiv, next_power_of_2
 from .moe import sum_topk
 
 GROUP_EXPERTS = 16  # experts decoded and multiplied per grouped GEMM (module docstring)
@@ -196,7 +197,7 @@ def route_by_expert(ids, num_experts: int, group_experts: int):
     counts = torch.zeros(E + 1, dtype=torch.long, device=dev)
     counts.scatter_add_(0, key, torch.ones_like(key))
     ends = torch.cumsum(counts[:E], 0)
-    groups = triton.cdiv(E, G)
+    groups = cdiv(E, G)
     last = (torch.arange(1, groups + 1, device=dev) * G).clamp_(max=E) - 1
     bounds = torch.cat([ends.new_zeros(1), ends[last]])
     offs = ends - bounds[torch.arange(E, device=dev) // G]
@@ -224,7 +225,7 @@ def _decode_group(w, s, e0: int, n_e: int, out, col0: int):
     (scales s) transposed to [K, N], in out's dtype."""
     _, N, half_k = w.shape
     chunks = _chunks(2 * half_k)
-    _decode_experts_kernel[(n_e, triton.cdiv(N, DECODE_BLOCK_N), 2 * half_k // (32 * chunks))](
+    _decode_experts_kernel[(n_e, cdiv(N, DECODE_BLOCK_N), 2 * half_k // (32 * chunks))](
         w.view(torch.int8), s.view(torch.uint8), out, e0, N, w.stride(0), w.stride(1),
         s.stride(0), s.stride(1), out.stride(0), out.stride(1), out.stride(2), col0,
         BLOCK_N=DECODE_BLOCK_N, CHUNKS=chunks, num_warps=4)
@@ -256,7 +257,7 @@ def grouped_fp4_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, l
     if group_experts < 1:
         raise ValueError(f"fp4_fused_moe: group_experts must be >= 1, got {group_experts}")
     G = min(group_experts, E)
-    n_groups = triton.cdiv(E, G)
+    n_groups = cdiv(E, G)
     dev, dt = x.device, x.dtype
     overlap = overlap and x.is_cuda
     order, bounds, offs = route_by_expert(ids, E, G)
@@ -265,10 +266,10 @@ def grouped_fp4_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, l
     partial = torch.empty(M, d, dtype=dt, device=dev)
     # Row kernels: ROW_PROGRAMS row slots (fewer at small T) x column blocks; each slot loops
     # over the group's real row blocks, whose count only the device knows.
-    slots = min(triton.cdiv(M, BLOCK_R), ROW_PROGRAMS)
-    block_d = min(BLOCK_D, triton.next_power_of_2(d))
-    grid_d = (slots, triton.cdiv(d, block_d))
-    grid_i = (slots, triton.cdiv(inter, QBLOCK))
+    slots = min(cdiv(M, BLOCK_R), ROW_PROGRAMS)
+    block_d = min(BLOCK_D, next_power_of_2(d))
+    grid_d = (slots, cdiv(d, block_d))
+    grid_i = (slots, cdiv(inter, QBLOCK))
 
     def decode(g, w13, w2_dec, part):
         e0, n_e = g * G, min(G, E - g * G)

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from ._dot import dot_precision
 from .fp8_gemm import QBLOCK, quantize_act, round_act
+from .host_math import cdiv
 from .moe import moe_align, sum_topk
 
 VARIANTS = ("bf16", "fp8", "gemv", "grouped")
@@ -340,7 +341,7 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
     kw = dict(NUM_EXPERTS=E, FP8_DOT=fp8_dot, BLOCK_M=bm, DOT_PREC=prec, X_DTYPE=xdt,
               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     bn = cfg["block_n_up"]
-    _fp4_gate_up_kernel[(max_blocks, triton.cdiv(I, bn))](
+    _fp4_gate_up_kernel[(max_blocks, cdiv(I, bn))](
         a, a_s, w1.view(torch.int8), w1_scale.view(torch.uint8), w3.view(torch.int8),
         w3_scale.view(torch.uint8), sorted_ids, block_expert, weights_flat, h,
         M, d, I, topk, a.stride(0), a_s.stride(0), a_s.stride(1), w1.stride(0), w1.stride(1),
@@ -355,7 +356,7 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
     elif act_quant:
         h = round_act(h)
     bn = cfg["block_n_down"]
-    _fp4_down_kernel[(max_blocks, triton.cdiv(d, bn))](
+    _fp4_down_kernel[(max_blocks, cdiv(d, bn))](
         h, hs, w2.view(torch.int8), w2_scale.view(torch.uint8), sorted_ids, block_expert,
         partial, M, d, I, h.stride(0), hs.stride(0), hs.stride(1), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), partial.stride(0), BLOCK_N=bn,

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from . import fp8_scaled_mm
 from ._dot import dot_precision
+from .host_math import cdiv, next_power_of_2
 
 QBLOCK = 128  # activation quantization block along K (pow2_scale floors amax at 1e-4, as
 # quant_reference.AMAX_FLOOR does)
@@ -232,13 +233,13 @@ def gemm_config(M: int, N: int, K: int, act_quant: bool, num_sms: int = 132) -> 
     else:
         bm, bn, warps, stages = 128, 128, 8, 4
     bk = 128 if act_quant else 64
-    steps = triton.cdiv(K, bk)
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    steps = cdiv(K, bk)
+    tiles = cdiv(M, bm) * cdiv(N, bn)
     split = 1
     if tiles < 2 * num_sms:
         split = max(1, min((2 * num_sms) // tiles, steps // 4))
-    steps_per_split = triton.cdiv(steps, split)
-    split = triton.cdiv(steps, steps_per_split)  # no empty splits
+    steps_per_split = cdiv(steps, split)
+    split = cdiv(steps, steps_per_split)  # no empty splits
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
                 split=split, steps_per_split=steps_per_split, fuse_quant=act_quant and M <= 16)
 
@@ -255,8 +256,8 @@ def quantize_act(x2: torch.Tensor, rows: int | None = None):
     q = torch.empty(R, K, dtype=torch.uint8, device=x2.device)
     s = torch.empty(K // QBLOCK, R, dtype=torch.float32, device=x2.device).t()
     if R:
-        blocks = min(8, triton.next_power_of_2(K // QBLOCK))
-        _act_quant_kernel[(R, triton.cdiv(K // QBLOCK, blocks))](
+        blocks = min(8, next_power_of_2(K // QBLOCK))
+        _act_quant_kernel[(R, cdiv(K // QBLOCK, blocks))](
             x2, q, s, M, K, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), BLOCKS=blocks,
             QB=QBLOCK, ROUND_ONLY=False, num_warps=4)
     return q.view(torch.float8_e4m3fn), s
@@ -267,8 +268,8 @@ def round_act(x2: torch.Tensor) -> torch.Tensor:
     M, K = x2.shape
     r = torch.empty(M, K, dtype=x2.dtype, device=x2.device)
     if M:
-        blocks = min(8, triton.next_power_of_2(K // QBLOCK))
-        _act_quant_kernel[(M, triton.cdiv(K // QBLOCK, blocks))](
+        blocks = min(8, next_power_of_2(K // QBLOCK))
+        _act_quant_kernel[(M, cdiv(K // QBLOCK, blocks))](
             x2, r, r, M, K, x2.stride(0), r.stride(0), 0, 0, BLOCKS=blocks, QB=QBLOCK,
             ROUND_ONLY=True, num_warps=4)
     return r
@@ -290,7 +291,7 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, config: dict | No
     if weight.dtype != torch.float8_e4m3fn or weight.stride(-1) != 1:
         raise TypeError(f"fp8_block_linear: weight must be row-major float8_e4m3fn, got "
                         f"{weight.dtype} strides {weight.stride()}")
-    if tuple(weight_scale.shape) != (triton.cdiv(N, 128), triton.cdiv(K, 128)):
+    if tuple(weight_scale.shape) != (cdiv(N, 128), cdiv(K, 128)):
         raise ValueError(f"fp8_block_linear: weight_scale {tuple(weight_scale.shape)} for "
                          f"weight {(N, K)}")
     if act_quant and K % QBLOCK:
@@ -320,7 +321,7 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, config: dict | No
         raise ValueError(f"fp8_block_linear: BLOCK_N and BLOCK_K must divide 128, got {cfg}")
     split = cfg["split"]
     c = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split)
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), split)
     ws = weight_scale.float().contiguous()
     common = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=8,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -343,6 +344,6 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, config: dict | No
             DOT_PREC=dot_precision(x.dtype), **common)
     if split > 1:
         block = 1024
-        _split_sum_kernel[(triton.cdiv(M * N, block),)](c, out, M * N, SPLIT=split, BLOCK=block,
+        _split_sum_kernel[(cdiv(M * N, block),)](c, out, M * N, SPLIT=split, BLOCK=block,
                                                         num_warps=4)
     return out.view(*x.shape[:-1], N)

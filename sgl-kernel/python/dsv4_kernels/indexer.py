@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ._dot import dot_precision
 from ._page_table import load_page_table_slots
+from .host_math import cdiv, next_power_of_2
 from .page_table_list import kernel_list_args, list_width
 
 # Bound on the fp32 logits scratch (elements); longer batches are scored in token chunks.
@@ -118,13 +119,13 @@ def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len, logits=None, 
         return logits
     block_n = 64
     tiles = 4 if C >= 4 * block_n else 1
-    grid = (T, triton.cdiv(C, block_n * tiles))
+    grid = (T, cdiv(C, block_n * tiles))
     _indexer_logits_kernel[grid](
         q_idx, weights, key_pool, cands.table, cands.rows, cands.max_col, cand_len, logits,
         q_idx.stride(0), q_idx.stride(1), weights.stride(0), key_pool.stride(0),
         cands.table.stride(0), logits.stride(0), NH, DI, C,
-        TILES_PER_PROG=tiles, BLOCK_H=max(16, triton.next_power_of_2(NH)), BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(DI), DOT_PREC=dot_precision(q_idx.dtype), PAGED=cands.paged,
+        TILES_PER_PROG=tiles, BLOCK_H=max(16, next_power_of_2(NH)), BLOCK_N=block_n,
+        BLOCK_D=next_power_of_2(DI), DOT_PREC=dot_precision(q_idx.dtype), PAGED=cands.paged,
         RATIO=cands.ratio,
         KEYS=keys, num_warps=4, num_stages=2,
     )
@@ -139,7 +140,7 @@ def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots
     k = min(topk, C)
     # int64 keys: half the elements of the fp32 logits bound, the same bytes
     chunk = max(1, MAX_LOGITS_ELEMENTS // 2 // max(C, 1))
-    block_k = min(1024, triton.next_power_of_2(max(topk, 1)))
+    block_k = min(1024, next_power_of_2(max(topk, 1)))
     assert out_slots.stride(-1) == 1
     # A static Python loop over token chunks: the chunk count depends only on T and C.
     for start in range(0, T, chunk):
@@ -152,7 +153,7 @@ def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots
         chosen = keys.topk(k, dim=-1).values
         cands = kernel_list_args(part, lens, sl.stop - sl.start)
         out = out_slots[sl]
-        _keys_to_slots_kernel[(sl.stop - sl.start, triton.cdiv(topk, block_k))](
+        _keys_to_slots_kernel[(sl.stop - sl.start, cdiv(topk, block_k))](
             chosen, cands.table, cands.rows, cands.max_col, out,
             chosen.stride(0), cands.table.stride(0), out.stride(0), C, k, topk,
             BLOCK_K=block_k, PAGED=cands.paged, RATIO=cands.ratio, num_warps=4,

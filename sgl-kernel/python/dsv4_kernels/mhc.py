@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv, next_power_of_2
+
 # Elements of the [BLOCK_T, BLOCK_M, BLOCK_K] product accumulator of the mixes: 32 fp32
 # registers per thread at 8 warps.
 _ACC_ELEMS = 8192
@@ -149,10 +151,10 @@ def hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out=None):
     if T == 0:
         return y, post, comb
     block_t = _block_t(T)
-    block_m = triton.next_power_of_2(mix)
-    block_k = max(16, min(triton.next_power_of_2(D), _ACC_ELEMS // (block_t * block_m)))
-    block_d = min(triton.next_power_of_2(D), 4096 // hc)
-    _hc_pre_kernel[(triton.cdiv(T, block_t),)](
+    block_m = next_power_of_2(mix)
+    block_k = max(16, min(next_power_of_2(D), _ACC_ELEMS // (block_t * block_m)))
+    block_d = min(next_power_of_2(D), 4096 // hc)
+    _hc_pre_kernel[(cdiv(T, block_t),)](
         x, x.stride(0), x.stride(1), fn, fn.stride(0), scale, base,
         y, y.stride(0), post, post.stride(0), comb, comb.stride(0),
         T, D, int(iters), float(hc_eps), float(norm_eps),
@@ -172,8 +174,8 @@ def hc_post(f, residual, post, comb, out=None):
     assert post.stride(-1) == 1 and comb.stride(-1) == 1 and out.shape == residual.shape
     if T == 0:
         return out
-    block_d = min(triton.next_power_of_2(D), 4096 // hc)
-    _hc_post_kernel[(T, triton.cdiv(D, block_d))](
+    block_d = min(next_power_of_2(D), 4096 // hc)
+    _hc_post_kernel[(T, cdiv(D, block_d))](
         f, f.stride(0), residual, residual.stride(0), residual.stride(1), post, post.stride(0),
         comb, comb.stride(0), comb.stride(1), out, out.stride(0), out.stride(1), D,
         HC=hc, BLOCK_D=block_d, num_warps=4,

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._dot import dot_precision
+from .host_math import cdiv, next_power_of_2
 
 BLOCK_M = 64
 SUM_BLOCK_D = 1024
@@ -65,7 +66,7 @@ def moe_align(ids, num_experts: int, block_m: int = BLOCK_M):
     blocks any routing can need (each non-empty expert adds at most one partial block)."""
     M = ids.numel()
     device = ids.device
-    max_blocks = triton.cdiv(M, block_m) + min(num_experts, M)
+    max_blocks = cdiv(M, block_m) + min(num_experts, M)
     capacity = max_blocks * block_m
     if 0 < M <= ALIGN_ONE_KERNEL_MAX_M and (ids.is_cuda or os.environ.get("TRITON_INTERPRET")
                                             == "1"):
@@ -73,8 +74,8 @@ def moe_align(ids, num_experts: int, block_m: int = BLOCK_M):
         block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
         _align_small_kernel[(1,)](
             ids.reshape(-1).contiguous(), sorted_ids, block_expert, M, num_experts, capacity,
-            max_blocks, BLOCK_M=block_m, MP=max(16, triton.next_power_of_2(M)),
-            EP=max(16, triton.next_power_of_2(num_experts)), CHUNK=128, num_warps=16)
+            max_blocks, BLOCK_M=block_m, MP=max(16, next_power_of_2(M)),
+            EP=max(16, next_power_of_2(num_experts)), CHUNK=128, num_warps=16)
         return sorted_ids, block_expert
     flat = ids.reshape(-1).long()
     # Skipped assignments form one extra group (index E) that sorts after every real expert.
@@ -195,8 +196,8 @@ def sum_topk(partial, ids, out, num_experts: int):
     summed in fp32, in top-k order (deterministic); assignments whose id is outside
     [0, num_experts) add nothing. Shared by every MoE here (fused_moe and the FP4 variants)."""
     T, d = out.shape
-    block_d = min(SUM_BLOCK_D, triton.next_power_of_2(d))
-    _sum_topk_kernel[(T, triton.cdiv(d, block_d))](
+    block_d = min(SUM_BLOCK_D, next_power_of_2(d))
+    _sum_topk_kernel[(T, cdiv(d, block_d))](
         partial, ids.reshape(-1).contiguous(), out, d, ids.shape[1], partial.stride(0), out.stride(0),
         NUM_EXPERTS=num_experts, BLOCK_D=block_d, num_warps=4,
     )
@@ -226,14 +227,14 @@ def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out, block_n: int = 64,
     h = torch.empty(sorted_ids.shape[0], I, dtype=x.dtype, device=x.device)
     partial = torch.empty(M, d, dtype=x.dtype, device=x.device)
     weights_flat = weights.reshape(-1).contiguous()
-    _gate_up_kernel[(max_blocks, triton.cdiv(I, block_n))](
+    _gate_up_kernel[(max_blocks, cdiv(I, block_n))](
         x, w1, w3, sorted_ids, block_expert, weights_flat, h, M, d, I, topk, x.stride(0),
         w1.stride(0), w1.stride(1), h.stride(0), float(swiglu_limit),
         NUM_EXPERTS=E, HAS_LIMIT=swiglu_limit > 0, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_K=block_k, DOT_PREC=dot_precision(x.dtype), num_warps=num_warps,
         num_stages=num_stages,
     )
-    _down_kernel[(max_blocks, triton.cdiv(d, block_n))](
+    _down_kernel[(max_blocks, cdiv(d, block_n))](
         h, w2, sorted_ids, block_expert, partial, M, d, I, h.stride(0),
         w2.stride(0), w2.stride(1), partial.stride(0),
         NUM_EXPERTS=E, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ._dot import dot_precision
 from ._page_table import load_page_table_slots
+from .host_math import cdiv, next_power_of_2
 from .kv_fp8 import KV_FP8_BLOCK
 from .page_table_list import kernel_list_args
 from .reference import check_kv_layout
@@ -46,11 +47,20 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def pick_num_splits(num_programs: int, num_sms: int) -> int:
+# A split covers at least this many key blocks of the lists' widths: a shorter split saves
+# less GPU time than its merge launch and partial buffers cost on the host, which a
+# breakable-graph break pays on every replay (a 128-key window list split 4 ways at
+# dsv4-mini's 16-token steps: 103 against 67 host µs, benchmark/bench_launch_overhead.py).
+MIN_BLOCKS_PER_SPLIT = 4
+
+
+def pick_num_splits(num_programs: int, num_sms: int, width: int | None = None, block_n: int = 32) -> int:
     """Split the key lists only while the grid is under one wave: at the default config one
-    program fills an SM's registers, and splitting costs an fp32 partial round trip."""
+    program fills an SM's registers, and splitting costs an fp32 partial round trip. `width`
+    (the summed list widths, when known) caps the splits at MIN_BLOCKS_PER_SPLIT blocks each."""
+    cap = MAX_SPLITS if width is None else min(MAX_SPLITS, max(1, width // (MIN_BLOCKS_PER_SPLIT * block_n)))
     splits = 1
-    while splits < MAX_SPLITS and num_programs * splits * 2 <= num_sms:
+    while splits * 2 <= cap and num_programs * splits * 2 <= num_sms:
         splits *= 2
     return splits
 
@@ -235,10 +245,16 @@ def measured_config(num_tokens: int) -> SparseAttnConfig:
     with split key lists for a handful of tokens, 64-head blocks above, keys on the M side
     once there are enough tokens to fill the machine."""
     if num_tokens < 16:
-        return SparseAttnConfig(block_h=32)
+        return _FEW_TOKENS
     if num_tokens < 256:
-        return SparseAttnConfig(block_h=64)
-    return SparseAttnConfig(block_h=64, keys_as_m=True)
+        return _SOME_TOKENS
+    return _MANY_TOKENS
+
+
+# (built once: a break calls measured_config on every replay)
+_FEW_TOKENS = SparseAttnConfig(block_h=32)
+_SOME_TOKENS = SparseAttnConfig(block_h=64)
+_MANY_TOKENS = SparseAttnConfig(block_h=64, keys_as_m=True)
 
 
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
@@ -267,12 +283,13 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
     rope_a = kv_layout.rope(kv_a) if fp8 else kv_a
     rope_b = kv_layout.rope(kv_b) if fp8 else kv_b
 
-    block_h = max(16, min(config.block_h, triton.next_power_of_2(H)))
-    block_d = triton.next_power_of_2(D)
-    num_hb = triton.cdiv(H, block_h)
+    block_h = max(16, min(config.block_h, next_power_of_2(H)))
+    block_d = next_power_of_2(D)
+    num_hb = cdiv(H, block_h)
     num_sms = _num_sms(torch.cuda.current_device() if q.device.index is None else q.device.index) \
         if q.is_cuda else 132
-    splits = config.num_splits or pick_num_splits(T * num_hb, num_sms)
+    width = list_a.width + (list_b.width if has_b else 0)
+    splits = config.num_splits or pick_num_splits(T * num_hb, num_sms, width, config.block_n)
     if splits > 1:
         part_acc = torch.empty(T, splits, H, D, dtype=torch.float32, device=q.device)
         part_m = torch.empty(T, splits, H, dtype=torch.float32, device=q.device)
@@ -296,7 +313,7 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
     )
     if splits > 1:
         merge_h, merge_d = 16, min(block_d, 128)
-        _merge_splits_kernel[(T * triton.cdiv(H, merge_h), triton.cdiv(D, merge_d))](
+        _merge_splits_kernel[(T * cdiv(H, merge_h), cdiv(D, merge_d))](
             part_acc, part_m, part_l, sink, out, H, D, out.stride(0), out.stride(1),
             NUM_SPLITS=splits, BLOCK_H=merge_h, BLOCK_D=merge_d, num_warps=4,
         )
