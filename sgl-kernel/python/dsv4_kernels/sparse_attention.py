@@ -47,17 +47,20 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# A split covers at least this many key blocks of the lists' widths: a shorter split saves
-# less GPU time than its merge launch and partial buffers cost on the host, which a
-# breakable-graph break pays on every replay (a 128-key window list split 4 ways at
-# dsv4-mini's 16-token steps: 103 against 67 host µs, benchmark/bench_launch_overhead.py).
+# Launched eagerly (a breakable graph's break, an eager forward), a split covers at least this
+# many key blocks of the lists' widths: a shorter split saves less GPU time than its merge
+# launch and partial buffers cost on the host, paid by a break on every replay (dsv4-mini's
+# 128-key window list at 16 tokens, split 8 ways: 76.5 against 47.4 host µs unsplit,
+# benchmark/bench_launch_overhead.py). Captured into a graph, a split costs no host time at
+# replay, so there only the wave decides (decode graphs: Flash's T=1 step split 16 ways).
 MIN_BLOCKS_PER_SPLIT = 4
 
 
 def pick_num_splits(num_programs: int, num_sms: int, width: int | None = None, block_n: int = 32) -> int:
     """Split the key lists only while the grid is under one wave: at the default config one
     program fills an SM's registers, and splitting costs an fp32 partial round trip. `width`
-    (the summed list widths, when known) caps the splits at MIN_BLOCKS_PER_SPLIT blocks each."""
+    (the summed list widths of an eager launch) caps the splits at MIN_BLOCKS_PER_SPLIT blocks
+    each."""
     cap = MAX_SPLITS if width is None else min(MAX_SPLITS, max(1, width // (MIN_BLOCKS_PER_SPLIT * block_n)))
     splits = 1
     while splits * 2 <= cap and num_programs * splits * 2 <= num_sms:
@@ -288,7 +291,8 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
     num_hb = cdiv(H, block_h)
     num_sms = _num_sms(torch.cuda.current_device() if q.device.index is None else q.device.index) \
         if q.is_cuda else 132
-    width = list_a.width + (list_b.width if has_b else 0)
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    width = None if capturing else list_a.width + (list_b.width if has_b else 0)
     splits = config.num_splits or pick_num_splits(T * num_hb, num_sms, width, config.block_n)
     if splits > 1:
         part_acc = torch.empty(T, splits, H, D, dtype=torch.float32, device=q.device)
