@@ -138,6 +138,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_launch_overhead.py times CUDA launches: it needs a CUDA GPU")
     dev = torch.device("cuda")
     print(f"triton {triton.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print(f"{'case':62s} {'host µs':>8s} {'spread':>7s}")
