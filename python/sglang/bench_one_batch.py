@@ -22,8 +22,10 @@ Under DP attention (`--dp-size N`, bench_one_batch_dp.py) N rank processes (rank
 with NCCL, or gloo on CPU) each build the model with 1/N of the routed experts and run the same
 rows on a batch of their own, every step through the real DP step (consensus + forward with
 the MoE collectives); the ideal graph holds the collectives too. Rank 0 prints the table with
-two more columns: comm ms (the MoE collectives of one eager step, from torch.profiler: NCCL
-kernels' GPU time, or gloo's collective spans on CPU) and comm % (of the eager step). The limit
+four more columns: comm ms (the MoE collectives of one eager step, from torch.profiler: NCCL
+kernels' GPU time, which includes waiting for a late rank, or gloo's collective spans on CPU),
+comm % (of the eager step), and xfer ms / xfer % (the same collectives alone, back to back
+from a barrier, times the MoE layers: their own time without the waits). The limit
 is per rank (ep_size N). `--skip-ideal` leaves the ideal out ('-').
 
     python -m sglang.bench_one_batch --model-path dsv4-flash --load-format dummy --dp-size 2 \
@@ -228,6 +230,9 @@ class Steps:
     def comm_ms(self, fb) -> Optional[float]:
         return None  # no collectives in a world of one
 
+    def comm_transfer_ms(self, fb, iters: int, repeats: int, warmup: int) -> Optional[float]:
+        return None
+
     def gather(self, value) -> list:
         """Every rank's `value`, in rank order (a collective under DP)."""
         return [value]
@@ -252,7 +257,7 @@ def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
     header = (f"{'mode':6} {'tokens':>6} {'eager ms':>9} {'bcg ms':>8} {'ideal ms':>9} {'eager/bcg':>9} "
               f"{'bcg/ideal':>9} {'breaks':>6} {'spread e/b/i':>17} {'limit ms':>9} {'% limit':>7}")
     if dp:
-        header += f" {'comm ms':>8} {'comm %':>6}"
+        header += f" {'comm ms':>8} {'comm %':>6} {'xfer ms':>8} {'xfer %':>6}"
     say(f"model {a.model_path} on {dev} ({runner.server_args.dtype}); BCG capture {bcg.capture_seconds:.1f}s for "
         f"{len(bcg.buckets)} buckets, graph memory {bcg.graph_memory_bytes / 2**20:.0f} MiB"
         + (f"; DP attention {steps.dp_size} ranks, experts split {steps.dp_size} ways (rank 0 shown)" if dp else ""))
@@ -269,6 +274,7 @@ def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
             with torch.inference_mode():
                 eager_runs = timed(steps.eager(fb), dev, **t)
                 comm = steps.comm_ms(fb)
+                xfer = steps.comm_transfer_ms(fb, **t)
                 replays_before = graphs.num_replays
                 bcg_runs = timed(steps.graph(fb, want), dev, **t)
                 replays = graphs.num_replays - replays_before
@@ -284,21 +290,23 @@ def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
             ideal = median(ideal_runs) if ideal_runs else None
             breaks = 0 if mode == "decode" else bcg.graphs[bcg.bucket_for(n)].num_breaks
             bound = limit_ms(runner.config, mode, n, a.prefix, a.kv_cache_dtype == "fp8_e4m3", steps.dp_size)
-            per_rank = steps.gather(dict(graph_replays=replays, comm_ms=comm))
+            per_rank = steps.gather(dict(graph_replays=replays, comm_ms=comm, comm_transfer_ms=xfer))
             row = dict(mode=mode, tokens=n, eager_ms=eager, bcg_ms=replay, ideal_ms=ideal,
                        eager_over_bcg=eager / replay, bcg_over_ideal=_ratio(replay, ideal), breaks=breaks,
                        limit_ms=bound, ideal_over_limit=_ratio(ideal, bound),
                        eager_runs_ms=eager_runs, bcg_runs_ms=bcg_runs, ideal_runs_ms=ideal_runs,
                        graph_replays_by_rank=[r["graph_replays"] for r in per_rank])
             if dp:
-                row.update(comm_ms=comm, comm_share=comm / eager, comm_ms_by_rank=[r["comm_ms"] for r in per_rank])
+                row.update(comm_ms=comm, comm_share=comm / eager, comm_ms_by_rank=[r["comm_ms"] for r in per_rank],
+                           comm_transfer_ms=xfer, comm_transfer_share=xfer / eager,
+                           comm_transfer_ms_by_rank=[r["comm_transfer_ms"] for r in per_rank])
             rows.append(row)
             noise = "/".join(f"{spread(r):.0%}" if r else "-" for r in (eager_runs, bcg_runs, ideal_runs))
             line = (f"{mode:6} {n:6d} {eager:9.2f} {replay:8.2f} {_fmt(ideal, '.2f', 9)} {eager / replay:9.2f} "
                     f"{_fmt(_ratio(replay, ideal), '.2f', 9)} {breaks:6d} {noise:>17} {bound:9.3g} "
                     f"{_fmt(_ratio(bound, ideal), '.1%', 7)}")
             if dp:
-                line += f" {comm:8.2f} {comm / eager:6.0%}"
+                line += f" {comm:8.2f} {comm / eager:6.0%} {xfer:8.2f} {xfer / eager:6.0%}"
             say(line, flush=True)
             for s in slots:
                 runner.req_to_token_pool.free_req(s)

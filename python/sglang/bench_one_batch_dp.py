@@ -13,7 +13,9 @@ which is host work.
 The comm column is the step's MoE collectives: one more eager step of each rank's forward
 under torch.profiler (every rank profiles, so the profiler's overhead does not skew one rank
 against the others), then `collective_ms` of rank 0's events; comm % is that over the eager
-step's median. Rank 0 prints the table and writes --result-file; the parent process returns
+step's median. On GPUs that includes each rank's wait at a collective for a late peer. The
+xfer column excludes it: the same collectives at the step's shapes run back to back from a
+barrier (`comm_transfer_ms`), times the MoE layers; xfer % is that over the eager step. Rank 0 prints the table and writes --result-file; the parent process returns
 rank 0's result.
 """
 
@@ -114,6 +116,31 @@ class DPSteps(Steps):
         profiled = _ProfiledForward(self.runner)
         dp_step(profiled, fb, self.sync, requested_eager_path)
         return collective_ms(profiled.events, self.runner.device.type == "cuda")
+
+    def comm_transfer_ms(self, fb, iters: int, repeats: int, warmup: int) -> float:
+        """The step's MoE collectives alone, at its shapes: the dispatcher's dispatch (rows and
+        routing gathered) and combine (expert outputs reduce-scattered) of one MoE layer, run
+        back to back on every rank after a barrier, times the model's MoE layers (every DSV4
+        layer has one). The ranks do nothing else in between, so none waits for a late peer:
+        unlike comm_ms, this is the collectives' own time."""
+        import torch.distributed as dist
+
+        from sglang.bench_one_batch import median, timed
+
+        r, n = self.runner, fb.num_tokens
+        ctx = r.dp_moe(n)
+        k, d = r.config.num_experts_per_tok, r.config.hidden_size
+        x = torch.zeros(n, d, dtype=r.dtype, device=r.device)
+        weights = torch.zeros(n, k, dtype=torch.float32, device=r.device)
+        ids = torch.zeros(n, k, dtype=torch.int64, device=r.device)
+        expert_out = torch.zeros(n * self.dp_size, d, dtype=torch.float32, device=r.device)  # the experts' fp32 sums
+
+        def one_layer():
+            ctx.dispatcher.combine(ctx, expert_out, ctx.dispatcher.dispatch(ctx, x, weights, ids))
+
+        dist.barrier(group=self.group)
+        runs = timed(one_layer, r.device, iters=iters, repeats=repeats, warmup=warmup)
+        return median(runs) * len(r.model.layers)
 
     def gather(self, value) -> list:
         import torch.distributed as dist

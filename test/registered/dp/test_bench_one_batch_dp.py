@@ -1,6 +1,6 @@
 """`bench_one_batch --dp-size 2` end to end on CPU (2 gloo rank processes, dsv4-tiny): every
 row timed on every rank through the real DP step, BCG rows replayed on every rank, the
-step's collectives measured; a world of one still gives the plain table; failing ranks and
+step's collectives measured (inside the eager step, and alone); a world of one still gives the plain table; failing ranks and
 impossible flags are clear errors. The multi_gpu twin runs the same on 2 GPUs (NCCL)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_dp2_gloo_every_row_on_every_rank_with_comm_share(tmp_path, capfd):
     assert '"dp_size": 2' in result_file.read_text()
     assert [(r["mode"], r["tokens"]) for r in result["rows"]] == [(m, n) for m in MODES for n in TOKENS]
     header = next(line for line in out.splitlines() if line.split()[:2] == ["mode", "tokens"])
-    assert header.split()[-4:] == ["comm", "ms", "comm", "%"]
+    assert header.split()[-8:] == ["comm", "ms", "comm", "%", "xfer", "ms", "xfer", "%"]
     printed = _table_lines(out)
     assert set(printed) == {(m, n) for m in MODES for n in TOKENS}
     for row in result["rows"]:
@@ -47,9 +47,14 @@ def test_dp2_gloo_every_row_on_every_rank_with_comm_share(tmp_path, capfd):
         assert row["comm_ms"] > 0 and all(c > 0 for c in row["comm_ms_by_rank"]), row
         assert row["comm_share"] == pytest.approx(row["comm_ms"] / row["eager_ms"])
         assert row["ideal_ms"] > 0 and row["eager_ms"] > 0 and row["bcg_ms"] > 0
+        # the same collectives alone, timed on every rank
+        assert row["comm_transfer_ms"] > 0 and all(c > 0 for c in row["comm_transfer_ms_by_rank"]), row
+        assert row["comm_transfer_share"] == pytest.approx(row["comm_transfer_ms"] / row["eager_ms"])
         fields = printed[row["mode"], row["tokens"]]
-        assert float(fields[-2]) == pytest.approx(row["comm_ms"], abs=0.006)
-        assert fields[-1] == f"{row['comm_share']:.0%}"
+        assert float(fields[-4]) == pytest.approx(row["comm_ms"], abs=0.006)
+        assert fields[-3] == f"{row['comm_share']:.0%}"
+        assert float(fields[-2]) == pytest.approx(row["comm_transfer_ms"], abs=0.006)
+        assert fields[-1] == f"{row['comm_transfer_share']:.0%}"
 
 
 def test_world_of_one_keeps_the_plain_table(capfd):
@@ -86,4 +91,5 @@ def test_dp2_nccl_comm_is_the_nccl_kernels(capfd):
     for row in result["rows"]:
         assert row["graph_replays_by_rank"] == [STEPS_PER_MODE, STEPS_PER_MODE], row
         assert row["comm_ms"] > 0 and all(c > 0 for c in row["comm_ms_by_rank"]), row
+        assert row["comm_transfer_ms"] > 0, row
         assert row["ideal_ms"] > 0, "the ideal graph (NCCL inside one CUDA graph) did not run"
