@@ -4,15 +4,18 @@
 # start-up time, bench_serving at concurrency 1 / 16 / 64, 64 greedy requests for the BCG-vs-eager
 # agreement, and the server's graph counters (/get_server_info) after the load.
 # Usage (repo root, 2-GPU machine): OUT=/dir [IN=1024] [OUTLEN=128] bash benchmark/run_flash_dp2_serving.sh
+# One H200 (issue 12: Flash dims, as many layers as fit): DP=1 NUM_LAYERS=20 [MODES=bcg] bash ...
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-IN=${IN:-1024}; OUTLEN=${OUTLEN:-128}
+IN=${IN:-1024}; OUTLEN=${OUTLEN:-128}; DP=${DP:-2}
+parallel="--enable-dp-attention --dp-size $DP"; [[ $DP == 1 ]] && parallel=""
+[[ -n ${NUM_LAYERS:-} ]] && parallel="$parallel --num-layers $NUM_LAYERS"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python
 port=30100
-for mode in bcg eager; do
+for mode in ${MODES:-bcg eager}; do
   flag=""; [[ $mode == bcg ]] && flag="--enable-breakable-cuda-graph"
   start=$(date +%s)
-  python -m sglang.launch_server --model-path dsv4-flash --load-format dummy --enable-dp-attention --dp-size 2 \
+  python -m sglang.launch_server --model-path dsv4-flash --load-format dummy $parallel \
     --enable-mixed-chunk $flag --port $port > "$OUT/server_$mode.log" 2>&1 &
   server=$!
   up=""
@@ -39,7 +42,8 @@ for mode in bcg eager; do
   grep -E "memory plan|captured|Error" "$OUT/server_$mode.log" | cut -c1-400 | tail -6
   port=$(( port + 1 ))
 done
-python benchmark/greedy_agreement.py compare "$OUT/greedy_bcg.json" "$OUT/greedy_eager.json"
+[[ -f $OUT/greedy_bcg.json && -f $OUT/greedy_eager.json ]] && \
+  python benchmark/greedy_agreement.py compare "$OUT/greedy_bcg.json" "$OUT/greedy_eager.json"
 python - "$OUT" <<'PY'
 import json, sys
 for mode in ("bcg", "eager"):
