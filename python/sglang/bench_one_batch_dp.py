@@ -15,8 +15,8 @@ under torch.profiler (every rank profiles, so the profiler's overhead does not s
 against the others), then `collective_ms` of rank 0's events; comm % is that over the eager
 step's median. On GPUs that includes each rank's wait at a collective for a late peer. The
 xfer column excludes it: the same collectives at the step's shapes run back to back from a
-barrier (`comm_transfer_ms`), times the MoE layers; xfer % is that over the eager step. Rank 0 prints the table and writes --result-file; the parent process returns
-rank 0's result.
+barrier (`comm_transfer_ms`), times the MoE layers; xfer % is that over the eager step.
+Rank 0 prints the table and writes --result-file; the parent process returns rank 0's result.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from sglang.bench_one_batch import Steps, ideal_graph, run_bench, server_args_for
+from sglang.bench_one_batch import Steps, ideal_graph, median, run_bench, server_args_for, timed
 
 # A rank that fails leaves the others waiting in a collective until --dp-timeout; after this
 # long they are stopped instead.
@@ -124,8 +124,6 @@ class DPSteps(Steps):
         layer has one). The ranks do nothing else in between, so none waits for a late peer:
         unlike comm_ms, this is the collectives' own time."""
         import torch.distributed as dist
-
-        from sglang.bench_one_batch import median, timed
 
         r, n = self.runner, fb.num_tokens
         ctx = r.dp_moe(n)
