@@ -14,6 +14,10 @@ bytes / bandwidth (the weights the step's tokens touch, the KV they read), and f
 mixed the larger of that and FLOPs / peak (the FP8 peak for a release-format model, bf16
 otherwise); "% limit" is limit / (ideal, or the decode graph).
 
+`--profile-kernels N` adds, under each row, the N largest kernels of one eager step (GPU time
+from torch.profiler; op CPU time on CPU) with the step's kernel count: where a step goes at
+real dims, decode included, from the same run.
+
 Every mode is warmed up before it is timed (Triton JIT compiles and autotuning must not land
 in a timing), then timed in `--repeats` runs of `--iters` steps; the table gives the median
 run and the JSON every run, so the spread is visible.
@@ -96,6 +100,38 @@ def timed(fn, device, iters: int, repeats: int, warmup: int) -> list:
     return runs
 
 
+def top_kernels(fn, device, top: int) -> dict:
+    """The kernels of one `fn()` step under torch.profiler: on CUDA the GPU kernels (and copies)
+    by their own device time, on CPU the ops by their own CPU time. Returns the `top` largest
+    (name, calls, ms, share of the total) with the step's kernel count and total ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()  # warm: first-call compiles and allocations stay out of the profile
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        _sync(device)
+    rows = []
+    for e in prof.key_averages():
+        # On CUDA only the device's own events: an op's self device time repeats its kernels'.
+        if cuda and e.device_type == torch.autograd.DeviceType.CPU:
+            continue
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us > 0:
+            rows.append((e.key, e.count, us / 1e3))
+    rows.sort(key=lambda r: -r[2])
+    total = sum(r[2] for r in rows)
+    return dict(kind="GPU kernels" if cuda else "CPU ops", num_kernels=sum(r[1] for r in rows), total_ms=total,
+                top=[dict(name=n, calls=c, ms=ms, share=ms / total if total else 0.0) for n, c, ms in rows[:top]])
+
+
+def print_top_kernels(label: str, prof: dict) -> None:
+    print(f"  {label}: {prof['num_kernels']} {prof['kind']}, {prof['total_ms']:.3f} ms in them")
+    for k in prof["top"]:
+        print(f"    {k['ms']:9.3f} ms {k['share']:6.1%} {k['calls']:5d}x  {k['name'][:90]}")
+
+
 def median(xs: list) -> float:
     s = sorted(xs)
     return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
@@ -176,6 +212,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="DP attention ranks (processes; rank r on cuda:r, or gloo on CPU), experts split N ways")
     p.add_argument("--dp-timeout", type=float, default=600.0, help="DP: seconds any collective may wait")
     p.add_argument("--skip-ideal", action="store_true", help="no ideal graph (its column shows '-')")
+    p.add_argument("--profile-kernels", type=int, default=0, metavar="N",
+                   help="after each row, the N largest kernels of one eager step (torch.profiler; GPU time on "
+                        "CUDA, op CPU time on CPU), with the step's kernel count")
     p.add_argument("--result-file", default=None)
     a = p.parse_args(argv)
     if a.dp_size < 1:
@@ -308,6 +347,11 @@ def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
             if dp:
                 line += f" {comm:8.2f} {comm / eager:6.0%} {xfer:8.2f} {xfer / eager:6.0%}"
             say(line, flush=True)
+            if a.profile_kernels:
+                with torch.inference_mode():  # every rank: an eager DP step is a collective
+                    row["kernels"] = top_kernels(steps.eager(fb), dev, a.profile_kernels)
+                if steps.rank == 0:
+                    print_top_kernels(f"{mode} {n}, one eager step", row["kernels"])
             for s in slots:
                 runner.req_to_token_pool.free_req(s)
     result = dict(model=a.model_path, device=str(dev), dtype=runner.server_args.dtype, dp_size=steps.dp_size, rows=rows,
