@@ -291,9 +291,11 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
     num_hb = cdiv(H, block_h)
     num_sms = _num_sms(torch.cuda.current_device() if q.device.index is None else q.device.index) \
         if q.is_cuda else 132
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    width = None if capturing else list_a.width + (list_b.width if has_b else 0)
-    splits = config.num_splits or pick_num_splits(T * num_hb, num_sms, width, config.block_n)
+    splits = config.num_splits
+    if not splits:  # captured into a graph, only the wave decides (see MIN_BLOCKS_PER_SPLIT)
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        width = None if capturing else list_a.width + (list_b.width if has_b else 0)
+        splits = pick_num_splits(T * num_hb, num_sms, width, config.block_n)
     if splits > 1:
         part_acc = torch.empty(T, splits, H, D, dtype=torch.float32, device=q.device)
         part_m = torch.empty(T, splits, H, dtype=torch.float32, device=q.device)
