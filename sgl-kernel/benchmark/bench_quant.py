@@ -209,7 +209,8 @@ def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
             n_assign = int(local.sum())
             nbytes = hit * expert_bytes
             flops = 2 * n_assign * 3 * MOE_D * MOE_I
-            runs = [("bf16", True, None, ""), ("fp8", True, None, ""), ("bf16", False, None, "")]
+            runs = [("bf16", True, None, ""), ("fp8", True, None, ""), ("bf16", False, None, ""),
+                    ("bf16", True, dict(fp4_moe.moe_config(T, MOE_TOPK), step_dot=True), "_step")]
             if T <= GEMV_MAX_T:
                 gemv = fp4_gemv_moe.gemv_config(T, MOE_TOPK)
                 alts = [(dict(gemv, block_m=1), "_bm1"), (dict(gemv, block_m=4), "_bm4"),
@@ -347,12 +348,13 @@ def _moe_compile_report():
                  ("M", "E", "CAP", "MAX_BLOCKS"))
 
     for T in (1, 64, 1024, 8192):
-        for variant, act_quant in (("bf16", False), ("bf16", True), ("fp8", True)):
+        for variant, act_quant, step in (("bf16", False, False), ("bf16", True, False),
+                                         ("fp8", True, False), ("bf16", True, True)):
             c = fp4_moe.moe_config(T, MOE_TOPK, variant)
             fp8 = variant == "fp8"
             kw = dict(NUM_EXPERTS=MOE_E // 2, FP8_DOT=fp8, BLOCK_M=c["block_m"], DOT_PREC="tf32",
-                      X_DTYPE=tl.bfloat16, CHUNKS=4)
-            tag = (f"T={T} {variant} act_quant={act_quant} bm={c['block_m']} "
+                      X_DTYPE=tl.bfloat16, CHUNKS=4, STEP_DOT=step)
+            tag = (f"T={T} {variant}{' step_dot' if step else ''} act_quant={act_quant} bm={c['block_m']} "
                    f"bn={c['block_n_up']}/{c['block_n_down']} w{c['num_warps']} "
                    f"s{c['num_stages']}")
             _sm90_report(f"moe gate_up {tag}", fp4_moe._fp4_gate_up_kernel,

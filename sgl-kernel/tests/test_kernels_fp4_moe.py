@@ -62,11 +62,13 @@ def test_skipped_rows_are_zero_and_weights_scale_before_w2(device, variant, act_
     (8192, "bf16", True),   # 128-row tiles, gate/up 64 wide, h rounded by its own kernel
     (8192, "fp8", True),    # the fp8 variant keeps 64-row tiles there (as at mid batches)
 ])
-def test_every_config_of_the_table_matches_the_reference(device, table_T, variant, act_quant):
+@pytest.mark.parametrize("step_dot", [False, True])  # one dot per 128-input step (bf16 decode)
+def test_every_config_of_the_table_matches_the_reference(device, table_T, variant, act_quant,
+                                                         step_dot):
     require_triton()
     from dsv4_kernels import fp4_moe
     E, d, inter, T, topk = 3, 128, 256, 5, 2
-    cfg = fp4_moe.moe_config(table_T, 6, variant)
+    cfg = dict(fp4_moe.moe_config(table_T, 6, variant), step_dot=step_dot)
     ws = fp4_experts(E, d, inter, device)
     x = torch.randn(T, d, device=device)
     ids = distinct_expert_ids(T, topk, -1, E + 1, device)
@@ -80,11 +82,15 @@ def test_every_config_of_the_table_matches_the_reference(device, table_T, varian
 def test_default_variant_follows_the_batch():
     require_triton()
     from dsv4_kernels import fp4_moe
-    # e4m3 decode up to T = 2048 at top-6 (measured faster there), bf16 decode beyond.
-    # gemv up to T = 64 at top-6, e4m3 decode up to T = 2048, bf16 decode beyond (each measured
-    # faster there on an H200).
-    assert [fp4_moe.default_variant(T, 6) for T in (1, 64, 65, 2048, 2049, 8192)] == \
+    # gemv up to T = 64 at top-6, the e4m3 decode up to 8192 assignments (T = 1365), the bf16
+    # decode with one dot per step beyond (each measured faster there on an H200); the switches
+    # count assignments, so top-8 moves them.
+    assert [fp4_moe.default_variant(T, 6) for T in (1, 64, 65, 1365, 1366, 8192)] == \
         ["gemv", "gemv", "fp8", "fp8", "bf16", "bf16"]
+    assert [fp4_moe.default_variant(T, 8) for T in (48, 49, 1024, 1025)] == \
+        ["gemv", "fp8", "fp8", "bf16"]
+    # the bf16 decode's large tiles carry the one-dot step; the smaller ones were not measured
+    assert fp4_moe.moe_config(1366, 6)["step_dot"] and not fp4_moe.moe_config(1365, 6).get("step_dot")
     assert fp4_moe.moe_config(1, 6)["block_n_up"] < fp4_moe.moe_config(8192, 6)["block_n_up"]
     assert fp4_moe.moe_config(8192, 6)["block_m"] == 128
     assert fp4_moe.moe_config(8192, 6, "fp8")["block_m"] == 64  # 128 rows spill there
@@ -225,7 +231,7 @@ def test_gemv_is_picked_only_below_its_switch(device, monkeypatch):
 # Compiled on an H200: Flash's expert dims, a shard, bf16 activations, graphs
 # ---------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant,act_quant", CASES)
+@pytest.mark.parametrize("variant,act_quant", CASES + [("bf16_step", True)])
 @pytest.mark.parametrize("T", [1, 64, 1500])  # moe_config's small, mid and 128-row tiles
 def test_gpu_bf16_fp4_moe_at_flash_dims(flash_experts, variant, act_quant, T):
     ws, E, d, topk = flash_experts, 8, 4096, 6
@@ -234,7 +240,9 @@ def test_gpu_bf16_fp4_moe_at_flash_dims(flash_experts, variant, act_quant, T):
     weights = torch.rand(T, topk, device="cuda")
     out = torch.empty(T, d, device="cuda")
     from dsv4_kernels import fp4_moe
-    ops_out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, out, act_quant, variant)
+    cfg = dict(fp4_moe.moe_config(T, topk), step_dot=True) if variant == "bf16_step" else None
+    ops_out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, out, act_quant, variant.split("_")[0],
+                                    config=cfg)
     # The reference on up to 64 rows spread over the batch (tokens are independent).
     rows = torch.linspace(0, T - 1, min(T, 64), device="cuda").long().unique()
     ops_out = ops_out[rows]

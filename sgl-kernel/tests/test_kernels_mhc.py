@@ -50,14 +50,21 @@ def test_reference_post_mixes_columns_and_may_write_in_place():
     torch.testing.assert_close(res, expected)
 
 
+# plan: None = the shape's own plan; else (block_t, block_k, split) forced through make_plan.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,d,block_t", [(1, 64, None), (5, 48, None), (7, 40, 4), (11, 24, 2)])
-def test_triton_hc_pre_matches_reference(device, monkeypatch, dtype, T, d, block_t):
+@pytest.mark.parametrize("T,d,plan", [
+    (1, 64, None), (5, 48, None),
+    (37, 24, (16, 16, 3)),  # 3 token blocks, the last ragged; 8 K tiles as 3 + 3 + 2 across copies
+    (1, 40, (16, 32, 3)),  # T = 1, split, ragged d (32 + 8) and a ragged last slice
+    (19, 40, (32, 16, 5)),  # BLOCK_T 32 over 19 tokens; 12 tiles as 4 x 3
+    (11, 24, (16, 16, 1)),  # one split over every tile
+])
+def test_triton_hc_pre_matches_reference(device, monkeypatch, dtype, T, d, plan):
     require_triton()
     from dsv4_kernels import mhc
 
-    if block_t is not None:  # multi-token programs, with a ragged last block
-        monkeypatch.setattr(mhc, "_block_t", lambda _: block_t)
+    if plan is not None:
+        monkeypatch.setattr(mhc, "_plan", lambda T, D, hc, num_sms: mhc.make_plan(D, hc, *plan))
     x, fn, scale, base = _pre_case(T, d, dtype, device)
     y, post, comb = mhc.hc_pre(x, fn, scale, base, HC, ITERS, HC_EPS, NORM_EPS)
     y_ref, post_ref, comb_ref = reference.hc_pre(x, fn, scale, base, HC, ITERS, HC_EPS, NORM_EPS)
@@ -66,6 +73,33 @@ def test_triton_hc_pre_matches_reference(device, monkeypatch, dtype, T, d, block
     torch.testing.assert_close(post, post_ref, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(comb, comb_ref, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(y.float(), y_ref.float(), **_tol(dtype))
+
+
+def test_make_plan_spreads_k_tiles_over_splits_none_empty():
+    from dsv4_kernels import mhc
+
+    # d = 24 in K tiles of 16: 2 per copy, 8 in all; 3 splits of 3, 3 and 2.
+    assert mhc.make_plan(24, HC, 16, 16, 3) == mhc.MixPlan(16, 16, 3, 3, 4)
+    # More splits asked than tiles, or splits that would leave one empty: fewer splits.
+    assert mhc.make_plan(24, HC, 16, 16, 20).split == 8
+    assert mhc.make_plan(40, HC, 16, 16, 5)[2:4] == (4, 3)
+
+
+@pytest.mark.parametrize("T", [1, 2, 16, 17, 100, 1024, 4096, 8192, 20000])
+def test_plan_fills_an_h200_at_flash_shapes(T):
+    from dsv4_kernels import mhc
+
+    d, sms = 4096, 132
+    plan = mhc._plan(T, d, HC, sms)
+    tiles = HC * (d // plan.block_k)
+    assert d % plan.block_k == 0 and plan.block_t >= 16
+    assert (plan.split - 1) * plan.tiles_per_split < tiles <= plan.split * plan.tiles_per_split
+    token_blocks = -(-T // plan.block_t)
+    assert token_blocks * plan.split >= sms  # at least one program per SM, even at T = 1
+    if token_blocks >= 2 * sms:
+        assert plan.split == 1  # the tokens alone fill the GPU: no partials to add
+    if T == 1:
+        assert plan.split >= 32
 
 
 def test_triton_hc_pre_writes_y_out_of_a_strided_input(device):
@@ -130,7 +164,7 @@ def test_ops_dispatch_to_the_reference_off_cuda(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 257])
+@pytest.mark.parametrize("T", [1, 257, 4096])
 def test_gpu_real_shapes_match_reference(T):
     d, dtype = 4096, torch.bfloat16
     x, fn, scale, base = _pre_case(T, d, dtype, "cuda")
@@ -144,7 +178,8 @@ def test_gpu_real_shapes_match_reference(T):
     out = ops.hc_post(f, x, post_ref, comb_ref)
     torch.testing.assert_close(out.float(), reference.hc_post(f, x, post_ref, comb_ref).float(),
                                rtol=1e-2, atol=2e-2)
-    # One launch each, capturable: replaying a graph of both reproduces the eager results.
+    # Capturable (hc_pre's two launches and its workspace, hc_post's launch): replaying a
+    # graph of both reproduces the eager results.
     y_buf = torch.empty(T, d, dtype=dtype, device="cuda")
     out_buf = torch.empty_like(x)
     torch.cuda.synchronize()

@@ -95,7 +95,7 @@ def _decode_experts_kernel(w_ptr, s_ptr, out_ptr, e0, N, stride_we, stride_wn, s
     for c in tl.static_range(CHUNKS):
         k0 = k_base + c * 32
         code = _load_codes(w_ptr, src, offs_n, n_mask, k0, stride_we, stride_wn)
-        val = _e2m1_scaled(code, _chunk_scale(sb_step, c, CHUNKS))
+        val = _e2m1_scaled(code, _chunk_scale(sb_step, c, CHUNKS)[:, None])
         kk = (k0 + tl.arange(0, 32)).to(tl.int64)
         tl.store(out_rows + kk[None, :] * stride_ok, val.to(out_ptr.dtype.element_ty),
                  mask=n_mask[:, None])

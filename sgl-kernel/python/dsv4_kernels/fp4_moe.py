@@ -26,8 +26,8 @@ fixed order.
   (CUTLASS) on the group's rows, gathered into a static-capacity buffer (fp4_grouped_moe.py:
   routing, workspace bytes, numerics: gate/up and the down partials come out of grouped_mm in
   bf16, one bf16 rounding more than the bf16 variant's fp32 accumulators). bf16 x on the GPU.
-  Never picked by default_variant; GROUPED_MIN_ASSIGNMENTS says where it would switch once
-  measured.
+  Never picked by default_variant: the bf16 decode with one dot per step (moe_config's
+  step_dot) measured faster where grouped won against the others (T = 1536 and 4096).
 
 Graph-safe: buffers sized by (T, topk, E) only, no host syncs, tiles fixed per shape.
 An e8m0 byte 0 or 1 (2^-127, 2^-126) decodes as 0 here in the bf16 variant, 0 alone in the
@@ -44,16 +44,21 @@ from .host_math import cdiv
 from .moe import moe_align, sum_topk
 
 VARIANTS = ("bf16", "fp8", "gemv", "grouped")
-# Release numerics at T * topk <= this: the fp8 variant (default_variant).
-FP8_MAX_ASSIGNMENTS = 2048 * 6  # see default_variant
 # ... and the gemv variant at T * topk <= this. Measured on an H200 (bench_quant.py --only moe
 # --quick --moe-t 1 16 64, 128-expert shard, release numerics; benchmark/results/session4/
 # call4_final/moe_gemv.log): gemv 47.8 / 642 / 1867 us against fp8's 248 / 1565 / 2183 us at
 # T = 1 / 16 / 64. Larger T: not measured, so the switch sits at the last point gemv won.
 GEMV_MAX_ASSIGNMENTS = 64 * 6
+# Release numerics above this (T * topk): the bf16 decode with one dot per 128-input step
+# (moe_config's 128-row tiles, step_dot), below it the fp8 one. Measured on an H200
+# (bench_quant.py --only moe --quick --moe-t 1536 4096, 128-expert shard, top-6:
+# benchmark/results/session8/call2_after_fixes/moe.log): bf16 + step_dot 5.13 / 5.31 ms at
+# T = 1536 / 4096, against fp8's 5.49 / 10.79, grouped's 5.62 / 5.64 and the per-chunk bf16
+# decode's 7.43 / 8.27. At T = 1024 fp8 won against the per-chunk bf16 and grouped (call 1's
+# moe.log; step_dot not timed there), so the switch sits where moe_config's 128-row tiles start.
+FP8_MAX_ASSIGNMENTS = 8192
 # Where the grouped variant would take over (T * topk >= this): not used by default_variant
-# until bench_quant.py has timed it beside bf16/fp8 on an H200 (the profile that motivated it:
-# T = 4096 at Flash width, where the FP4 MoE was 40% of the step).
+# (see above); bench_quant.py times it from T = 1024.
 GROUPED_MIN_ASSIGNMENTS = 4096 * 6
 
 
@@ -87,15 +92,15 @@ def _chunk_scale(scales, c: tl.constexpr, CHUNKS: tl.constexpr):
 
 @triton.jit
 def _e2m1_scaled(code, sbyte):
-    """e2m1 codes [BN, 32] x 2^(sbyte - 127) per row ([BN] e8m0 bytes) -> fp32, exact, built
-    as bits: magnitude codes 2..7 (1, 1.5, 2, 3, 4, 6) are 0.5 * 2^(c >> 1) with mantissa bit
-    c & 1, i.e. fp32 bits (126 << 23) + (c << 22), and code 1 (0.5) is (126 << 23); the scale
-    adds (sbyte - 127) to the exponent. No int->float conversion or multiply (this decode is
-    the large-batch bottleneck). Bytes 0 and 1 (2^-127, 2^-126: no real scale) give 0."""
+    """e2m1 codes x 2^(sbyte - 127) -> fp32, exact, built as bits (sbyte: e8m0 bytes as int32,
+    shaped to broadcast against the codes, e.g. [BN, 1] for one scale per row): magnitude
+    codes 2..7 (1, 1.5, 2, 3, 4, 6) are 0.5 * 2^(c >> 1) with mantissa bit c & 1, i.e. fp32
+    bits (126 << 23) + (c << 22), and code 1 (0.5) is (126 << 23); the scale adds
+    (sbyte - 127) to the exponent. No int->float conversion or multiply (this decode is the
+    large-batch bottleneck). Bytes 0 and 1 (2^-127, 2^-126: no real scale) give 0."""
     mag = code & 7
-    base = (sbyte - 1) << 23
-    bits = base[:, None] + ((mag - (mag == 1).to(tl.int32)) << 22)
-    bits = tl.where((mag == 0) | (sbyte < 2)[:, None], 0, bits) | ((code & 8) << 28)
+    bits = ((sbyte - 1) << 23) + ((mag - (mag == 1).to(tl.int32)) << 22)
+    bits = tl.where((mag == 0) | (sbyte < 2), 0, bits) | ((code & 8) << 28)
     return bits.to(tl.float32, bitcast=True)
 
 
@@ -110,50 +115,88 @@ def _e2m1_as_e4m3(code):
 
 
 @triton.jit
+def _decode_step(w_ptr, s_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn, stride_se, stride_sn,
+                 CHUNKS: tl.constexpr, DTYPE: tl.constexpr):
+    """[BN, 32 * CHUNKS] weights of expert e, rows n, inputs k0 .. k0 + 32 * CHUNKS - 1, decoded
+    exactly to DTYPE with each chunk's scale folded in (e2m1 x a power of two): one wide code load
+    and one scale load per row, one decode, for a single dot over the whole step."""
+    j = k0 // 2 + tl.arange(0, CHUNKS)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    byte = tl.load(w_ptr + e * stride_we + offs_n[:, None, None] * stride_wn + j,
+                   mask=n_mask[:, None, None], other=0).to(tl.int32) & 0xFF
+    code = tl.interleave(byte & 0xF, byte >> 4)  # [BN, CHUNKS, 32]
+    c = k0 // 32 + tl.arange(0, CHUNKS)
+    sb = tl.load(s_ptr + e * stride_se + offs_n[:, None] * stride_sn + c[None, :],
+                 mask=n_mask[:, None], other=0).to(tl.int32) & 0xFF
+    w = _e2m1_scaled(code, sb[:, :, None]).to(DTYPE)
+    return tl.reshape(w, (w.shape[0], 32 * CHUNKS))
+
+
+@triton.jit
 def _expert_gemm(acc, acc3, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_asm, stride_ask,
                  w_ptr, s_ptr, w3_ptr, s3_ptr, e, offs_n, n_mask, K, stride_we, stride_wn,
                  stride_se, stride_sn, PAIR: tl.constexpr, ACT_QUANT: tl.constexpr,
                  FP8_DOT: tl.constexpr, DOT_PREC: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                 CHUNKS: tl.constexpr):
+                 CHUNKS: tl.constexpr, STEP_DOT: tl.constexpr = False):
     """acc += A[a_rows] @ W_e^T over K, and with PAIR also acc3 += A[a_rows] @ W3_e^T (same
     shapes and strides: the gate and up projections share each A tile, and their weight loads
     are in flight together). A step covers CHUNKS x 32 inputs (CHUNKS in 1, 2, 4; 32 * CHUNKS
     divides K and 128): one load of the step's weight scales and activation scales, then per
     32-input chunk (one weight scale per row) a 16-byte code load per row and a dot. A is x's
     dtype, or (ACT_QUANT) e4m3 + fp32 scales per 128, fed dequantized to OUT_DTYPE, or as e4m3
-    with FP8_DOT (the fp32 partial then scaled by act x weight scale)."""
+    with FP8_DOT (the fp32 partial then scaled by act x weight scale). STEP_DOT (not with
+    FP8_DOT): the step's chunks decoded together, their scales folded in, and one dot per step
+    instead of one per chunk (a decoded operand passes through shared memory before each dot:
+    4x fewer round trips and waits)."""
     for k0 in range(0, K, 32 * CHUNKS):
-        sb_step = _step_scales(s_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn, CHUNKS)
-        if PAIR:
-            sb3_step = _step_scales(s3_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn, CHUNKS)
-        if ACT_QUANT or FP8_DOT:  # one 128-block of the activation holds the whole step
-            sa = tl.load(as_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask,
-                         mask=row_mask, other=0.0)
-        for c in tl.static_range(CHUNKS):
-            kk = k0 + c * 32 + tl.arange(0, 32)
+        if STEP_DOT:  # bf16 decode: the whole step in one dot (scales folded into the weights)
+            kk = k0 + tl.arange(0, 32 * CHUNKS)
             a = tl.load(a_ptr + a_rows[:, None] * stride_a + kk[None, :],
                         mask=row_mask[:, None], other=0.0)
-            code = _load_codes(w_ptr, e, offs_n, n_mask, k0 + c * 32, stride_we, stride_wn)
-            sb = _chunk_scale(sb_step, c, CHUNKS)
+            if ACT_QUANT:  # e4m3 x its pow2 scale (one 128-block per step): exact
+                sa = tl.load(as_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask,
+                             mask=row_mask, other=0.0)
+                a = (a.to(tl.float32) * sa[:, None]).to(OUT_DTYPE)
+            b = _decode_step(w_ptr, s_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn,
+                             stride_se, stride_sn, CHUNKS, a.dtype)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
             if PAIR:
-                code3 = _load_codes(w3_ptr, e, offs_n, n_mask, k0 + c * 32, stride_we,
-                                    stride_wn)
-                sb3 = _chunk_scale(sb3_step, c, CHUNKS)
-            if FP8_DOT:
-                sbf = (sb << 23).to(tl.float32, bitcast=True)
-                acc += tl.dot(a, tl.trans(_e2m1_as_e4m3(code))) * (sa[:, None] * sbf[None, :])
+                b3 = _decode_step(w3_ptr, s3_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn,
+                                  stride_se, stride_sn, CHUNKS, a.dtype)
+                acc3 = tl.dot(a, tl.trans(b3), acc3, input_precision=DOT_PREC)
+        else:
+            sb_step = _step_scales(s_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn, CHUNKS)
+            if PAIR:
+                sb3_step = _step_scales(s3_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn,
+                                        CHUNKS)
+            if ACT_QUANT or FP8_DOT:  # one 128-block of the activation holds the whole step
+                sa = tl.load(as_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask,
+                             mask=row_mask, other=0.0)
+            for c in tl.static_range(CHUNKS):
+                kk = k0 + c * 32 + tl.arange(0, 32)
+                a = tl.load(a_ptr + a_rows[:, None] * stride_a + kk[None, :],
+                            mask=row_mask[:, None], other=0.0)
+                code = _load_codes(w_ptr, e, offs_n, n_mask, k0 + c * 32, stride_we, stride_wn)
+                sb = _chunk_scale(sb_step, c, CHUNKS)
                 if PAIR:
-                    sbf3 = (sb3 << 23).to(tl.float32, bitcast=True)
-                    acc3 += (tl.dot(a, tl.trans(_e2m1_as_e4m3(code3)))
-                             * (sa[:, None] * sbf3[None, :]))
-            else:
-                if ACT_QUANT:  # e4m3 x its pow2 scale: exact in bf16/fp32
-                    a = (a.to(tl.float32) * sa[:, None]).to(OUT_DTYPE)
-                b = _e2m1_scaled(code, sb).to(a.dtype)  # exact: e2m1 x a power of two
-                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
-                if PAIR:
-                    b3 = _e2m1_scaled(code3, sb3).to(a.dtype)
-                    acc3 = tl.dot(a, tl.trans(b3), acc3, input_precision=DOT_PREC)
+                    code3 = _load_codes(w3_ptr, e, offs_n, n_mask, k0 + c * 32, stride_we,
+                                        stride_wn)
+                    sb3 = _chunk_scale(sb3_step, c, CHUNKS)
+                if FP8_DOT:
+                    sbf = (sb << 23).to(tl.float32, bitcast=True)
+                    acc += (tl.dot(a, tl.trans(_e2m1_as_e4m3(code)))
+                            * (sa[:, None] * sbf[None, :]))
+                    if PAIR:
+                        sbf3 = (sb3 << 23).to(tl.float32, bitcast=True)
+                        acc3 += (tl.dot(a, tl.trans(_e2m1_as_e4m3(code3)))
+                                 * (sa[:, None] * sbf3[None, :]))
+                else:
+                    if ACT_QUANT:  # e4m3 x its pow2 scale: exact in bf16/fp32
+                        a = (a.to(tl.float32) * sa[:, None]).to(OUT_DTYPE)
+                    b = _e2m1_scaled(code, sb[:, None]).to(a.dtype)  # exact: e2m1 x 2^k
+                    acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+                    if PAIR:
+                        b3 = _e2m1_scaled(code3, sb3[:, None]).to(a.dtype)
+                        acc3 = tl.dot(a, tl.trans(b3), acc3, input_precision=DOT_PREC)
     return acc, acc3
 
 
@@ -166,6 +209,7 @@ def _fp4_gate_up_kernel(
     NUM_EXPERTS: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_QUANT: tl.constexpr,
     FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr, CHUNKS: tl.constexpr,
+    STEP_DOT: tl.constexpr = False,
 ):
     """h[row] = x's dtype(SwiGLU(x W1^T, x W3^T) * routing weight) for this block's rows. With
     act_quant the host then rounds h to FP8 per 128 (its own small kernel: a tile here need not
@@ -185,7 +229,7 @@ def _fp4_gate_up_kernel(
     acc1, acc3 = _expert_gemm(acc1, acc3, a_ptr, as_ptr, token, row_mask, stride_a, stride_asm,
                               stride_ask, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, e, offs_n, n_mask, d,
                               stride_we, stride_wn, stride_se, stride_sn, True, ACT_QUANT,
-                              FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS)
+                              FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS, STEP_DOT)
     if HAS_LIMIT:
         acc1 = tl.minimum(acc1, limit)
         acc3 = tl.minimum(tl.maximum(acc3, -limit), limit)
@@ -203,6 +247,7 @@ def _fp4_down_kernel(
     stride_p,
     NUM_EXPERTS: tl.constexpr, FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr, CHUNKS: tl.constexpr,
+    STEP_DOT: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b).to(tl.int64)
@@ -219,7 +264,7 @@ def _fp4_down_kernel(
     acc, _ = _expert_gemm(acc, acc, h_ptr, hs_ptr, rows.to(tl.int64), row_mask, stride_h,
                           stride_hsm, stride_hsk, w2_ptr, w2s_ptr, w2_ptr, w2s_ptr, e, offs_n,
                           n_mask, I, stride_we, stride_wn, stride_se, stride_sn, False, False,
-                          FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS)
+                          FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS, STEP_DOT)
     tl.store(partial_ptr + assign.to(tl.int64)[:, None] * stride_p + offs_n[None, :], acc,
              mask=row_mask[:, None] & n_mask[None, :])
 
@@ -237,7 +282,9 @@ def moe_config(T: int, topk: int, variant: str = "bf16") -> dict:
     tiles halve the e2m1 decodes per product against 64. Each step takes 128 inputs (4
     chunks of 32) where K allows. num_stages is the software pipeline depth. The fp8 variant
     keeps 64-row tiles there: its per-chunk fp32 partials on top of the two 128 x 64 gate/up
-    accumulators spill in an sm_90 compile (64 B of stack)."""
+    accumulators spill in an sm_90 compile (64 B of stack). step_dot (bf16 decode only): one
+    dot per 128-input step instead of one per 32-input chunk; with the 128-row tiles, where it
+    was measured faster (FP8_MAX_ASSIGNMENTS); 254 / 179 registers at gate/up / down, no spill."""
     M = T * topk
     if M <= 96:
         return dict(block_m=16, block_n_up=16, block_n_down=32, num_warps=2, num_stages=4)
@@ -245,7 +292,8 @@ def moe_config(T: int, topk: int, variant: str = "bf16") -> dict:
         return dict(block_m=16, block_n_up=64, block_n_down=64, num_warps=4, num_stages=4)
     if M <= 8192 or variant == "fp8":
         return dict(block_m=64, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3)
-    return dict(block_m=128, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3)
+    return dict(block_m=128, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3,
+                step_dot=True)
 
 
 def _chunks(K: int, most: int = 4) -> int:
@@ -254,13 +302,10 @@ def _chunks(K: int, most: int = 4) -> int:
 
 
 def default_variant(T: int, topk: int) -> str:
-    """The faster decode for release numerics at this batch (H200, bench_quant.py --quick after
-    the kernel rework, 128-expert shard at top-6): e4m3 (fp8) won at T = 16, 64 and 2048
-    (2048: 5.7 vs 7.6 ms), bf16 at T = 8192 (15.9 vs 18.7 ms), where the fp8 variant's
-    per-32-input rescale of the fp32 partial costs more than the bf16 decode
-    (benchmark/results/session3_h200x2/bench_quant_quick.log). Between 2048 and 8192: not
-    measured; the switch sits at the last point fp8 was measured faster. The gemv decode
-    at T * topk <= GEMV_MAX_ASSIGNMENTS (measured faster at T = 1, 16, 64)."""
+    """The fastest variant for release numerics at this batch, as measured on an H200 at top-6:
+    gemv at T * topk <= GEMV_MAX_ASSIGNMENTS (faster at T = 1, 16, 64; it ties fp8 at 256), the
+    e4m3 (fp8) decode up to FP8_MAX_ASSIGNMENTS (faster at T = 256 and 1024), the bf16 decode
+    with one dot per step beyond (faster at T = 1536 and 4096)."""
     if 0 < T * topk <= GEMV_MAX_ASSIGNMENTS:
         return "gemv"
     return "fp8" if T * topk <= FP8_MAX_ASSIGNMENTS else "bf16"
@@ -339,6 +384,7 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
     xdt = _TL_DTYPE[x.dtype]
     prec = dot_precision(x.dtype)
     kw = dict(NUM_EXPERTS=E, FP8_DOT=fp8_dot, BLOCK_M=bm, DOT_PREC=prec, X_DTYPE=xdt,
+              STEP_DOT=bool(cfg.get("step_dot")) and not fp8_dot,
               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     bn = cfg["block_n_up"]
     _fp4_gate_up_kernel[(max_blocks, cdiv(I, bn))](

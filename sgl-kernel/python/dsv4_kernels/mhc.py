@@ -1,13 +1,33 @@
-"""Triton kernels for the manifold-constrained hyper-connections (mHC), one launch per call.
+"""Triton kernels for the manifold-constrained hyper-connections (mHC).
 
 hc_pre: per token, the (2 + hc) * hc mixes of the RMS-normalised flattened residual copies,
-the sigmoid gates, the Sinkhorn projection of the hc x hc comb matrix (in registers), and
-the gated sum of the copies. In torch that is ~90 launches, mostly the Sinkhorn loop.
+the sigmoid gates, the Sinkhorn projection of the hc x hc comb matrix, and the gated sum of the
+copies (~90 launches in torch, mostly the Sinkhorn loop). Two launches, because the mixes are a
+skinny GEMM (MIX = 24 columns, K = hc * d = 16384 at Flash) that needs the whole GPU at every T,
+while the rest is per token:
+  1. _hc_mixes_kernel, grid (cdiv(T, BLOCK_T), SPLIT): split-K tl.dot of x tiles by fn^T tiles,
+     plus the sums of squares, as fp32 partials in a per-call [SPLIT, T, BLOCK_M] workspace.
+     fp32 products stay exact on tensor cores: fn is split into three bf16-valued pieces and
+     bf16 x is used as is (fp32 x is split too), and a bf16 x bf16 product is exact in fp32.
+     An fp32 FMA dot (input_precision="ieee") made this kernel ~10x slower at T = 4096.
+  2. _hc_finish_kernel, grid (T, cdiv(d, BLOCK_D)): sums the partials in a fixed order
+     (deterministic, no atomics), then the gates and the y columns of its block; the token's
+     first program also does the Sinkhorn and stores post / comb. Splitting y over d keeps a
+     decode step on more than one SM.
+Split rule (_plan): the smallest SPLIT that gives ~2 programs per SM over the token blocks, at
+most one K tile (BLOCK_K columns of one copy) per program, so SPLIT = 1 once the token blocks
+alone fill the GPU. At T = 1 and d = 4096 that is 256 programs of one tile. K tiles never
+straddle two copies: x's per-copy stride (even a stride-0 expand) and a ragged d cost a mask.
 hc_post: X'_j = post_j * f + sum_i comb[i, j] * X_i.
 
 Math is fp32 throughout (as in reference.py); only y / out are cast to the activation dtype.
-Outputs are allocated with static shapes and nothing syncs, so both are graph capturable.
+Shapes are static, the workspace comes from torch.empty and nothing syncs, so both are graph
+capturable.
 """
+
+import functools
+import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -15,72 +35,126 @@ import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2
 
-# Elements of the [BLOCK_T, BLOCK_M, BLOCK_K] product accumulator of the mixes: 32 fp32
-# registers per thread at 8 warps.
-_ACC_ELEMS = 8192
-_NUM_WARPS = 8
+# Programs per SM the split aims for (latency hiding for a streaming kernel).
+_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
-def _hc_pre_kernel(
-    x_ptr, stride_xt, stride_xh, fn_ptr, stride_fn, scale_ptr, base_ptr,
-    y_ptr, stride_yt, post_ptr, stride_pt, comb_ptr, stride_ct,
-    T, D, iters, hc_eps, norm_eps,
-    HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+def _split3(v):
+    """fp32 -> three fp32 holding bf16 values (8 + 8 + 8 mantissa bits) whose sum is v exactly:
+    each difference below is exact in fp32."""
+    hi = v.to(tl.bfloat16).to(tl.float32)
+    r = v - hi
+    mid = r.to(tl.bfloat16).to(tl.float32)
+    return hi, mid, r - mid
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_BF16: tl.constexpr):
+    """acc + a @ b for a, b holding bf16 values: bf16 tensor cores, or tf32 (which holds a bf16
+    exactly) under the interpreter, whose numpy dot cannot take bf16. Exact products either way."""
+    if DOT_BF16:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    else:
+        return tl.dot(a.to(tl.float32), b, acc, input_precision="tf32")
+
+
+@triton.jit
+def _hc_mixes_kernel(
+    x_ptr, stride_xt, stride_xh, fn_ptr, stride_fn, ws_ptr, stride_ws, sq_ptr, stride_sq,
+    T, D, k_blocks, tiles_per_split,
+    MIX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    HC: tl.constexpr, X_BF16: tl.constexpr, DOT_BF16: tl.constexpr,
 ):
-    MIX: tl.constexpr = (2 + HC) * HC
-    pid = tl.program_id(0)
-    first_tok = pid.to(tl.int64) * BLOCK_T
-    toks = first_tok + tl.arange(0, BLOCK_T)
+    toks = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    split = tl.program_id(1)
     tok_mask = toks < T
     m = tl.arange(0, BLOCK_M)
     k = tl.arange(0, BLOCK_K)
-
-    # Pass 1: all MIX dot products and the sum of squares, over the hc * D flattened inputs.
-    # A block of tokens shares each fn tile, so fn (MIX x hc*D fp32, 1.5 MiB at d=4096) is
-    # read once per block rather than once per token.
     x_rows = x_ptr + toks[:, None] * stride_xt
-    fn_rows = fn_ptr + m[:, None] * stride_fn
-    acc = tl.zeros([BLOCK_T, BLOCK_M, BLOCK_K], dtype=tl.float32)
+    fn_cols = fn_ptr + m[None, :] * stride_fn  # fn^T: K down, mixes across
+    m_mask = m[None, :] < MIX
+
+    # This program's K tiles: tile t is columns [c0, c0 + BLOCK_K) of copy h = t // k_blocks,
+    # i.e. fn columns h * D + c0 + k. The last split may hold fewer tiles.
+    t_lo = split * tiles_per_split
+    t_hi = tl.minimum(t_lo + tiles_per_split, HC * k_blocks)
+    acc = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
     sq = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    for h in tl.static_range(HC):
-        for d0 in range(0, D, BLOCK_K):
-            kk = d0 + k
-            k_mask = kk < D
-            xv = tl.load(x_rows + h * stride_xh + kk[None, :],
-                         mask=tok_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            w = tl.load(fn_rows + h * D + kk[None, :],
-                        mask=(m[:, None] < MIX) & k_mask[None, :], other=0.0).to(tl.float32)
-            acc += xv[:, None, :] * w[None, :, :]
-            sq += xv * xv
-    inv_rms = tl.rsqrt(tl.sum(sq, axis=1) / (HC * D) + norm_eps)
-    mixes = tl.sum(acc, axis=2) * inv_rms[:, None]  # [BLOCK_T, BLOCK_M]
+    for t in range(t_lo, t_hi):
+        h = t // k_blocks
+        cols = (t - h * k_blocks) * BLOCK_K + k
+        c_mask = cols < D
+        xr = tl.load(x_rows + h * stride_xh + cols[None, :],
+                     mask=tok_mask[:, None] & c_mask[None, :], other=0.0)
+        xv = xr.to(tl.float32)
+        sq += xv * xv
+        w = tl.load(fn_cols + (h * D + cols)[:, None], mask=c_mask[:, None] & m_mask, other=0.0)
+        # Exact fp32 products on tensor cores: fn as three bf16-valued pieces, x as it is (bf16)
+        # or in three pieces too; a product of two bf16 values is exact in the fp32
+        # accumulator. The fp32 FMA dot (input_precision="ieee") ran ~10x slower.
+        # Each tile's dots start from zero and are added to acc in registers: the tensor
+        # cores' accumulation truncates, and chaining a whole K slice through it lost ~1e-4
+        # relative at prefill.
+        w_hi, w_mid, w_lo = _split3(w.to(tl.float32))
+        if X_BF16:
+            part = _dot(xr, w_lo, tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32), DOT_BF16)
+            part = _dot(xr, w_mid, part, DOT_BF16)
+            part = _dot(xr, w_hi, part, DOT_BF16)
+        else:
+            # Terms below 2^-24 of the leading one are dropped: fp32 rounding's size.
+            x_hi, x_mid, x_lo = _split3(xv)
+            part = _dot(x_mid, w_mid, tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32), DOT_BF16)
+            part = _dot(x_lo, w_hi, part, DOT_BF16)
+            part = _dot(x_hi, w_lo, part, DOT_BF16)
+            part = _dot(x_mid, w_hi, part, DOT_BF16)
+            part = _dot(x_hi, w_mid, part, DOT_BF16)
+            part = _dot(x_hi, w_hi, part, DOT_BF16)
+        acc += part
+    tl.store(ws_ptr + split * stride_ws + toks[:, None] * BLOCK_M + m[None, :], acc,
+             mask=tok_mask[:, None])
+    tl.store(sq_ptr + split * stride_sq + toks, tl.sum(sq, axis=1), mask=tok_mask)
 
-    # Column selectors: mixes are [pre (hc) | post (hc) | comb (hc*hc, row-major)].
+
+@triton.jit
+def _hc_finish_kernel(
+    x_ptr, stride_xt, stride_xh, ws_ptr, stride_ws, sq_ptr, stride_sq, scale_ptr, base_ptr,
+    y_ptr, stride_yt, post_ptr, stride_pt, comb_ptr, stride_ct,
+    D, split, iters, hc_eps, norm_eps,
+    HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HC)
-    j = tl.arange(0, HC)
-    ij = i[:, None] * HC + j[None, :]
-    sel_pre = m[None, :] == i[:, None]
-    sel_post = m[None, :] == (HC + i)[:, None]
-    sel_comb = m[None, None, :] == (2 * HC + ij)[:, :, None]
-    s_pre = tl.load(scale_ptr)
-    s_post = tl.load(scale_ptr + 1)
-    s_comb = tl.load(scale_ptr + 2)
-    b_pre = tl.load(base_ptr + i)
-    b_post = tl.load(base_ptr + HC + i)
-    b_comb = tl.load(base_ptr + 2 * HC + ij)
-    rows = tl.arange(0, BLOCK_T)
-    dd = tl.arange(0, BLOCK_D)
+    s = tl.arange(0, BLOCK_S)
+    row = ws_ptr + tok * BLOCK_M  # workspace row: [pre | post | comb] partial mixes
 
-    # Pass 2, token by token: gates, Sinkhorn, then y from a second read of the token's
-    # copies (still in L1/L2 from pass 1).
-    for r in tl.static_range(BLOCK_T):
-        tok = first_tok + r
-        mt = tl.sum(tl.where(rows[:, None] == r, mixes, 0.0), axis=0)  # [BLOCK_M]
-        pre = tl.sigmoid(tl.sum(tl.where(sel_pre, mt[None, :], 0.0), axis=1) * s_pre + b_pre) + hc_eps
-        post = 2.0 * tl.sigmoid(tl.sum(tl.where(sel_post, mt[None, :], 0.0), axis=1) * s_post + b_post)
-        logits = tl.sum(tl.where(sel_comb, mt[None, None, :], 0.0), axis=2) * s_comb + b_comb
+    # Every program of the token sums the pre partials and the sums of squares (a few hundred
+    # bytes) in a fixed order; program 0 of the token also does post and the Sinkhorn.
+    p_pre = tl.zeros([BLOCK_S, HC], dtype=tl.float32)
+    p_sq = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, split, BLOCK_S):
+        ss = s0 + s
+        s_mask = ss < split
+        p_pre += tl.load((row + ss * stride_ws)[:, None] + i[None, :], mask=s_mask[:, None], other=0.0)
+        p_sq += tl.load(sq_ptr + ss * stride_sq + tok, mask=s_mask, other=0.0)
+    inv_rms = tl.rsqrt(tl.sum(p_sq, axis=0) / (HC * D) + norm_eps)
+    pre = tl.sigmoid(tl.sum(p_pre, axis=0) * inv_rms * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
+
+    if tl.program_id(1) == 0:
+        j = tl.arange(0, HC)
+        ij = i[:, None] * HC + j[None, :]
+        p_post = tl.zeros([BLOCK_S, HC], dtype=tl.float32)
+        p_comb = tl.zeros([BLOCK_S, HC, HC], dtype=tl.float32)
+        for s0 in range(0, split, BLOCK_S):
+            ss = s0 + s
+            s_mask = ss < split
+            r = row + ss * stride_ws
+            p_post += tl.load(r[:, None] + HC + i[None, :], mask=s_mask[:, None], other=0.0)
+            p_comb += tl.load(r[:, None, None] + 2 * HC + ij[None, :, :],
+                              mask=s_mask[:, None, None], other=0.0)
+        post = 2.0 * tl.sigmoid(tl.sum(p_post, axis=0) * inv_rms * tl.load(scale_ptr + 1)
+                                + tl.load(base_ptr + HC + i))
+        logits = tl.sum(p_comb, axis=0) * inv_rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + ij)
         e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
         comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
@@ -88,19 +162,16 @@ def _hc_pre_kernel(
         for _ in range(iters - 1):
             comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
             comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        tl.store(post_ptr + tok * stride_pt + i, post)
+        tl.store(comb_ptr + tok * stride_ct + ij, comb)
 
-        # Masks are built as vectors: the interpreter rejects scalar-bool & vector-bool.
-        ok_i = (i * 0 + tok) < T
-        tl.store(post_ptr + tok * stride_pt + i, post, mask=ok_i)
-        tl.store(comb_ptr + tok * stride_ct + ij, comb, mask=(ij * 0 + tok) < T)
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + dd
-            c_mask = cols < D
-            xv = tl.load(x_ptr + tok * stride_xt + i[:, None] * stride_xh + cols[None, :],
-                         mask=ok_i[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
-            yv = tl.sum(pre[:, None] * xv, axis=0)
-            tl.store(y_ptr + tok * stride_yt + cols, yv.to(y_ptr.dtype.element_ty),
-                     mask=c_mask & ((cols * 0 + tok) < T))
+    # This program's BLOCK_D columns of y, from a second read of the token's copies.
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    c_mask = cols < D
+    xv = tl.load(x_ptr + tok * stride_xt + i[:, None] * stride_xh + cols[None, :],
+                 mask=c_mask[None, :], other=0.0).to(tl.float32)
+    yv = tl.sum(pre[:, None] * xv, axis=0)
+    tl.store(y_ptr + tok * stride_yt + cols, yv.to(y_ptr.dtype.element_ty), mask=c_mask)
 
 
 @triton.jit
@@ -126,14 +197,46 @@ def _hc_post_kernel(
              out.to(out_ptr.dtype.element_ty), mask=(j[:, None] < HC) & c_mask[None, :])
 
 
+def _compiled() -> bool:
+    # bf16 dots (see _dot) everywhere but under the interpreter.
+    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
 def _check_hc(hc: int) -> None:
     if hc < 1 or hc & (hc - 1):
         raise ValueError(f"mHC kernels need hc to be a power of two, got hc={hc}")
 
 
-def _block_t(T: int) -> int:
-    # Few tokens: one per program spreads fn's reads over more SMs. Many: share fn tiles.
-    return 1 if T <= 128 else (2 if T <= 512 else 4)
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter: an H200's count, so tests exercise the same splits
+
+
+class MixPlan(NamedTuple):
+    block_t: int  # tokens per program (>= 16: tl.dot's minimum M)
+    block_k: int  # columns of one copy per K tile
+    split: int  # programs along K; the workspace holds this many partials per token
+    tiles_per_split: int  # K tiles per program (the last split may hold fewer)
+    num_warps: int
+    num_stages: int = 3
+
+
+def make_plan(D: int, hc: int, block_t: int, block_k: int, split: int, num_warps: int = 4,
+              num_stages: int = 3) -> MixPlan:
+    """Spreads hc * cdiv(D, block_k) K tiles over at most `split` programs, none empty."""
+    tiles = hc * cdiv(D, block_k)
+    per = cdiv(tiles, max(1, min(split, tiles)))
+    return MixPlan(block_t, block_k, cdiv(tiles, per), per, num_warps, num_stages)
+
+
+def _plan(T: int, D: int, hc: int, num_sms: int) -> MixPlan:
+    """Tiles by shape (no autotuning: graph capture must not launch candidate configs)."""
+    block_t = 16 if T <= 256 else 64
+    block_k = max(16, min(64, next_power_of_2(D)))
+    token_blocks = cdiv(T, block_t)
+    return make_plan(D, hc, block_t, block_k, cdiv(_PROGRAMS_PER_SM * num_sms, token_blocks))
 
 
 def hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out=None):
@@ -150,16 +253,28 @@ def hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out=None):
     comb = torch.empty(T, hc, hc, dtype=torch.float32, device=x.device)
     if T == 0:
         return y, post, comb
-    block_t = _block_t(T)
-    block_m = next_power_of_2(mix)
-    block_k = max(16, min(next_power_of_2(D), _ACC_ELEMS // (block_t * block_m)))
+    plan = _plan(T, D, hc, _num_sms(x.device))
+    k_blocks = cdiv(D, plan.block_k)
+    assert plan.split * plan.tiles_per_split >= hc * k_blocks
+    block_m = max(16, next_power_of_2(mix))
+    ws = torch.empty(plan.split, T, block_m, dtype=torch.float32, device=x.device)
+    sq = torch.empty(plan.split, T, dtype=torch.float32, device=x.device)
+    _hc_mixes_kernel[(cdiv(T, plan.block_t), plan.split)](
+        x, x.stride(0), x.stride(1), fn, fn.stride(0), ws, ws.stride(0), sq, sq.stride(0),
+        T, D, k_blocks, plan.tiles_per_split,
+        MIX=mix, BLOCK_T=plan.block_t, BLOCK_M=block_m, BLOCK_K=plan.block_k, HC=hc,
+        X_BF16=x.dtype == torch.bfloat16, DOT_BF16=_compiled(),
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    # BLOCK_S covers a decode step's splits in one pass: a loop over small chunks would pay a
+    # memory latency per chunk. y is split over D so a small T still spreads over SMs.
     block_d = min(next_power_of_2(D), 4096 // hc)
-    _hc_pre_kernel[(cdiv(T, block_t),)](
-        x, x.stride(0), x.stride(1), fn, fn.stride(0), scale, base,
+    _hc_finish_kernel[(T, cdiv(D, block_d))](
+        x, x.stride(0), x.stride(1), ws, ws.stride(0), sq, sq.stride(0), scale, base,
         y, y.stride(0), post, post.stride(0), comb, comb.stride(0),
-        T, D, int(iters), float(hc_eps), float(norm_eps),
-        HC=hc, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_D=block_d,
-        num_warps=_NUM_WARPS,
+        D, plan.split, int(iters), float(hc_eps), float(norm_eps),
+        HC=hc, BLOCK_M=block_m, BLOCK_S=min(256, max(16, next_power_of_2(plan.split))),
+        BLOCK_D=block_d, num_warps=4,
     )
     return y, post, comb
 

@@ -133,7 +133,8 @@ compressor_plan = reference.compressor_plan
 
 
 def hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out=None):
-    """mHC input mixing of x [T, hc, d] in one launch: (y [T, d] in x.dtype, written into
+    """mHC input mixing of x [T, hc, d] in two launches (mhc.py: a split-K mixes GEMM, then the
+    per-token gates, Sinkhorn and gated sum): (y [T, d] in x.dtype, written into
     y_out if given; post [T, hc] fp32; comb [T, hc, hc] fp32, Sinkhorn-projected)."""
     impl = _kernels("mhc") if _use_triton(x) else reference
     return impl.hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out)

@@ -18,6 +18,7 @@ from sglang.srt.mem_cache.memory_planner import (
     min_gpus_to_fit,
     per_request_state_bytes,
     plan_memory,
+    segment_activation_bytes,
     weight_bytes,
 )
 
@@ -25,9 +26,11 @@ from sglang.srt.mem_cache.memory_planner import (
 SERVING = PlanSettings(weight_format="release", kv_cache_dtype="auto", dp_size=1, page_size=128,
                        context_length=65536, max_running_requests=256, chunked_prefill_size=2048,
                        bcg_max_tokens=4096, decode_graph_max_bs=256, mem_fraction_static=0.8, max_total_tokens=None)
-# A lean serving setup: the least a model can be served with usefully.
+# A lean serving setup: the least a model can be served with usefully. The static fraction leaves
+# the MoE's working set room: at Pro's 8 ranks a 1024-token step gathers 8192 tokens, and the
+# MoE kernels hold an fp32 partial output per (token, expert) pair (28 KiB at Pro's width).
 LEAN = dataclasses.replace(SERVING, context_length=8192, max_running_requests=32, bcg_max_tokens=1024,
-                           chunked_prefill_size=1024, decode_graph_max_bs=32, mem_fraction_static=0.97)
+                           chunked_prefill_size=1024, decode_graph_max_bs=32, mem_fraction_static=0.96)
 
 
 def pro_like():
@@ -217,3 +220,18 @@ def test_a_capture_out_of_memory_names_the_graph_and_the_flags(monkeypatch, capl
     assert "--mem-fraction-static (now 0.8)" in msg and "--breakable-cuda-graph-max-tokens (largest bucket now 32)" in msg
     assert isinstance(err.value.__cause__, torch.OutOfMemoryError)
     assert "memory before graph capture: weights" in caplog.text
+
+
+def test_moe_working_set_counts_the_fp32_partial_of_every_pair():
+    flash = get_preset("dsv4-flash")
+    topk, d, inter = flash.num_experts_per_tok, flash.hidden_size, flash.moe_intermediate_size
+    # 8192 tokens per rank at DP 2: the MoE sees both ranks' 16384 tokens, and its working set
+    # (2.5 GiB) is the largest term (attention's: 8192 x 64 heads x 512 x 8 B + the indexer's
+    # q, 2.1 GiB): the gathered input and fp32 outputs, and per (token, expert) pair the bf16
+    # activation h and the fp32 partial the kernels write
+    n, gathered = 8192, 2 * 8192
+    moe = gathered * d * (2 + 4 + 4) + gathered * topk * (inter * 2 + d * 4)
+    attn = n * flash.num_attention_heads * flash.head_dim * 8 + n * flash.index_n_heads * (flash.index_head_dim * 2 + 4)
+    assert moe > attn
+    residual, logits = 3 * n * flash.hc_mult * d * 4, flash.vocab_size * 4 * 2
+    assert segment_activation_bytes(flash, n, 2, 1) == moe + residual + logits

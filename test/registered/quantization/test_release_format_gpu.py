@@ -86,3 +86,40 @@ def test_fp8_linear_keeps_its_cublas_scale_layout_and_replays(in_features):
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     torch.testing.assert_close(eager.float(), Q.fp8_block_linear_ref(x.float(), q, s, True),
                                rtol=2 ** -8, atol=1e-3)
+
+
+def test_large_prefill_runs_the_one_dot_per_step_fp4_moe_in_a_breakable_graph(monkeypatch):
+    """A chunk past the fp8 variant's switch (dsv4-mini-fp8 is top-4: 2049 tokens and more): the
+    bf16 decode with one dot per 128-input step runs inside the captured segments, replays equal
+    eager, and stays close to the fp8 variant it replaced at that size."""
+    from dsv4_kernels import fp4_moe
+
+    steps = []
+    real = fp4_moe.moe_config
+    monkeypatch.setattr(fp4_moe, "moe_config", lambda *a: (lambda c: steps.append(bool(c.get("step_dot"))) or c)(real(*a)))
+    n = 2304  # > 8192 / 4, a multiple of 256
+    tokens = torch.randint(2, 32768, (n,), generator=torch.Generator().manual_seed(11)).tolist()
+
+    def runner(bcg):
+        return ModelRunner(cpu_server_args(model_path="dsv4-mini-fp8", dtype="bfloat16", device="cuda",
+                                           context_length=8192, max_total_tokens=16384, max_running_requests=2,
+                                           quant_numerics="release", enable_breakable_cuda_graph=bcg,
+                                           breakable_cuda_graph_max_tokens=n,
+                                           breakable_cuda_graph_tokens=[n] if bcg else None))
+
+    eager = runner(False)
+    got_eager = prefill_in_chunks(eager, tokens, [n])[0]
+    assert steps and all(steps)  # every MoE layer of the step took the one-dot decode
+    switch = fp4_moe.FP8_MAX_ASSIGNMENTS
+    monkeypatch.setattr(fp4_moe, "FP8_MAX_ASSIGNMENTS", 10**9)  # the fp8 variant instead
+    got_fp8 = prefill_in_chunks(eager, tokens, [n])[0]
+    monkeypatch.setattr(fp4_moe, "FP8_MAX_ASSIGNMENTS", switch)
+    del eager
+    torch.cuda.empty_cache()
+    graphs = runner(True)
+    got_bcg = prefill_in_chunks(graphs, tokens, [n])[0]
+    assert graphs.get_stats()["bcg_replays"] == 1
+    cos_bcg = F.cosine_similarity(got_bcg.float(), got_eager.float(), dim=0).item()
+    cos_fp8 = F.cosine_similarity(got_fp8.float(), got_eager.float(), dim=0).item()
+    print(f"dsv4-mini-fp8 {n} tokens, one-dot bf16 MoE: BCG vs eager cos {cos_bcg:.6f}, vs the fp8 variant {cos_fp8:.6f}")
+    assert cos_bcg > 0.9999 and cos_fp8 > 0.999

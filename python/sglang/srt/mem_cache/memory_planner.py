@@ -167,9 +167,11 @@ def segment_activation_bytes(config, num_tokens: int, dp_size: int, num_reqs: in
     e = _elt(model_dtype)
     T, d, H, hd = num_tokens, config.hidden_size, config.num_attention_heads, config.head_dim
     gathered = T * dp_size
-    # fused_moe: gathered input, fp32 output (and the reduce-scatter's), and per (row, top-k)
-    # pair the activation `h` [I] and the partial output [d] in the model dtype
-    moe = gathered * d * (e + 4 + 4) + gathered * config.num_experts_per_tok * (config.moe_intermediate_size + d) * e
+    # the MoE kernels: gathered input, fp32 output (and the reduce-scatter's), and per (row,
+    # top-k) pair the activation `h` [I] in the model dtype and the fp32 partial output [d]
+    pairs = gathered * config.num_experts_per_tok
+    inter = config.moe_intermediate_size
+    moe = gathered * d * (e + 4 + 4) + pairs * (inter * e + d * 4)
     attn = T * H * hd * (2 * e + 4) + T * config.index_n_heads * (config.index_head_dim * e + 4)
     residual = 3 * T * config.hc_mult * d * 4  # X, the post-mix X', the mixed input (fp32)
     logits = num_reqs * config.vocab_size * 4 * 2
