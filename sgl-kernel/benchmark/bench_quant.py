@@ -7,7 +7,10 @@
   device passed its probe; skipped with the reason elsewhere).
   TFLOP/s vs the dense FP8 (1979) and bf16 (989) peaks; GB/s (weight + scales + x + out) vs
   4.8 TB/s HBM.
-- FP4 MoE (fp4_moe.fp4_fused_moe, all decodes; the gemv one at T <= GEMV_MAX_T, with tile
+- FP4 MoE (fp4_moe.fp4_fused_moe, all decodes; the bf16 one beside its other K step:
+  bf16_release_step = one dot per 128-input step where moe_config runs one per 32-input chunk,
+  bf16_release_chunk = the reverse where moe_config's tiles already step; the gemv one at
+  T <= GEMV_MAX_T, with tile
   alternatives where they differ from gemv_config's: gemv_release_bm1 / _bm4 = 1 / 4 rows
   per expert block, _narrow / _wide = the small-batch (16/32 x 512) / larger-batch
   (64 x 128) N x K tiles; the grouped one (bf16 decode + torch._grouped_mm) at T >=
@@ -209,8 +212,11 @@ def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
             n_assign = int(local.sum())
             nbytes = hit * expert_bytes
             flops = 2 * n_assign * 3 * MOE_D * MOE_I
+            cfg = fp4_moe.moe_config(T, MOE_TOPK)
+            other_step = (dict(cfg, step_dot=False), "_chunk") if cfg.get("step_dot") else \
+                (dict(cfg, step_dot=True), "_step")
             runs = [("bf16", True, None, ""), ("fp8", True, None, ""), ("bf16", False, None, ""),
-                    ("bf16", True, dict(fp4_moe.moe_config(T, MOE_TOPK), step_dot=True), "_step")]
+                    ("bf16", True, *other_step)]
             if T <= GEMV_MAX_T:
                 gemv = fp4_gemv_moe.gemv_config(T, MOE_TOPK)
                 alts = [(dict(gemv, block_m=1), "_bm1"), (dict(gemv, block_m=4), "_bm4"),

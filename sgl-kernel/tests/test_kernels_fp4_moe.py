@@ -96,7 +96,8 @@ def test_default_variant_follows_the_batch():
     assert fp4_moe.moe_config(8192, 6, "fp8")["block_m"] == 64  # 128 rows spill there
 
 
-def test_weight_only_takes_dims_that_are_not_whole_tiles(device):
+@pytest.mark.parametrize("step_dot", [False, True])
+def test_weight_only_takes_dims_that_are_not_whole_tiles(device, step_dot):
     require_triton()
     from dsv4_kernels import fp4_moe
     E, d, inter, T = 3, 96, 160, 4  # 32-multiples: partial K and N tiles in both GEMMs
@@ -104,8 +105,10 @@ def test_weight_only_takes_dims_that_are_not_whole_tiles(device):
     x = torch.randn(T, d, device=device)
     ids = distinct_expert_ids(T, 2, -1, E + 1, device)
     weights = torch.rand(T, 2, device=device)
+    # step_dot with one 32-input chunk per step (96 and 160 take no wider step)
+    cfg = dict(fp4_moe.moe_config(T, 2), step_dot=True) if step_dot else None
     out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 1.0, torch.empty(T, d, device=device),
-                                False, "bf16")
+                                False, "bf16", config=cfg)
     torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 1.0, False),
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="multiples of 128 with act_quant"):
