@@ -90,6 +90,46 @@ def test_split_k_sums_the_same_products(device, act_quant):
                                **tol)
 
 
+@pytest.mark.parametrize("T,K,split", [
+    (1, 1024, True),   # decode: K split across programs, one sum over every group
+    (19, 200, False),  # K not a multiple of the K tile, one split
+])
+def test_grouped_weight_only_is_each_group_through_its_rows(device, T, K, split):
+    require_triton()
+    from dsv4_kernels import fp8_gemm
+    G, n = 3, 128
+    w, s = _weight(G * n, K, device)
+    s[n // 128:2 * n // 128] *= 4.0  # the groups' scales differ
+    x = torch.randn(T, G, K, device=device)
+    assert (fp8_gemm.gemm_config(T, G * n, K, False)["split"] > 1) == split
+    y = fp8_gemm.fp8_grouped_linear(x, w, s)
+    assert y.shape == (T, G, n) and y.dtype == x.dtype
+    for g in range(G):  # the plain weight-only GEMM on the group's rows, and the reference
+        rows, srows = slice(g * n, (g + 1) * n), slice(g * n // 128, (g + 1) * n // 128)
+        want = Q.fp8_block_linear_ref(x[:, g], w[rows], s[srows], False)
+        torch.testing.assert_close(y[:, g], want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(y[:, g], fp8_gemm.fp8_block_linear(x[:, g], w[rows], s[srows], False),
+                                   rtol=1e-5, atol=1e-4)
+    # a strided x (every other group of a wider tensor) is read in place
+    wide = torch.randn(T, 2 * G, K, device=device)
+    torch.testing.assert_close(fp8_gemm.fp8_grouped_linear(wide[:, ::2], w, s),
+                               fp8_gemm.fp8_grouped_linear(wide[:, ::2].contiguous(), w, s))
+    with pytest.raises(ValueError, match="whole 128-row blocks per group"):
+        fp8_gemm.fp8_grouped_linear(torch.randn(T, 2 * G, K // 2, device=device), w[:, :K // 2], s)
+    with pytest.raises(ValueError, match="whole 128-row blocks per group"):
+        fp8_gemm.fp8_grouped_linear(torch.randn(T, 2 * G, K, device=device), w, s)
+
+
+def test_ops_grouped_linear_off_cuda_is_the_reference_per_group():
+    G, n, K, T = 2, 128, 256, 4
+    w, s = _weight(G * n, K, "cpu")
+    x = torch.randn(T, G, K)
+    got = ops.fp8_grouped_linear(x, w, s)
+    for g in range(G):
+        want = Q.fp8_block_linear_ref(x[:, g], w[g * n:(g + 1) * n], s[g:g + 1], False)
+        assert torch.equal(got[:, g], want)
+
+
 def test_config_table_by_m():
     require_triton()
     from dsv4_kernels import fp8_gemm
@@ -156,6 +196,28 @@ def test_gpu_fp8_linear_replays_in_a_cuda_graph(act_quant, backend):
     torch.cuda.synchronize()
     torch.testing.assert_close(out, ops.fp8_block_linear(x, q, s, act_quant, backend=backend),
                                rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 512])
+def test_gpu_grouped_weight_only_at_wo_a_shapes_replays(T):
+    """wo_a at Flash dims (8 groups of 1024 rows, K = 4096, bf16 x): one launch equals the
+    per-group weight-only GEMMs up to summation order, and replays in a CUDA graph."""
+    from dsv4_kernels import fp8_gemm
+    G, n, K = 8, 1024, 4096
+    q, s = Q.quantize_fp8_weight(torch.randn(G * n, K, device="cuda") / K ** 0.5)
+    x = torch.randn(T, G, K, device="cuda").bfloat16()
+    y = fp8_gemm.fp8_grouped_linear(x, q, s)
+    for g in range(G):
+        want = fp8_gemm.fp8_block_linear(x[:, g], q[g * n:(g + 1) * n], s[g * 8:(g + 1) * 8], False)
+        torch.testing.assert_close(y[:, g].float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = fp8_gemm.fp8_grouped_linear(static_x, q, s)
+    static_x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(static_y, fp8_gemm.fp8_grouped_linear(static_x, q, s))
 
 
 # ---------------------------------------------------------------------------------------

@@ -156,14 +156,22 @@ def _fp8_gemm_kernel(
 def _wo_gemm_kernel(
     a_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, K_PER_SPLIT,
     stride_am, stride_bn, stride_bsn, stride_cs, stride_cm,
+    stride_ag, stride_bg, stride_bsg, stride_cg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """Weight-only: c[split] = a . (b * bs) over this split's K range, b converted to a's dtype
     (exact: an e4m3 value times a power of two). BLOCK_K and BLOCK_N divide 128, so one tile of
-    b has one scale (a scalar load)."""
+    b has one scale (a scalar load). Grid axis 2 is a group of a block-diagonal product
+    (fp8_grouped_linear): group g offsets a, b, bs and c by g times their stride_*g (all 0 for
+    one plain GEMM)."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+    a_ptr += g * stride_ag
+    b_ptr += g * stride_bg
+    bs_ptr += g * stride_bsg
+    c_ptr += g * stride_cg
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -340,10 +348,54 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, config: dict | No
             x2 = round_act(x2)
         _wo_gemm_kernel[grid](
             x2, weight, ws, c, M, N, K, cfg["steps_per_split"] * cfg["BLOCK_K"], x2.stride(0),
-            weight.stride(0), ws.stride(0), stride_cs, stride_cm, BLOCK_K=cfg["BLOCK_K"],
-            DOT_PREC=dot_precision(x.dtype), **common)
+            weight.stride(0), ws.stride(0), stride_cs, stride_cm, 0, 0, 0, 0,
+            BLOCK_K=cfg["BLOCK_K"], DOT_PREC=dot_precision(x.dtype), **common)
     if split > 1:
         block = 1024
         _split_sum_kernel[(cdiv(M * N, block),)](c, out, M * N, SPLIT=split, BLOCK=block,
                                                         num_warps=4)
     return out.view(*x.shape[:-1], N)
+
+
+def fp8_grouped_linear(x, weight, weight_scale, config: dict | None = None):
+    """Block-diagonal weight-only FP8 linear: x [T, G, K] -> x.dtype [T, G, n], group g through
+    weight rows [g n, (g + 1) n) (n = N / G, a whole number of 128-row scale blocks). The same
+    products and fp32 sums as G weight-only fp8_block_linear calls, in one launch of the
+    weight-only kernel (a grid axis per group) and at most one split-K sum: wo_a at decode sizes
+    was 17 launches per layer (8 GEMMs, 8 sums and a stack), each far shorter than its launch.
+    The split follows the G groups' tiles together (gemm_config over N = G n)."""
+    T, G, K = x.shape
+    N = weight.shape[0]
+    n = N // G
+    if weight.dtype != torch.float8_e4m3fn or weight.stride(-1) != 1 or weight.shape[1] != K:
+        raise ValueError(f"fp8_grouped_linear: weight {weight.dtype} {tuple(weight.shape)} does not "
+                         f"fit x {tuple(x.shape)} (row-major float8_e4m3fn [G * n, K])")
+    if n * G != N or n % 128:
+        raise ValueError(f"fp8_grouped_linear: {N} weight rows over {G} groups must be whole "
+                         "128-row blocks per group")
+    if tuple(weight_scale.shape) != (N // 128, cdiv(K, 128)):
+        raise ValueError(f"fp8_grouped_linear: weight_scale {tuple(weight_scale.shape)} for "
+                         f"weight {(N, K)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(T, G, n, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    cfg = config or gemm_config(T, N, K, False, _num_sms(x.device))
+    if 128 % cfg["BLOCK_N"] or 128 % cfg["BLOCK_K"]:
+        raise ValueError(f"fp8_grouped_linear: BLOCK_N and BLOCK_K must divide 128, got {cfg}")
+    split = cfg["split"]
+    c = out if split == 1 else torch.empty(split, T, G, n, dtype=torch.float32, device=x.device)
+    ws = weight_scale.float().contiguous()
+    grid = (cdiv(T, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split, G)
+    _wo_gemm_kernel[grid](
+        x, weight, ws, c, T, n, K, cfg["steps_per_split"] * cfg["BLOCK_K"], x.stride(0),
+        weight.stride(0), ws.stride(0), c.stride(0) if split > 1 else 0, c.stride(-3),
+        x.stride(1), n * weight.stride(0), (n // 128) * ws.stride(0), c.stride(-2),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=8,
+        DOT_PREC=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(cdiv(T * N, block),)](c, out, T * N, SPLIT=split, BLOCK=block,
+                                                 num_warps=4)
+    return out

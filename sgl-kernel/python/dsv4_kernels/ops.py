@@ -173,6 +173,22 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, backend: str = "a
     return quant_reference.fp8_block_linear_ref(x, weight, weight_scale, act_quant)
 
 
+def fp8_grouped_linear(x, weight, weight_scale):
+    """Block-diagonal weight-only FP8: x [T, G, K] -> x.dtype [T, G, n], group g through weight
+    rows [g n, (g + 1) n) (wo_a's grouped einsum at decode sizes). On CUDA one launch of the
+    Triton weight-only GEMM (fp8_gemm.fp8_grouped_linear); elsewhere the reference per group."""
+    if _use_triton(x):
+        return _kernels("fp8_gemm").fp8_grouped_linear(x, weight, weight_scale)
+    G = x.shape[1]
+    n = weight.shape[0] // G
+    if n * G != weight.shape[0] or n % 128:
+        raise ValueError(f"fp8_grouped_linear: {weight.shape[0]} weight rows over {G} groups must be "
+                         "whole 128-row blocks per group")
+    return torch.stack([quant_reference.fp8_block_linear_ref(
+        x[:, g], weight[g * n:(g + 1) * n], weight_scale[g * n // 128:(g + 1) * n // 128], False)
+        for g in range(G)], dim=1)
+
+
 def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, out,
                   act_quant: bool):
     """out fp32 [T, d] <- the FP4 routed experts' sum (quant_reference.fp4_moe_ref's contract:

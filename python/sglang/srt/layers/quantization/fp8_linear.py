@@ -53,8 +53,8 @@ class Fp8BlockLinear(nn.Module):
 
     def grouped_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Block-diagonal use (wo_a's grouped einsum): x [T, G, K] -> [T, G, N/G] in x.dtype,
-        group g through weight rows [g N/G, (g+1) N/G), one weight-only FP8 GEMM per group: the
-        weight is read as e4m3 (1 byte per element) and never dequantized in memory. With bf16 x
+        group g through weight rows [g N/G, (g+1) N/G), the weight-only FP8 GEMM of every group in
+        one launch: the weight is read as e4m3 (1 byte per element) and never dequantized in memory. With bf16 x
         and power-of-two scales the products are those of the dense einsum, accumulated in fp32
         and rounded once. Needs N/G % 128 == 0 (whole scale rows per group) and no act quant."""
         from dsv4_kernels import ops
@@ -64,9 +64,7 @@ class Fp8BlockLinear(nn.Module):
         if K != self.in_features or n * G != self.out_features or n % BLOCK:
             raise ValueError(f"grouped_forward: x {tuple(x.shape)} for weight {tuple(self.weight.shape)} "
                              f"(needs K = in_features and whole 128-row blocks per group)")
-        return torch.stack([ops.fp8_block_linear(x[:, g], self.weight[g * n:(g + 1) * n],
-                                                 self.weight_scale[g * n // BLOCK:(g + 1) * n // BLOCK], False)
-                            for g in range(G)], dim=1)
+        return ops.fp8_grouped_linear(x, self.weight, self.weight_scale)
 
     def scales_are_pow2(self) -> bool:
         """Whether the bf16 dequantization is exact (reads the device: at load only)."""
