@@ -53,10 +53,11 @@ class Fp8BlockLinear(nn.Module):
 
     def grouped_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Block-diagonal use (wo_a's grouped einsum): x [T, G, K] -> [T, G, N/G] in x.dtype,
-        group g through weight rows [g N/G, (g+1) N/G), the weight-only FP8 GEMM of every group in
-        one launch: the weight is read as e4m3 (1 byte per element) and never dequantized in memory. With bf16 x
-        and power-of-two scales the products are those of the dense einsum, accumulated in fp32
-        and rounded once. Needs N/G % 128 == 0 (whole scale rows per group) and no act quant."""
+        group g through weight rows [g N/G, (g+1) N/G), the weight-only FP8 GEMM of every group
+        in one launch: the weight is read as e4m3 (1 byte per element) and never dequantized in
+        memory. With bf16 x and power-of-two scales the products are those of the dense einsum,
+        accumulated in fp32 and rounded once. Needs N/G % 128 == 0 (whole scale rows per group)
+        and no act quant."""
         from dsv4_kernels import ops
 
         T, G, K = x.shape
