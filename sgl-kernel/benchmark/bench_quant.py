@@ -182,23 +182,36 @@ def _tma_case(x, q, s):
     return lambda: fp8_linear_tma(x, q, s)
 
 
-def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
-    from dsv4_kernels import fp4_gemv_moe, fp4_moe
+# Packed e2m1 codes plus e8m0 scales of one expert's W1, W3 and W2 at Flash's dims.
+MOE_EXPERT_BYTES = 3 * (MOE_I * MOE_D // 2 + MOE_I * MOE_D // 32)
+
+
+def fp4_expert_weights(n: int = MOE_E, generator=None):
+    """n routed experts at Flash's dims on the GPU, release format: (w1, s1, w3, s3, w2, s2),
+    random N(0, 1/in) weights quantized 32 experts at a time (a whole fp32 stack would be
+    6+ GB)."""
     from dsv4_kernels import quant_reference as Q
 
-    def experts(o, i):
-        # Quantize one expert at a time (a whole fp32 stack would be 6+ GB) and tile it.
-        packed = torch.empty(MOE_E, o, i // 2, dtype=torch.int8, device="cuda")
-        scale = torch.empty(MOE_E, o, i // 32, dtype=torch.uint8, device="cuda")
-        for e in range(0, MOE_E, 32):
-            p, sc = Q.quantize_fp4(torch.randn(32, o, i, device="cuda") * i ** -0.5)
-            packed[e:e + 32], scale[e:e + 32] = p, sc
+    def stack(o, i):
+        packed = torch.empty(n, o, i // 2, dtype=torch.int8, device="cuda")
+        scale = torch.empty(n, o, i // 32, dtype=torch.uint8, device="cuda")
+        for e in range(0, n, 32):
+            k = min(32, n - e)
+            w = torch.randn(k, o, i, device="cuda", generator=generator) * i ** -0.5
+            packed[e:e + k], scale[e:e + k] = Q.quantize_fp4(w)
         return packed, scale
 
-    w1, s1 = experts(MOE_I, MOE_D)
-    w3, s3 = experts(MOE_I, MOE_D)
-    w2, s2 = experts(MOE_D, MOE_I)
-    expert_bytes = 3 * (MOE_I * MOE_D // 2 + MOE_I * MOE_D // 32)
+    w1, s1 = stack(MOE_I, MOE_D)
+    w3, s3 = stack(MOE_I, MOE_D)
+    w2, s2 = stack(MOE_D, MOE_I)
+    return w1, s1, w3, s3, w2, s2
+
+
+def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
+    from dsv4_kernels import fp4_gemv_moe, fp4_moe
+
+    w1, s1, w3, s3, w2, s2 = fp4_expert_weights()
+    expert_bytes = MOE_EXPERT_BYTES
     cases = []
     for e_local in locals_:
         ws = tuple(t[:e_local] for t in (w1, s1, w3, s3, w2, s2))

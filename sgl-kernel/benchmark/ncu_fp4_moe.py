@@ -25,45 +25,26 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_quant import HBM_GBPS, MOE_D, MOE_E, MOE_EXPERT_BYTES, MOE_TOPK, fp4_expert_weights  # noqa: E402
 from common import require_cuda  # noqa: E402
-
-D, INTER, TOPK, N_EXPERTS = 4096, 2048, 6, 256
-HBM_GBPS = 4800.0
-
-
-def expert_bytes() -> int:
-    """Packed e2m1 codes plus e8m0 scales of one expert's W1, W3 and W2."""
-    return 3 * (INTER * D // 2 + INTER * D // 32)
 
 
 def build(local_experts: int, T: int, seed: int = 0):
-    from dsv4_kernels import quant_reference as Q
-
+    """One shard's experts, and T tokens routed top-6 of 256 uniformly (ids past the shard are
+    skipped, as a shard sees them)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-
-    def stack(o, i):
-        packed = torch.empty(local_experts, o, i // 2, dtype=torch.int8, device="cuda")
-        scale = torch.empty(local_experts, o, i // 32, dtype=torch.uint8, device="cuda")
-        for e in range(0, local_experts, 16):
-            n = min(16, local_experts - e)
-            p, s = Q.quantize_fp4(torch.randn(n, o, i, device="cuda", generator=g) * i ** -0.5)
-            packed[e:e + n], scale[e:e + n] = p, s
-        return packed, scale
-
-    w1, s1 = stack(INTER, D)
-    w3, s3 = stack(INTER, D)
-    w2, s2 = stack(D, INTER)
-    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-    ids = torch.rand(T, N_EXPERTS, device="cuda", generator=g).argsort(dim=1)[:, :TOPK].int()
-    weights = torch.rand(T, TOPK, device="cuda", generator=g)
-    return (w1, s1, w3, s3, w2, s2), x, ids, weights
+    ws = fp4_expert_weights(local_experts, generator=g)
+    x = torch.randn(T, MOE_D, device="cuda", generator=g).bfloat16()
+    ids = torch.rand(T, MOE_E, device="cuda", generator=g).argsort(dim=1)[:, :MOE_TOPK].int()
+    weights = torch.rand(T, MOE_TOPK, device="cuda", generator=g)
+    return ws, x, ids, weights
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", choices=("gemv", "fp8", "bf16", "grouped"), default="gemv")
     ap.add_argument("--t", type=int, default=64, help="tokens")
-    ap.add_argument("--experts", type=int, default=N_EXPERTS, help="local experts (128: one EP-2 shard)")
+    ap.add_argument("--experts", type=int, default=MOE_E, help="local experts (128: one EP-2 shard)")
     ap.add_argument("--calls", type=int, default=5, help="calls after the warm-up one")
     args = ap.parse_args(argv)
     if not require_cuda():
@@ -71,7 +52,7 @@ def main(argv=None) -> int:
     from dsv4_kernels import fp4_moe
 
     ws, x, ids, weights = build(args.experts, args.t)
-    out = torch.empty(args.t, D, device="cuda")
+    out = torch.empty(args.t, MOE_D, device="cuda")
 
     def call():
         fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, out, True, args.variant)
@@ -88,7 +69,7 @@ def main(argv=None) -> int:
         times.append(start.elapsed_time(end))
     hit = int(ids[ids < args.experts].unique().numel())
     ms = statistics.median(times)
-    gbps = hit * expert_bytes() / ms / 1e6
+    gbps = hit * MOE_EXPERT_BYTES / ms / 1e6
     print(f"{args.variant} T={args.t} experts={args.experts}: {ms:.3f} ms median of {args.calls} "
           f"(spread {max(times) - min(times):.3f} ms), {hit} experts hit, "
           f"{gbps:.0f} GB/s of weights ({100 * gbps / HBM_GBPS:.1f}% of HBM)", flush=True)

@@ -57,9 +57,6 @@ GEMV_MAX_ASSIGNMENTS = 64 * 6
 # decode's 7.43 / 8.27. At T = 1024 fp8 won against the per-chunk bf16 and grouped (call 1's
 # moe.log; step_dot not timed there), so the switch sits where moe_config's 128-row tiles start.
 FP8_MAX_ASSIGNMENTS = 8192
-# Where the grouped variant would take over (T * topk >= this): not used by default_variant
-# (see above); bench_quant.py times it from T = 1024.
-GROUPED_MIN_ASSIGNMENTS = 4096 * 6
 
 
 @triton.jit
@@ -124,9 +121,7 @@ def _decode_step(w_ptr, s_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn, stri
     byte = tl.load(w_ptr + e * stride_we + offs_n[:, None, None] * stride_wn + j,
                    mask=n_mask[:, None, None], other=0).to(tl.int32) & 0xFF
     code = tl.interleave(byte & 0xF, byte >> 4)  # [BN, CHUNKS, 32]
-    c = k0 // 32 + tl.arange(0, CHUNKS)
-    sb = tl.load(s_ptr + e * stride_se + offs_n[:, None] * stride_sn + c[None, :],
-                 mask=n_mask[:, None], other=0).to(tl.int32) & 0xFF
+    sb = _step_scales(s_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn, CHUNKS)
     w = _e2m1_scaled(code, sb[:, :, None]).to(DTYPE)
     return tl.reshape(w, (w.shape[0], 32 * CHUNKS))
 
@@ -136,7 +131,7 @@ def _expert_gemm(acc, acc3, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_as
                  w_ptr, s_ptr, w3_ptr, s3_ptr, e, offs_n, n_mask, K, stride_we, stride_wn,
                  stride_se, stride_sn, PAIR: tl.constexpr, ACT_QUANT: tl.constexpr,
                  FP8_DOT: tl.constexpr, DOT_PREC: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                 CHUNKS: tl.constexpr, STEP_DOT: tl.constexpr = False):
+                 CHUNKS: tl.constexpr, STEP_DOT: tl.constexpr):
     """acc += A[a_rows] @ W_e^T over K, and with PAIR also acc3 += A[a_rows] @ W3_e^T (same
     shapes and strides: the gate and up projections share each A tile, and their weight loads
     are in flight together). A step covers CHUNKS x 32 inputs (CHUNKS in 1, 2, 4; 32 * CHUNKS
@@ -209,7 +204,7 @@ def _fp4_gate_up_kernel(
     NUM_EXPERTS: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_QUANT: tl.constexpr,
     FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr, CHUNKS: tl.constexpr,
-    STEP_DOT: tl.constexpr = False,
+    STEP_DOT: tl.constexpr,
 ):
     """h[row] = x's dtype(SwiGLU(x W1^T, x W3^T) * routing weight) for this block's rows. With
     act_quant the host then rounds h to FP8 per 128 (its own small kernel: a tile here need not
@@ -247,7 +242,7 @@ def _fp4_down_kernel(
     stride_p,
     NUM_EXPERTS: tl.constexpr, FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr, CHUNKS: tl.constexpr,
-    STEP_DOT: tl.constexpr = False,
+    STEP_DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b).to(tl.int64)

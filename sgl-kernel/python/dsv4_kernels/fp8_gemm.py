@@ -21,7 +21,6 @@ The fp32 -> e4m3 rounding is done with integer ops (`e4m3_bits`), not a cast: Tr
 interpreter rounds that cast wrongly (-127.99 -> -64), and the bits are then the same on both.
 """
 
-import functools
 
 import torch
 import triton
@@ -29,7 +28,7 @@ import triton.language as tl
 
 from . import fp8_scaled_mm
 from ._dot import dot_precision
-from .host_math import cdiv, next_power_of_2
+from .host_math import cdiv, next_power_of_2, sm_count
 
 QBLOCK = 128  # activation quantization block along K (pow2_scale floors amax at 1e-4, as
 # quant_reference.AMAX_FLOOR does)
@@ -206,13 +205,6 @@ def _split_sum_kernel(ws_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.conste
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter: an H200's count, so tests exercise the same splits
-
-
 def gemm_config(M: int, N: int, K: int, act_quant: bool, num_sms: int = 132) -> dict:
     """Tiles by shape (no autotuning: graph capture must not launch candidate configs).
 
@@ -324,7 +316,7 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, config: dict | No
     # act_quant: x rounded to FP8 values, then an fp32 GEMM. The FP8 tensor cores' accumulation
     # within a 128-deep block is not fp32-exact, and release numerics amplify any difference.
     fp8_dot = act_quant and x.dtype != torch.float32
-    cfg = config or gemm_config(M, N, K, fp8_dot, _num_sms(x.device))
+    cfg = config or gemm_config(M, N, K, fp8_dot, sm_count(x.device))
     if 128 % cfg["BLOCK_N"] or 128 % cfg["BLOCK_K"]:
         raise ValueError(f"fp8_block_linear: BLOCK_N and BLOCK_K must divide 128, got {cfg}")
     split = cfg["split"]
@@ -381,7 +373,7 @@ def fp8_grouped_linear(x, weight, weight_scale, config: dict | None = None):
     out = torch.empty(T, G, n, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    cfg = config or gemm_config(T, N, K, False, _num_sms(x.device))
+    cfg = config or gemm_config(T, N, K, False, sm_count(x.device))
     if 128 % cfg["BLOCK_N"] or 128 % cfg["BLOCK_K"]:
         raise ValueError(f"fp8_grouped_linear: BLOCK_N and BLOCK_K must divide 128, got {cfg}")
     split = cfg["split"]

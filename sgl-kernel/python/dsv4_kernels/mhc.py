@@ -25,7 +25,6 @@ Shapes are static, the workspace comes from torch.empty and nothing syncs, so bo
 capturable.
 """
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -33,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .host_math import cdiv, next_power_of_2
+from .host_math import cdiv, next_power_of_2, sm_count
 
 # Programs per SM the split aims for (latency hiding for a streaming kernel).
 _PROGRAMS_PER_SM = 2
@@ -207,13 +206,6 @@ def _check_hc(hc: int) -> None:
         raise ValueError(f"mHC kernels need hc to be a power of two, got hc={hc}")
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter: an H200's count, so tests exercise the same splits
-
-
 class MixPlan(NamedTuple):
     block_t: int  # tokens per program (>= 16: tl.dot's minimum M)
     block_k: int  # columns of one copy per K tile
@@ -253,7 +245,7 @@ def hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out=None):
     comb = torch.empty(T, hc, hc, dtype=torch.float32, device=x.device)
     if T == 0:
         return y, post, comb
-    plan = _plan(T, D, hc, _num_sms(x.device))
+    plan = _plan(T, D, hc, sm_count(x.device))
     k_blocks = cdiv(D, plan.block_k)
     assert plan.split * plan.tiles_per_split >= hc * k_blocks
     block_m = max(16, next_power_of_2(mix))

@@ -10,7 +10,6 @@ codes times their block's power-of-two scale, rope dims from the row's model-dty
 result is exact in bf16, so the dots see the same keys as the reference's fp32 unpack.
 """
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +18,7 @@ import triton.language as tl
 
 from ._dot import dot_precision
 from ._page_table import load_page_table_slots
-from .host_math import cdiv, next_power_of_2
+from .host_math import cdiv, next_power_of_2, sm_count
 from .kv_fp8 import KV_FP8_BLOCK
 from .page_table_list import kernel_list_args
 from .reference import check_kv_layout
@@ -40,11 +39,6 @@ class SparseAttnConfig:
 
 
 MAX_SPLITS = 16
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 # Launched eagerly (a breakable graph's break, an eager forward), a split covers at least this
@@ -289,13 +283,11 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
     block_h = max(16, min(config.block_h, next_power_of_2(H)))
     block_d = next_power_of_2(D)
     num_hb = cdiv(H, block_h)
-    num_sms = _num_sms(torch.cuda.current_device() if q.device.index is None else q.device.index) \
-        if q.is_cuda else 132
     splits = config.num_splits
     if not splits:  # captured into a graph, only the wave decides (see MIN_BLOCKS_PER_SPLIT)
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         width = None if capturing else list_a.width + (list_b.width if has_b else 0)
-        splits = pick_num_splits(T * num_hb, num_sms, width, config.block_n)
+        splits = pick_num_splits(T * num_hb, sm_count(q.device), width, config.block_n)
     if splits > 1:
         part_acc = torch.empty(T, splits, H, D, dtype=torch.float32, device=q.device)
         part_m = torch.empty(T, splits, H, dtype=torch.float32, device=q.device)
