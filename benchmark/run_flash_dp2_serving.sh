@@ -5,6 +5,7 @@
 # agreement, and the server's graph counters (/get_server_info) after the load.
 # Usage (repo root, 2-GPU machine): OUT=/dir [IN=1024] [OUTLEN=128] bash benchmark/run_flash_dp2_serving.sh
 # One H200 (issue 12: Flash dims, as many layers as fit): DP=1 NUM_LAYERS=20 [MODES=bcg] bash ...
+# GREEDY=0 skips the 64 greedy requests (nothing to compare them with when one mode runs).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 IN=${IN:-1024}; OUTLEN=${OUTLEN:-128}; DP=${DP:-2}
@@ -26,7 +27,7 @@ for mode in ${MODES:-bcg eager}; do
   done
   echo "== $mode: server ${up:+up}${up:-NOT up} after $(( $(date +%s) - start )) s"
   if [[ -n $up ]]; then
-    timeout 90 python benchmark/greedy_agreement.py collect --port $port --num 64 --out "$OUT/greedy_$mode.json"
+    [[ ${GREEDY:-1} == 1 ]] && timeout 90 python benchmark/greedy_agreement.py collect --port $port --num 64 --out "$OUT/greedy_$mode.json"
     for c in 1 16 64; do
       n=$(( c == 1 ? 4 : (c == 64 ? 64 : 2 * c) ))
       # one results file for both modes and every concurrency, per-run logs outside $OUT: a call
