@@ -9,8 +9,10 @@
 #   serving_bcg                  bench_serving at concurrency 1 / 16 / 64 (run_flash_dp2_serving.sh)
 #   long128k                     the 128K-token prompt, chunked prefill with breakable graphs
 #   bob_mixed, bob_decode        bench_one_batch mixed 2048 / 4096, decode 1 / 64, with profiles
+#                                (BOB_MIXED / BOB_DECODE: other token counts)
 #   moe                          bench_quant's FP4 MoE variants at 64 / 256 / 1024 / 4096 tokens
-#   gpu_tests                    the GPU tests of code not yet run on a GPU
+#   gpu_tests                    the GPU tests of code not yet run on a GPU (GPU_TESTS: paths,
+#                                GPU_TESTS_K: a -k expression)
 #   ncu                          Nsight Compute on the FP4 MoE kernels (gemv at 64, fp8 at 256, bf16 at 4096)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -36,11 +38,11 @@ run_item() {  # $1 item, $2 seconds it may take
         -p no:cacheprovider test/registered/models/test_long_context_gpu.py > "$LOGS/long_context.log" 2>&1
       echo "rc $?"; grep -E "128K|MiB|passed|failed|Error|s for" "$LOGS/long_context.log" | cut -c1-250 | tail -12 ;;
     bob_mixed)
-      timeout $lim $bob --modes mixed --num-tokens 2048 4096 --profile-kernels 10 \
+      timeout $lim $bob --modes mixed --num-tokens ${BOB_MIXED:-2048 4096} --profile-kernels 10 \
         --result-file "$LOGS/bob_mixed.json" > "$LOGS/bob_mixed.log" 2>&1
       echo "rc $?"; grep -vE "^\s*$|Warn|warn" "$LOGS/bob_mixed.log" | cut -c1-220 | tail -30 ;;
     bob_decode)
-      timeout $lim $bob --modes decode --num-tokens 1 64 --profile-kernels 8 \
+      timeout $lim $bob --modes decode --num-tokens ${BOB_DECODE:-1 64} --profile-kernels 8 \
         --result-file "$LOGS/bob_decode.json" > "$LOGS/bob_decode.log" 2>&1
       echo "rc $?"; grep -vE "^\s*$|Warn|warn" "$LOGS/bob_decode.log" | cut -c1-220 | tail -24 ;;
     moe)

@@ -9,7 +9,8 @@
   4.8 TB/s HBM.
 - FP4 MoE (fp4_moe.fp4_fused_moe, all decodes; the bf16 one beside its other K step:
   bf16_release_step = one dot per 128-input step where moe_config runs one per 32-input chunk,
-  bf16_release_chunk = the reverse where moe_config's tiles already step; the gemv one at
+  bf16_release_chunk = the reverse where moe_config's tiles already step, and there
+  bf16_release_bitdecode = the step's decode by _e2m1_scaled instead of the pair decode; the gemv one at
   T <= GEMV_MAX_T, with tile
   alternatives where they differ from gemv_config's: gemv_release_bm1 / _bm4 = 1 / 4 rows
   per expert block, _narrow / _wide = the small-batch (16/32 x 512) / larger-batch
@@ -230,6 +231,8 @@ def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
                 (dict(cfg, step_dot=True), "_step")
             runs = [("bf16", True, None, ""), ("fp8", True, None, ""), ("bf16", False, None, ""),
                     ("bf16", True, *other_step)]
+            if cfg.get("step_dot"):
+                runs.append(("bf16", True, dict(cfg, pair_decode=False), "_bitdecode"))
             if T <= GEMV_MAX_T:
                 gemv = fp4_gemv_moe.gemv_config(T, MOE_TOPK)
                 alts = [(dict(gemv, block_m=1), "_bm1"), (dict(gemv, block_m=4), "_bm4"),
@@ -367,25 +370,29 @@ def _moe_compile_report():
                  ("M", "E", "CAP", "MAX_BLOCKS"))
 
     for T in (1, 64, 1024, 8192):
-        for variant, act_quant, step in (("bf16", False, False), ("bf16", True, False),
-                                         ("fp8", True, False), ("bf16", True, True)):
+        for variant, act_quant, step, pair in (("bf16", False, False, False),
+                                               ("bf16", True, False, False),
+                                               ("fp8", True, False, False),
+                                               ("bf16", True, True, False), ("bf16", True, True, True)):
             c = fp4_moe.moe_config(T, MOE_TOPK, variant)
             fp8 = variant == "fp8"
+            wt = "*i32" if pair else "*i8"  # the pair decode reads int32 words
             kw = dict(NUM_EXPERTS=MOE_E // 2, FP8_DOT=fp8, BLOCK_M=c["block_m"], DOT_PREC="tf32",
-                      X_DTYPE=tl.bfloat16, CHUNKS=4, STEP_DOT=step)
-            tag = (f"T={T} {variant}{' step_dot' if step else ''} act_quant={act_quant} bm={c['block_m']} "
+                      X_DTYPE=tl.bfloat16, CHUNKS=4, STEP_DOT=step, PAIR_DECODE=pair)
+            decode = (" step_dot" if step else "") + (" pair" if pair else "")
+            tag = (f"T={T} {variant}{decode} act_quant={act_quant} bm={c['block_m']} "
                    f"bn={c['block_n_up']}/{c['block_n_down']} w{c['num_warps']} "
                    f"s{c['num_stages']}")
             _sm90_report(f"moe gate_up {tag}", fp4_moe._fp4_gate_up_kernel,
                          dict(a_ptr="*fp8e4nv" if act_quant else "*bf16", as_ptr="*fp32",
-                              w1_ptr="*i8", w1s_ptr="*u8", w3_ptr="*i8", w3s_ptr="*u8",
+                              w1_ptr=wt, w1s_ptr="*u8", w3_ptr=wt, w3s_ptr="*u8",
                               sorted_ids_ptr="*i32", block_expert_ptr="*i32",
                               weights_ptr="*fp32", h_ptr="*bf16", limit="fp32"),
                          dict(kw, HAS_LIMIT=True, ACT_QUANT=act_quant, BLOCK_N=c["block_n_up"]),
                          c["num_warps"], c["num_stages"], ("M", "topk"))
             _sm90_report(f"moe down {tag}", fp4_moe._fp4_down_kernel,
                          dict(h_ptr="*fp8e4nv" if fp8 else "*bf16", hs_ptr="*fp32",
-                              w2_ptr="*i8", w2s_ptr="*u8", sorted_ids_ptr="*i32",
+                              w2_ptr=wt, w2s_ptr="*u8", sorted_ids_ptr="*i32",
                               block_expert_ptr="*i32", partial_ptr="*fp32"),
                          dict(kw, BLOCK_N=c["block_n_down"]), c["num_warps"], c["num_stages"],
                          ("M",))

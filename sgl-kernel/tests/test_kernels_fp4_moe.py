@@ -62,13 +62,16 @@ def test_skipped_rows_are_zero_and_weights_scale_before_w2(device, variant, act_
     (8192, "bf16", True),   # 128-row tiles, gate/up 64 wide, h rounded by its own kernel
     (8192, "fp8", True),    # the fp8 variant keeps 64-row tiles there (as at mid batches)
 ])
-@pytest.mark.parametrize("step_dot", [False, True])  # one dot per 128-input step (bf16 decode)
+# the bf16 decode: one dot per 32-input chunk, or per 128-input step (step_dot) with the pair
+# decode (the default) or _e2m1_scaled's
+@pytest.mark.parametrize("step_dot,pair_decode", [(False, False), (True, True), (True, False)])
 def test_every_config_of_the_table_matches_the_reference(device, table_T, variant, act_quant,
-                                                         step_dot):
+                                                         step_dot, pair_decode):
     require_triton()
     from dsv4_kernels import fp4_moe
     E, d, inter, T, topk = 3, 128, 256, 5, 2
-    cfg = dict(fp4_moe.moe_config(table_T, 6, variant), step_dot=step_dot)
+    cfg = dict(fp4_moe.moe_config(table_T, 6, variant), step_dot=step_dot,
+               pair_decode=pair_decode)
     ws = fp4_experts(E, d, inter, device)
     x = torch.randn(T, d, device=device)
     ids = distinct_expert_ids(T, topk, -1, E + 1, device)
@@ -82,15 +85,16 @@ def test_every_config_of_the_table_matches_the_reference(device, table_T, varian
 def test_default_variant_follows_the_batch():
     require_triton()
     from dsv4_kernels import fp4_moe
-    # gemv up to T = 64 at top-6, the e4m3 decode up to 8192 assignments (T = 1365), the bf16
-    # decode with one dot per step beyond (each measured faster there on an H200); the switches
-    # count assignments, so top-8 moves them.
-    assert [fp4_moe.default_variant(T, 6) for T in (1, 64, 65, 1365, 1366, 8192)] == \
-        ["gemv", "gemv", "fp8", "fp8", "bf16", "bf16"]
-    assert [fp4_moe.default_variant(T, 8) for T in (48, 49, 1024, 1025)] == \
-        ["gemv", "fp8", "fp8", "bf16"]
-    # the bf16 decode's large tiles carry the one-dot step; the smaller ones were not measured
-    assert fp4_moe.moe_config(1366, 6)["step_dot"] and not fp4_moe.moe_config(1365, 6).get("step_dot")
+    # gemv up to T = 64 at top-6 (384 assignments), the bf16 decode with one dot per step
+    # beyond (each measured faster there on an H200; fp8 is never the default); the switch
+    # counts assignments, so top-8 moves it.
+    assert [fp4_moe.default_variant(T, 6) for T in (1, 64, 65, 1366, 8192)] == \
+        ["gemv", "gemv", "bf16", "bf16", "bf16"]
+    assert [fp4_moe.default_variant(T, 8) for T in (48, 49)] == ["gemv", "bf16"]
+    # the one-dot step from 97 assignments (measured from 384 up); the 2-warp 16 x 16 tiles
+    # of the smallest batches (weight-only and fp32 calls alone run them) keep per-chunk dots
+    assert all(fp4_moe.moe_config(T, 6)["step_dot"] for T in (17, 64, 1365, 1366))
+    assert not fp4_moe.moe_config(16, 6).get("step_dot")
     assert fp4_moe.moe_config(1, 6)["block_n_up"] < fp4_moe.moe_config(8192, 6)["block_n_up"]
     assert fp4_moe.moe_config(8192, 6)["block_m"] == 128
     assert fp4_moe.moe_config(8192, 6, "fp8")["block_m"] == 64  # 128 rows spill there
@@ -202,11 +206,11 @@ def test_gemv_is_picked_only_below_its_switch(device, monkeypatch):
     # Release numerics on bf16/fp16 activations take gemv up to its switch; fp32 and
     # weight-only calls keep the bf16 decode.
     bf16, fp32 = torch.bfloat16, torch.float32
-    assert [fp4_moe.select_variant(T, 6, True, bf16) for T in (1, 64, 65)] == ["gemv", "gemv", "fp8"]
+    assert [fp4_moe.select_variant(T, 6, True, bf16) for T in (1, 64, 65)] == ["gemv", "gemv", "bf16"]
     assert [fp4_moe.select_variant(1, 6, q, dt) for q, dt in ((False, bf16), (True, fp32), (False, fp32))] == \
         ["bf16"] * 3
     monkeypatch.setattr(fp4_moe, "GEMV_MAX_ASSIGNMENTS", 0)
-    assert fp4_moe.select_variant(1, 6, True, bf16) == "fp8"
+    assert fp4_moe.select_variant(1, 6, True, bf16) == "bf16"
     # the tiles measured fastest on an H200 at T = 1, 16, 64 (gemv_config's docstring)
     assert [fp4_gemv_moe.gemv_config(T, 6)["block_m"] for T in (1, 16, 17, 64, 65)] == [1, 1, 2, 2, 4]
     assert [fp4_gemv_moe.gemv_config(T, 6)["block_n_up"] for T in (5, 6, 16, 17, 64, 65)] == [16, 64, 64, 16, 16, 64]
@@ -234,7 +238,9 @@ def test_gemv_is_picked_only_below_its_switch(device, monkeypatch):
 # Compiled on an H200: Flash's expert dims, a shard, bf16 activations, graphs
 # ---------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant,act_quant", CASES + [("bf16_step", True)])
+# bf16: the pair decode with one dot per step from T = 17 (moe_config); bf16_bits: the step's
+# decode by _e2m1_scaled instead
+@pytest.mark.parametrize("variant,act_quant", CASES + [("bf16_bits", True)])
 @pytest.mark.parametrize("T", [1, 64, 1500])  # moe_config's small, mid and 128-row tiles
 def test_gpu_bf16_fp4_moe_at_flash_dims(flash_experts, variant, act_quant, T):
     ws, E, d, topk = flash_experts, 8, 4096, 6
@@ -243,7 +249,8 @@ def test_gpu_bf16_fp4_moe_at_flash_dims(flash_experts, variant, act_quant, T):
     weights = torch.rand(T, topk, device="cuda")
     out = torch.empty(T, d, device="cuda")
     from dsv4_kernels import fp4_moe
-    cfg = dict(fp4_moe.moe_config(T, topk), step_dot=True) if variant == "bf16_step" else None
+    cfg = dict(fp4_moe.moe_config(T, topk), step_dot=True, pair_decode=False) \
+        if variant == "bf16_bits" else None
     ops_out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 10.0, out, act_quant, variant.split("_")[0],
                                     config=cfg)
     # The reference on up to 64 rows spread over the batch (tokens are independent).

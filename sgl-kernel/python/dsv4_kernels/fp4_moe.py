@@ -7,11 +7,13 @@ weight-order semantics as fused_moe.
 Hopper has no FP4 MMA, so two decodes, picked by `variant`:
 - "bf16": e2m1 x scale -> x's dtype (exact), tl.dot in that dtype. With act_quant, x and the
   weighted activation are rounded to FP8 per 128 first and fed dequantized (exact), so the
-  products are those of the release.
+  products are those of the release. The default from 97 assignments (moe_config's step_dot):
+  a whole 128-input step decoded at once, its chunk scales folded in, two codes per
+  shift-and-merge (_decode_step), and one dot per step; the default variant beyond gemv's range.
 - "fp8": e2m1 -> e4m3 bits (exact, by table), tl.dot e4m3 x e4m3 per 32-wide K chunk (one
   weight scale per chunk), the fp32 partial scaled by act scale x weight scale. Needs act_quant
   (the activations must be e4m3 already).
-Both walk K 32 inputs at a time: per weight row 16 packed bytes (one vector load, nibbles split
+Per 32-input chunk (fp8, and bf16 without step_dot): per weight row 16 packed bytes (one vector load, nibbles split
 and interleaved in registers) and one scale byte, so a step costs two loads per row rather than
 one per element. Both accumulate in fp32 and give fp32 per-assignment partials, summed in a
 fixed order.
@@ -30,8 +32,9 @@ fixed order.
   step_dot) measured faster where grouped won against the others (T = 1536 and 4096).
 
 Graph-safe: buffers sized by (T, topk, E) only, no host syncs, tiles fixed per shape.
-An e8m0 byte 0 or 1 (2^-127, 2^-126) decodes as 0 here in the bf16 variant, 0 alone in the
-fp8 and gemv ones (the reference keeps the values): no real scale is that small.
+An e8m0 byte 0 or 1 (2^-127, 2^-126) decodes as 0 in the bf16 variant's per-chunk decode
+(_e2m1_scaled), byte 0 alone in the others (the reference keeps the values): no real scale
+is that small.
 """
 
 import torch
@@ -44,19 +47,11 @@ from .host_math import cdiv
 from .moe import moe_align, sum_topk
 
 VARIANTS = ("bf16", "fp8", "gemv", "grouped")
-# ... and the gemv variant at T * topk <= this. Measured on an H200 (bench_quant.py --only moe
+# default_variant picks the gemv variant at T * topk <= this. Measured on an H200 (bench_quant.py --only moe
 # --quick --moe-t 1 16 64, 128-expert shard, release numerics; benchmark/results/session4/
 # call4_final/moe_gemv.log): gemv 47.8 / 642 / 1867 us against fp8's 248 / 1565 / 2183 us at
 # T = 1 / 16 / 64. Larger T: not measured, so the switch sits at the last point gemv won.
 GEMV_MAX_ASSIGNMENTS = 64 * 6
-# Release numerics above this (T * topk): the bf16 decode with one dot per 128-input step
-# (moe_config's 128-row tiles, step_dot), below it the fp8 one. Measured on an H200
-# (bench_quant.py --only moe --quick --moe-t 1536 4096, 128-expert shard, top-6:
-# benchmark/results/session8/call2_after_fixes/moe.log): bf16 + step_dot 5.13 / 5.31 ms at
-# T = 1536 / 4096, against fp8's 5.49 / 10.79, grouped's 5.62 / 5.64 and the per-chunk bf16
-# decode's 7.43 / 8.27. At T = 1024 fp8 won against the per-chunk bf16 and grouped (call 1's
-# moe.log; step_dot not timed there), so the switch sits where moe_config's 128-row tiles start.
-FP8_MAX_ASSIGNMENTS = 8192
 
 
 @triton.jit
@@ -112,17 +107,77 @@ def _e2m1_as_e4m3(code):
 
 
 @triton.jit
+def _load_words(w_ptr, s_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn, stride_se,
+                stride_sn, CHUNKS: tl.constexpr):
+    """Raw weight rows n of expert e at inputs k0 .. k0 + 32 * CHUNKS - 1: (packed int32 words
+    [BN, CHUNKS, 4], 16 * CHUNKS contiguous bytes per row, w_ptr and stride_* in words; e8m0
+    bytes [BN, CHUNKS])."""
+    j = k0 // 8 + tl.arange(0, CHUNKS)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    word = tl.load(w_ptr + e * stride_we + offs_n[:, None, None] * stride_wn + j,
+                   mask=n_mask[:, None, None], other=0)
+    c = k0 // 32 + tl.arange(0, CHUNKS)
+    sb = tl.load(s_ptr + e * stride_se + offs_n[:, None] * stride_sn + c[None, :],
+                 mask=n_mask[:, None], other=0)
+    return word, sb
+
+
+@triton.jit
+def _nibbles_x2m14(word, i: tl.constexpr):
+    """Codes i and i + 4 (bits 4i .. 4i + 3 and 16 higher) of each int32 word as their e2m1
+    values x 2^-14 in fp32, exact: a code's 3 magnitude bits placed at bits 9-11 of an fp16
+    (the two exponent bits at the bottom of fp16's exponent, the mantissa bit at the top of
+    its mantissa) and its sign at bit 15 give e2m1 x 2^-14 for every code, e2m1's own
+    subnormal 0.5 becoming an fp16 subnormal; fp16 -> fp32 is exact (no flush: subnormal only
+    on the fp16 side). The two codes sit 16 bits apart, as the halves of an fp16 pair do, so
+    one shift-and-merge builds both patterns; each half then converts alone."""
+    x = word >> (4 * i)  # arithmetic shift: the masks below drop the sign fill
+    pair = ((x << 9) & 0x0E000E00) | ((x << 12) & -0x7FFF8000)  # 0x80008000 as an int32
+    lo = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = ((pair >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _decode_words(word, sb):
+    """_load_words' words -> (fp32 e2m1 values x 2^-14 [BN, CHUNKS, 32], fp32 chunk scales
+    [BN, CHUNKS] = 2^(byte - 127), byte 0 -> 0). Code i of a word (little-endian, element 2j
+    in byte j's low nibble) is input 8 * word + i: three rounds of interleaving put them in
+    order (interleave(a, b)[2j + t] = (a, b)[t][j]; in-thread, no data moves)."""
+    n0, n4 = _nibbles_x2m14(word, 0)
+    n1, n5 = _nibbles_x2m14(word, 1)
+    n2, n6 = _nibbles_x2m14(word, 2)
+    n3, n7 = _nibbles_x2m14(word, 3)
+    c0 = tl.interleave(n0, n4)
+    c1 = tl.interleave(n1, n5)
+    c2 = tl.interleave(n2, n6)
+    c3 = tl.interleave(n3, n7)
+    w = tl.interleave(tl.interleave(c0, c2), tl.interleave(c1, c3))
+    return w, ((sb.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _decode_step(w_ptr, s_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn, stride_se, stride_sn,
-                 CHUNKS: tl.constexpr, DTYPE: tl.constexpr):
+                 CHUNKS: tl.constexpr, DTYPE: tl.constexpr, PAIR_DECODE: tl.constexpr):
     """[BN, 32 * CHUNKS] weights of expert e, rows n, inputs k0 .. k0 + 32 * CHUNKS - 1, decoded
     exactly to DTYPE with each chunk's scale folded in (e2m1 x a power of two): one wide code load
-    and one scale load per row, one decode, for a single dot over the whole step."""
-    j = k0 // 2 + tl.arange(0, CHUNKS)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-    byte = tl.load(w_ptr + e * stride_we + offs_n[:, None, None] * stride_wn + j,
-                   mask=n_mask[:, None, None], other=0).to(tl.int32) & 0xFF
-    code = tl.interleave(byte & 0xF, byte >> 4)  # [BN, CHUNKS, 32]
-    sb = _step_scales(s_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn, CHUNKS)
-    w = _e2m1_scaled(code, sb[:, :, None]).to(DTYPE)
+    and one scale load per row, one decode, for a single dot over the whole step.
+    PAIR_DECODE (w_ptr and its strides in int32 words): the gemv variant's decode, two codes per
+    shift-and-merge as fp16 bits (_decode_words: e2m1 x 2^-14 in fp32), times the chunk's scale
+    x 2^14 (a power of two: exact), about 6 instructions per code against _e2m1_scaled's ~14
+    (the decode bounds the large-batch MoE); an e8m0 byte 1 is kept, 0 gives 0. Otherwise
+    (bytes): _e2m1_scaled."""
+    if PAIR_DECODE:
+        word, sb = _load_words(w_ptr, s_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn,
+                               stride_se, stride_sn, CHUNKS)
+        x, s = _decode_words(word, sb)
+        w = (x * (s * 16384.0)[:, :, None]).to(DTYPE)
+    else:
+        j = k0 // 2 + tl.arange(0, CHUNKS)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+        byte = tl.load(w_ptr + e * stride_we + offs_n[:, None, None] * stride_wn + j,
+                       mask=n_mask[:, None, None], other=0).to(tl.int32) & 0xFF
+        code = tl.interleave(byte & 0xF, byte >> 4)  # [BN, CHUNKS, 32]
+        sb = _step_scales(s_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn, CHUNKS)
+        w = _e2m1_scaled(code, sb[:, :, None]).to(DTYPE)
     return tl.reshape(w, (w.shape[0], 32 * CHUNKS))
 
 
@@ -131,7 +186,7 @@ def _expert_gemm(acc, acc3, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_as
                  w_ptr, s_ptr, w3_ptr, s3_ptr, e, offs_n, n_mask, K, stride_we, stride_wn,
                  stride_se, stride_sn, PAIR: tl.constexpr, ACT_QUANT: tl.constexpr,
                  FP8_DOT: tl.constexpr, DOT_PREC: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                 CHUNKS: tl.constexpr, STEP_DOT: tl.constexpr):
+                 CHUNKS: tl.constexpr, STEP_DOT: tl.constexpr, PAIR_DECODE: tl.constexpr):
     """acc += A[a_rows] @ W_e^T over K, and with PAIR also acc3 += A[a_rows] @ W3_e^T (same
     shapes and strides: the gate and up projections share each A tile, and their weight loads
     are in flight together). A step covers CHUNKS x 32 inputs (CHUNKS in 1, 2, 4; 32 * CHUNKS
@@ -141,7 +196,8 @@ def _expert_gemm(acc, acc3, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_as
     with FP8_DOT (the fp32 partial then scaled by act x weight scale). STEP_DOT (not with
     FP8_DOT): the step's chunks decoded together, their scales folded in, and one dot per step
     instead of one per chunk (a decoded operand passes through shared memory before each dot:
-    4x fewer round trips and waits)."""
+    4x fewer round trips and waits); PAIR_DECODE: _decode_step's (w_ptr, w3_ptr and stride_we /
+    stride_wn then in int32 words)."""
     for k0 in range(0, K, 32 * CHUNKS):
         if STEP_DOT:  # bf16 decode: the whole step in one dot (scales folded into the weights)
             kk = k0 + tl.arange(0, 32 * CHUNKS)
@@ -152,11 +208,11 @@ def _expert_gemm(acc, acc3, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_as
                              mask=row_mask, other=0.0)
                 a = (a.to(tl.float32) * sa[:, None]).to(OUT_DTYPE)
             b = _decode_step(w_ptr, s_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn,
-                             stride_se, stride_sn, CHUNKS, a.dtype)
+                             stride_se, stride_sn, CHUNKS, a.dtype, PAIR_DECODE)
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
             if PAIR:
                 b3 = _decode_step(w3_ptr, s3_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn,
-                                  stride_se, stride_sn, CHUNKS, a.dtype)
+                                  stride_se, stride_sn, CHUNKS, a.dtype, PAIR_DECODE)
                 acc3 = tl.dot(a, tl.trans(b3), acc3, input_precision=DOT_PREC)
         else:
             sb_step = _step_scales(s_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn, CHUNKS)
@@ -204,7 +260,7 @@ def _fp4_gate_up_kernel(
     NUM_EXPERTS: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_QUANT: tl.constexpr,
     FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr, CHUNKS: tl.constexpr,
-    STEP_DOT: tl.constexpr,
+    STEP_DOT: tl.constexpr, PAIR_DECODE: tl.constexpr,
 ):
     """h[row] = x's dtype(SwiGLU(x W1^T, x W3^T) * routing weight) for this block's rows. With
     act_quant the host then rounds h to FP8 per 128 (its own small kernel: a tile here need not
@@ -224,7 +280,7 @@ def _fp4_gate_up_kernel(
     acc1, acc3 = _expert_gemm(acc1, acc3, a_ptr, as_ptr, token, row_mask, stride_a, stride_asm,
                               stride_ask, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, e, offs_n, n_mask, d,
                               stride_we, stride_wn, stride_se, stride_sn, True, ACT_QUANT,
-                              FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS, STEP_DOT)
+                              FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS, STEP_DOT, PAIR_DECODE)
     if HAS_LIMIT:
         acc1 = tl.minimum(acc1, limit)
         acc3 = tl.minimum(tl.maximum(acc3, -limit), limit)
@@ -242,7 +298,7 @@ def _fp4_down_kernel(
     stride_p,
     NUM_EXPERTS: tl.constexpr, FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr, CHUNKS: tl.constexpr,
-    STEP_DOT: tl.constexpr,
+    STEP_DOT: tl.constexpr, PAIR_DECODE: tl.constexpr,
 ):
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b).to(tl.int64)
@@ -259,7 +315,7 @@ def _fp4_down_kernel(
     acc, _ = _expert_gemm(acc, acc, h_ptr, hs_ptr, rows.to(tl.int64), row_mask, stride_h,
                           stride_hsm, stride_hsk, w2_ptr, w2s_ptr, w2_ptr, w2s_ptr, e, offs_n,
                           n_mask, I, stride_we, stride_wn, stride_se, stride_sn, False, False,
-                          FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS, STEP_DOT)
+                          FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS, STEP_DOT, PAIR_DECODE)
     tl.store(partial_ptr + assign.to(tl.int64)[:, None] * stride_p + offs_n[None, :], acc,
              mask=row_mask[:, None] & n_mask[None, :])
 
@@ -273,20 +329,26 @@ def moe_config(T: int, topk: int, variant: str = "bf16") -> dict:
     Few assignments (decode, small batches) are bandwidth-bound: each expert hit has one
     16-row block, so the programs are (experts hit) x (N tiles), and narrow N tiles put more
     of them on the weights (T = 1, top-6: 6 x 2048/16 gate/up and 6 x 4096/32 down programs,
-    where 128-wide tiles gave 96 and 192; 2 warps, as a 16 x 16 tile leaves little to share). Many assignments are decode-bound (ALU): 128-row
-    tiles halve the e2m1 decodes per product against 64. Each step takes 128 inputs (4
-    chunks of 32) where K allows. num_stages is the software pipeline depth. The fp8 variant
-    keeps 64-row tiles there: its per-chunk fp32 partials on top of the two 128 x 64 gate/up
-    accumulators spill in an sm_90 compile (64 B of stack). step_dot (bf16 decode only): one
-    dot per 128-input step instead of one per 32-input chunk; with the 128-row tiles, where it
-    was measured faster (FP8_MAX_ASSIGNMENTS); 254 / 179 registers at gate/up / down, no spill."""
+    where 128-wide tiles gave 96 and 192; 2 warps, as a 16 x 16 tile leaves little to share).
+    Many assignments are decode-bound (ALU): 128-row tiles halve the e2m1 decodes per product
+    against 64. Each step takes 128 inputs (4 chunks of 32) where K allows. num_stages is the
+    software pipeline depth. The fp8 variant keeps 64-row tiles there: its per-chunk fp32
+    partials on top of the two 128 x 64 gate/up accumulators spill in an sm_90 compile (64 B
+    of stack).
+
+    step_dot (bf16 decode only): one dot per 128-input step instead of one per 32-input chunk,
+    from 97 assignments up, where it was measured faster than the per-chunk dots and than the
+    fp8 decode (default_variant). pair_decode (with step_dot; default on): _decode_step's
+    two-codes-per-shift decode instead of _e2m1_scaled."""
     M = T * topk
     if M <= 96:
         return dict(block_m=16, block_n_up=16, block_n_down=32, num_warps=2, num_stages=4)
     if M <= 1024:
-        return dict(block_m=16, block_n_up=64, block_n_down=64, num_warps=4, num_stages=4)
+        return dict(block_m=16, block_n_up=64, block_n_down=64, num_warps=4, num_stages=4,
+                    step_dot=True)
     if M <= 8192 or variant == "fp8":
-        return dict(block_m=64, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3)
+        return dict(block_m=64, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3,
+                    step_dot=True)
     return dict(block_m=128, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3,
                 step_dot=True)
 
@@ -298,12 +360,13 @@ def _chunks(K: int, most: int = 4) -> int:
 
 def default_variant(T: int, topk: int) -> str:
     """The fastest variant for release numerics at this batch, as measured on an H200 at top-6:
-    gemv at T * topk <= GEMV_MAX_ASSIGNMENTS (faster at T = 1, 16, 64; it ties fp8 at 256), the
-    e4m3 (fp8) decode up to FP8_MAX_ASSIGNMENTS (faster at T = 256 and 1024), the bf16 decode
-    with one dot per step beyond (faster at T = 1536 and 4096)."""
-    if 0 < T * topk <= GEMV_MAX_ASSIGNMENTS:
-        return "gemv"
-    return "fp8" if T * topk <= FP8_MAX_ASSIGNMENTS else "bf16"
+    gemv at T * topk <= GEMV_MAX_ASSIGNMENTS (faster at T = 1, 16, 64), the bf16 decode with
+    one dot per 128-input step beyond. The fp8 decode is never the default: the one-dot bf16
+    decode was faster at every batch timed (bench_quant.py --only moe --quick --moe-t 64 256 1024
+    4096, 128-expert shard; benchmark/results/session9/call4_mixed_moe/moe.log): 2.10 / 4.62 /
+    4.77 / 5.34 ms against fp8's 2.10 / 5.19 / 5.45 / 10.86 ms at T = 64 / 256 / 1024 / 4096
+    (gemv: 1.67 / 5.10 ms at T = 64 / 256)."""
+    return "gemv" if 0 < T * topk <= GEMV_MAX_ASSIGNMENTS else "bf16"
 
 
 def select_variant(T: int, topk: int, act_quant: bool, x_dtype: torch.dtype) -> str:
@@ -378,14 +441,20 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
     weights_flat = weights.reshape(-1).float().contiguous()
     xdt = _TL_DTYPE[x.dtype]
     prec = dot_precision(x.dtype)
+    step = bool(cfg.get("step_dot")) and not fp8_dot
+    # The pair decode reads the packed codes as int32 words: views and strides in words.
+    words = step and cfg.get("pair_decode", True)
+    unit = 4 if words else 1
+    wview = torch.int32 if words else torch.int8
     kw = dict(NUM_EXPERTS=E, FP8_DOT=fp8_dot, BLOCK_M=bm, DOT_PREC=prec, X_DTYPE=xdt,
-              STEP_DOT=bool(cfg.get("step_dot")) and not fp8_dot,
-              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+              STEP_DOT=step, PAIR_DECODE=words, num_warps=cfg["num_warps"],
+              num_stages=cfg["num_stages"])
     bn = cfg["block_n_up"]
     _fp4_gate_up_kernel[(max_blocks, cdiv(I, bn))](
-        a, a_s, w1.view(torch.int8), w1_scale.view(torch.uint8), w3.view(torch.int8),
+        a, a_s, w1.view(wview), w1_scale.view(torch.uint8), w3.view(wview),
         w3_scale.view(torch.uint8), sorted_ids, block_expert, weights_flat, h,
-        M, d, I, topk, a.stride(0), a_s.stride(0), a_s.stride(1), w1.stride(0), w1.stride(1),
+        M, d, I, topk, a.stride(0), a_s.stride(0), a_s.stride(1), w1.stride(0) // unit,
+        w1.stride(1) // unit,
         w1_scale.stride(0), w1_scale.stride(1), h.stride(0), float(limit),
         HAS_LIMIT=limit > 0, ACT_QUANT=act_quant, BLOCK_N=bn, CHUNKS=_chunks(d), **kw)
     # The down GEMM's input: with act_quant, h rounded to FP8 per 128 (e4m3 + scales for the
@@ -398,8 +467,9 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
         h = round_act(h)
     bn = cfg["block_n_down"]
     _fp4_down_kernel[(max_blocks, cdiv(d, bn))](
-        h, hs, w2.view(torch.int8), w2_scale.view(torch.uint8), sorted_ids, block_expert,
-        partial, M, d, I, h.stride(0), hs.stride(0), hs.stride(1), w2.stride(0), w2.stride(1),
+        h, hs, w2.view(wview), w2_scale.view(torch.uint8), sorted_ids, block_expert,
+        partial, M, d, I, h.stride(0), hs.stride(0), hs.stride(1), w2.stride(0) // unit,
+        w2.stride(1) // unit,
         w2_scale.stride(0), w2_scale.stride(1), partial.stride(0), BLOCK_N=bn,
         CHUNKS=_chunks(I), **kw)
     return sum_topk(partial, ids, out, E)

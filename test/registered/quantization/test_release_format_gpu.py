@@ -89,15 +89,15 @@ def test_fp8_linear_keeps_its_cublas_scale_layout_and_replays(in_features):
 
 
 def test_large_prefill_runs_the_one_dot_per_step_fp4_moe_in_a_breakable_graph(monkeypatch):
-    """A chunk past the fp8 variant's switch (dsv4-mini-fp8 is top-4: 2049 tokens and more): the
-    bf16 decode with one dot per 128-input step runs inside the captured segments, replays equal
-    eager, and stays close to the fp8 variant it replaced at that size."""
+    """A large prefill chunk (2304 tokens at dsv4-mini-fp8's top-4: moe_config's 128-row tiles):
+    the bf16 decode with one dot per 128-input step (pair decode) runs inside the captured
+    segments, replays equal eager, and stays close to the fp8 variant it replaced."""
     from dsv4_kernels import fp4_moe
 
     steps = []
     real = fp4_moe.moe_config
     monkeypatch.setattr(fp4_moe, "moe_config", lambda *a: (lambda c: steps.append(bool(c.get("step_dot"))) or c)(real(*a)))
-    n = 2304  # > 8192 / 4, a multiple of 256
+    n = 2304  # > 8192 / 4 (128-row tiles), a multiple of 256
     tokens = torch.randint(2, 32768, (n,), generator=torch.Generator().manual_seed(11)).tolist()
 
     def runner(bcg):
@@ -110,10 +110,9 @@ def test_large_prefill_runs_the_one_dot_per_step_fp4_moe_in_a_breakable_graph(mo
     eager = runner(False)
     got_eager = prefill_in_chunks(eager, tokens, [n])[0]
     assert steps and all(steps)  # every MoE layer of the step took the one-dot decode
-    switch = fp4_moe.FP8_MAX_ASSIGNMENTS
-    monkeypatch.setattr(fp4_moe, "FP8_MAX_ASSIGNMENTS", 10**9)  # the fp8 variant instead
-    got_fp8 = prefill_in_chunks(eager, tokens, [n])[0]
-    monkeypatch.setattr(fp4_moe, "FP8_MAX_ASSIGNMENTS", switch)
+    with monkeypatch.context() as m:  # the fp8 variant instead
+        m.setattr(fp4_moe, "default_variant", lambda T, topk: "fp8")
+        got_fp8 = prefill_in_chunks(eager, tokens, [n])[0]
     del eager
     torch.cuda.empty_cache()
     graphs = runner(True)
