@@ -46,7 +46,7 @@ run_item() {  # $1 item, $2 seconds it may take
         --result-file "$LOGS/bob_decode.json" > "$LOGS/bob_decode.log" 2>&1
       echo "rc $?"; grep -vE "^\s*$|Warn|warn" "$LOGS/bob_decode.log" | cut -c1-220 | tail -24 ;;
     moe)
-      timeout $lim python sgl-kernel/benchmark/bench_quant.py --only moe --quick --moe-t 64 256 1024 4096 \
+      timeout $lim python sgl-kernel/benchmark/bench_quant.py --only moe --quick --moe-t ${MOE_T:-64 256 1024 4096} \
         --out "$LOGS/moe.json" > "$LOGS/moe.log" 2>&1
       echo "rc $?"; grep -E "moe_E|variant" "$LOGS/moe.log" | cut -c1-160 ;;
     gpu_tests)

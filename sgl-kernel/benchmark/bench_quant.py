@@ -320,9 +320,7 @@ def _sm90_report(name, fn, types, constexprs, num_warps, num_stages, not_aligned
 def compile_report(only=None):
     """Every kernel of bench_quant at each config the shape tables pick, compiled for sm_90
     (only: "gemm" or "moe" for one half)."""
-    import triton.language as tl
-
-    from dsv4_kernels import fp4_moe, fp8_gemm as G
+    from dsv4_kernels import fp8_gemm as G
 
     if only == "moe":
         return _moe_compile_report()

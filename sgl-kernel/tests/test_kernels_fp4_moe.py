@@ -85,12 +85,12 @@ def test_every_config_of_the_table_matches_the_reference(device, table_T, varian
 def test_default_variant_follows_the_batch():
     require_triton()
     from dsv4_kernels import fp4_moe
-    # gemv up to T = 64 at top-6 (384 assignments), the bf16 decode with one dot per step
+    # gemv up to T = 16 at top-6 (96 assignments), the bf16 decode with one dot per step
     # beyond (each measured faster there on an H200; fp8 is never the default); the switch
     # counts assignments, so top-8 moves it.
-    assert [fp4_moe.default_variant(T, 6) for T in (1, 64, 65, 1366, 8192)] == \
-        ["gemv", "gemv", "bf16", "bf16", "bf16"]
-    assert [fp4_moe.default_variant(T, 8) for T in (48, 49)] == ["gemv", "bf16"]
+    assert [fp4_moe.default_variant(T, 6) for T in (1, 16, 17, 64, 1366, 8192)] == \
+        ["gemv", "gemv", "bf16", "bf16", "bf16", "bf16"]
+    assert [fp4_moe.default_variant(T, 8) for T in (12, 13)] == ["gemv", "bf16"]
     # the one-dot step from 97 assignments (measured from 384 up); the 2-warp 16 x 16 tiles
     # of the smallest batches (weight-only and fp32 calls alone run them) keep per-chunk dots
     assert all(fp4_moe.moe_config(T, 6)["step_dot"] for T in (17, 64, 1365, 1366))
@@ -206,7 +206,7 @@ def test_gemv_is_picked_only_below_its_switch(device, monkeypatch):
     # Release numerics on bf16/fp16 activations take gemv up to its switch; fp32 and
     # weight-only calls keep the bf16 decode.
     bf16, fp32 = torch.bfloat16, torch.float32
-    assert [fp4_moe.select_variant(T, 6, True, bf16) for T in (1, 64, 65)] == ["gemv", "gemv", "bf16"]
+    assert [fp4_moe.select_variant(T, 6, True, bf16) for T in (1, 16, 17)] == ["gemv", "gemv", "bf16"]
     assert [fp4_moe.select_variant(1, 6, q, dt) for q, dt in ((False, bf16), (True, fp32), (False, fp32))] == \
         ["bf16"] * 3
     monkeypatch.setattr(fp4_moe, "GEMV_MAX_ASSIGNMENTS", 0)
@@ -216,7 +216,7 @@ def test_gemv_is_picked_only_below_its_switch(device, monkeypatch):
     assert [fp4_gemv_moe.gemv_config(T, 6)["block_n_up"] for T in (5, 6, 16, 17, 64, 65)] == [16, 64, 64, 16, 16, 64]
     # the wiring: a weight-only fp32 call with variant=None does not reach the gemv kernels,
     # and variant="gemv" does
-    monkeypatch.setattr(fp4_moe, "GEMV_MAX_ASSIGNMENTS", 64 * 6)
+    monkeypatch.setattr(fp4_moe, "GEMV_MAX_ASSIGNMENTS", 16 * 6)
     calls = []
     real = fp4_gemv_moe.gemv_moe
     monkeypatch.setattr(fp4_gemv_moe, "gemv_moe", lambda *a: calls.append(a[-1]) or real(*a))

@@ -47,11 +47,12 @@ from .host_math import cdiv
 from .moe import moe_align, sum_topk
 
 VARIANTS = ("bf16", "fp8", "gemv", "grouped")
-# default_variant picks the gemv variant at T * topk <= this. Measured on an H200 (bench_quant.py --only moe
-# --quick --moe-t 1 16 64, 128-expert shard, release numerics; benchmark/results/session4/
-# call4_final/moe_gemv.log): gemv 47.8 / 642 / 1867 us against fp8's 248 / 1565 / 2183 us at
-# T = 1 / 16 / 64. Larger T: not measured, so the switch sits at the last point gemv won.
-GEMV_MAX_ASSIGNMENTS = 64 * 6
+# default_variant picks the gemv variant at T * topk <= this. Measured on an H200 (bench_quant.py
+# --only moe --quick, 128-expert shard, release numerics; benchmark/results/session9/
+# call6_moe_small and call5_pair_decode): gemv 46 / 572 / 1119 / 1676 us against the one-dot
+# bf16 decode's 117 / 710 / 843 / 1049 us at T = 1 / 16 / 32 / 64. Between T = 16 and 32 not
+# measured: the switch sits at the last point gemv won, where moe_config's per-chunk rows end.
+GEMV_MAX_ASSIGNMENTS = 16 * 6
 
 
 @triton.jit
@@ -339,7 +340,8 @@ def moe_config(T: int, topk: int, variant: str = "bf16") -> dict:
     step_dot (bf16 decode only): one dot per 128-input step instead of one per 32-input chunk,
     from 97 assignments up, where it was measured faster than the per-chunk dots and than the
     fp8 decode (default_variant). pair_decode (with step_dot; default on): _decode_step's
-    two-codes-per-shift decode instead of _e2m1_scaled."""
+    two-codes-per-shift decode instead of _e2m1_scaled, 1.3-2.0x faster at T = 64-4096 (call5's
+    bf16_release against bf16_release_bitdecode)."""
     M = T * topk
     if M <= 96:
         return dict(block_m=16, block_n_up=16, block_n_down=32, num_warps=2, num_stages=4)
@@ -360,12 +362,12 @@ def _chunks(K: int, most: int = 4) -> int:
 
 def default_variant(T: int, topk: int) -> str:
     """The fastest variant for release numerics at this batch, as measured on an H200 at top-6:
-    gemv at T * topk <= GEMV_MAX_ASSIGNMENTS (faster at T = 1, 16, 64), the bf16 decode with
-    one dot per 128-input step beyond. The fp8 decode is never the default: the one-dot bf16
-    decode was faster at every batch timed (bench_quant.py --only moe --quick --moe-t 64 256 1024
-    4096, 128-expert shard; benchmark/results/session9/call4_mixed_moe/moe.log): 2.10 / 4.62 /
-    4.77 / 5.34 ms against fp8's 2.10 / 5.19 / 5.45 / 10.86 ms at T = 64 / 256 / 1024 / 4096
-    (gemv: 1.67 / 5.10 ms at T = 64 / 256)."""
+    gemv at T * topk <= GEMV_MAX_ASSIGNMENTS (faster at T = 1 and 16), the bf16 decode with one
+    dot per 128-input step and the pair decode beyond. The fp8 decode is never the default: the
+    one-dot bf16 decode was faster at every batch from T = 32 (bench_quant.py --only moe --quick
+    --moe-t 64 256 1024 4096, 128-expert shard; benchmark/results/session9/call5_pair_decode/
+    moe.log): 1.05 / 2.96 / 3.08 / 4.07 ms against fp8's 2.11 / 5.21 / 5.44 / 10.84 ms and
+    gemv's 1.68 / 5.12 ms at T = 64 / 256 / 1024 / 4096."""
     return "gemv" if 0 < T * topk <= GEMV_MAX_ASSIGNMENTS else "bf16"
 
 
