@@ -74,19 +74,19 @@ def _gemv_rows(a_ptr, a_rows, stride_a, w_ptr, s_ptr, w3_ptr, s3_ptr, e, offs_n,
     # in flight for 4-8 registers; the last step reloads itself rather than masking.
     STEP: tl.constexpr = 32 * CHUNKS
     nb, ns = _load_words(w_ptr, s_ptr, e, offs_n, n_mask, 0, stride_we, stride_wn, stride_se,
-                        stride_sn, CHUNKS)
+                         stride_sn, CHUNKS)
     nb3, ns3 = nb, ns
     if PAIR:
         nb3, ns3 = _load_words(w3_ptr, s3_ptr, e, offs_n, n_mask, 0, stride_we, stride_wn,
-                              stride_se, stride_sn, CHUNKS)
+                               stride_se, stride_sn, CHUNKS)
     for k0 in range(0, K, STEP):
         k_next = tl.minimum(k0 + STEP, K - STEP)
         cb, cs, cb3, cs3 = nb, ns, nb3, ns3
         nb, ns = _load_words(w_ptr, s_ptr, e, offs_n, n_mask, k_next, stride_we, stride_wn,
-                            stride_se, stride_sn, CHUNKS)
+                             stride_se, stride_sn, CHUNKS)
         if PAIR:
             nb3, ns3 = _load_words(w3_ptr, s3_ptr, e, offs_n, n_mask, k_next, stride_we,
-                                  stride_wn, stride_se, stride_sn, CHUNKS)
+                                   stride_wn, stride_se, stride_sn, CHUNKS)
         w, s = _decode_words(cb, cs)
         w3, s3 = w, s
         if PAIR:

@@ -13,10 +13,10 @@ Hopper has no FP4 MMA, so two decodes, picked by `variant`:
 - "fp8": e2m1 -> e4m3 bits (exact, by table), tl.dot e4m3 x e4m3 per 32-wide K chunk (one
   weight scale per chunk), the fp32 partial scaled by act scale x weight scale. Needs act_quant
   (the activations must be e4m3 already).
-Per 32-input chunk (fp8, and bf16 without step_dot): per weight row 16 packed bytes (one vector load, nibbles split
-and interleaved in registers) and one scale byte, so a step costs two loads per row rather than
-one per element. Both accumulate in fp32 and give fp32 per-assignment partials, summed in a
-fixed order.
+Per 32-input chunk (fp8, and bf16 without step_dot): per weight row 16 packed bytes (one vector
+load, nibbles split and interleaved in registers) and one scale byte, so a step costs two loads
+per row rather than one per element. Every variant accumulates in fp32 and gives fp32
+per-assignment partials, summed in a fixed order.
 
 - "gemv": for decode-sized batches, no MMA: an FMA GEMV that decodes each weight once per
   block of 1-4 rows of one expert (fp4_gemv_moe.py: tiles, decode, numerics).
