@@ -15,7 +15,7 @@ Hopper has no FP4 MMA, so two decodes, picked by `variant`:
   (the activations must be e4m3 already).
 Per 32-input chunk (fp8, and bf16 without step_dot): per weight row 16 packed bytes (one vector
 load, nibbles split and interleaved in registers) and one scale byte, so a step costs two loads
-per row rather than one per element. Every variant accumulates in fp32 and gives fp32
+per row rather than one per element. The bf16 and fp8 decodes accumulate in fp32 and give fp32
 per-assignment partials, summed in a fixed order.
 
 - "gemv": for decode-sized batches, no MMA: an FMA GEMV that decodes each weight once per
