@@ -21,7 +21,6 @@ The fp32 -> e4m3 rounding is done with integer ops (`e4m3_bits`), not a cast: Tr
 interpreter rounds that cast wrongly (-127.99 -> -64), and the bits are then the same on both.
 """
 
-
 import torch
 import triton
 import triton.language as tl
