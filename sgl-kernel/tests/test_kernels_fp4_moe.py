@@ -2,11 +2,14 @@
 The grouped variant has its own file (test_kernels_fp4_grouped_moe.py).
 
 Tolerance: the decoded weights and (act_quant) the FP8-rounded activations are exact in every
-variant, so only the fp32 summation order differs from the reference (rtol 1e-5). One caveat
-makes act_quant fragile in principle: the down GEMM's input is rounded to FP8 after an fp32
-sum, so a sum that lands differently by one ulp right at a rounding midpoint flips one code;
-random data does not hit that at these sizes. bf16 runs on the GPU only (the interpreter's
-bf16 tl.dot is wrong).
+variant, so only the fp32 summation order differs from the reference (rtol 1e-5 under the
+interpreter). One caveat makes act_quant fragile in principle: the down GEMM's input is rounded
+to FP8 after an fp32 sum, so a sum that lands differently by one ulp right at a rounding
+midpoint flips one code; random data does not hit that at these sizes. bf16 runs on the GPU
+only (the interpreter's bf16 tl.dot is wrong). On a GPU (assert_matches_reference) the fp32 dots
+sum in another order (6e-5 relative seen on one element: 1e-4), and the fp8 variant's 64-row
+tiles run FP8 tensor cores, which do not accumulate in full fp32 within a block: there the
+bound is the Flash-dims test's, on the relative norm.
 """
 
 import pytest
@@ -15,6 +18,16 @@ import torch
 from dsv4_kernels import ops
 from dsv4_kernels import quant_reference as Q
 from kernel_test_utils import distinct_expert_ids, fp4_experts, require_triton
+
+
+def assert_matches_reference(out, ref, device, fp8_tensor_cores=False):
+    if device == "cpu":
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    elif fp8_tensor_cores:
+        assert ((out - ref).norm() / ref.norm()).item() < 5e-3
+        assert (out - ref).abs().max().item() < 0.05
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
 CASES = [  # (variant, act_quant)
@@ -53,13 +66,13 @@ def test_skipped_rows_are_zero_and_weights_scale_before_w2(device, variant, act_
     out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 0.0, torch.empty(3, d, device=device),
                                 act_quant, variant)
     assert out[0].eq(0).all()
-    torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 0.0, act_quant),
-                               rtol=1e-5, atol=1e-5)
+    assert_matches_reference(out, Q.fp4_moe_ref(x, *ws, ids, weights, 0.0, act_quant), device)
 
 
 @pytest.mark.parametrize("table_T,variant,act_quant", [
     (64, "bf16", False),    # 16-row, 64-wide tiles
-    (8192, "bf16", True),   # 128-row tiles, gate/up 64 wide, h rounded by its own kernel
+    (1024, "bf16", True),   # 32-row tiles, 4 warps
+    (8192, "bf16", True),   # 128-row tiles (fp32 x: gate/up 64 wide), h rounded by its own kernel
     (8192, "fp8", True),    # the fp8 variant keeps 64-row tiles there (as at mid batches)
 ])
 # the bf16 decode: one dot per 32-input chunk, or per 128-input step (step_dot) with the pair
@@ -70,7 +83,7 @@ def test_every_config_of_the_table_matches_the_reference(device, table_T, varian
     require_triton()
     from dsv4_kernels import fp4_moe
     E, d, inter, T, topk = 3, 128, 256, 5, 2
-    cfg = dict(fp4_moe.moe_config(table_T, 6, variant), step_dot=step_dot,
+    cfg = dict(fp4_moe.moe_config(table_T, 6, variant, torch.float32), step_dot=step_dot,
                pair_decode=pair_decode)
     ws = fp4_experts(E, d, inter, device)
     x = torch.randn(T, d, device=device)
@@ -78,8 +91,8 @@ def test_every_config_of_the_table_matches_the_reference(device, table_T, varian
     weights = torch.rand(T, topk, device=device)
     out = fp4_moe.fp4_fused_moe(x, *ws, ids, weights, 2.0, torch.empty(T, d, device=device),
                                 act_quant, variant, config=cfg)
-    torch.testing.assert_close(out, Q.fp4_moe_ref(x, *ws, ids, weights, 2.0, act_quant),
-                               rtol=1e-5, atol=1e-5)
+    assert_matches_reference(out, Q.fp4_moe_ref(x, *ws, ids, weights, 2.0, act_quant), device,
+                             fp8_tensor_cores=variant == "fp8" and cfg["block_m"] >= 64)
 
 
 def test_default_variant_follows_the_batch():
@@ -97,6 +110,12 @@ def test_default_variant_follows_the_batch():
     assert not fp4_moe.moe_config(16, 6).get("step_dot")
     assert fp4_moe.moe_config(1, 6)["block_n_up"] < fp4_moe.moe_config(8192, 6)["block_n_up"]
     assert fp4_moe.moe_config(8192, 6)["block_m"] == 128
+    # fp32 activations keep the narrower 128-row tiles (the wide ones exceed sm_90's shared memory)
+    assert fp4_moe.moe_config(8192, 6, "bf16", torch.float32)["block_n_up"] == 64
+    # rows per tile follow rows per expert (~ M / 256): 16 up to 3072 assignments, then 32,
+    # then 128 (session 10's sweep)
+    assert [fp4_moe.moe_config(T, 6)["block_m"] for T in (17, 512, 513, 1365, 1366)] == \
+        [16, 16, 32, 32, 128]
     assert fp4_moe.moe_config(8192, 6, "fp8")["block_m"] == 64  # 128 rows spill there
 
 

@@ -6,8 +6,8 @@ weight-order semantics as fused_moe.
 
 Hopper has no FP4 MMA, so two decodes, picked by `variant`:
 - "bf16": e2m1 x scale -> x's dtype (exact), tl.dot in that dtype. With act_quant, x and the
-  weighted activation are rounded to FP8 per 128 first and fed dequantized (exact), so the
-  products are those of the release. The default from 97 assignments (moe_config's step_dot):
+  weighted activation are rounded to FP8 per 128 first, by their own kernel (round_act), and
+  fed dequantized (exact), so the products are those of the release. The default from 97 assignments (moe_config's step_dot):
   a whole 128-input step decoded at once, its chunk scales folded in, two codes per
   shift-and-merge (_decode_step), and one dot per step; the default variant beyond gemv's range.
 - "fp8": e2m1 -> e4m3 bits (exact, by table), tl.dot e4m3 x e4m3 per 32-wide K chunk (one
@@ -185,29 +185,25 @@ def _decode_step(w_ptr, s_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn, stri
 @triton.jit
 def _expert_gemm(acc, acc3, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_asm, stride_ask,
                  w_ptr, s_ptr, w3_ptr, s3_ptr, e, offs_n, n_mask, K, stride_we, stride_wn,
-                 stride_se, stride_sn, PAIR: tl.constexpr, ACT_QUANT: tl.constexpr,
-                 FP8_DOT: tl.constexpr, DOT_PREC: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                 CHUNKS: tl.constexpr, STEP_DOT: tl.constexpr, PAIR_DECODE: tl.constexpr):
+                 stride_se, stride_sn, PAIR: tl.constexpr, FP8_DOT: tl.constexpr,
+                 DOT_PREC: tl.constexpr, CHUNKS: tl.constexpr, STEP_DOT: tl.constexpr,
+                 PAIR_DECODE: tl.constexpr):
     """acc += A[a_rows] @ W_e^T over K, and with PAIR also acc3 += A[a_rows] @ W3_e^T (same
     shapes and strides: the gate and up projections share each A tile, and their weight loads
     are in flight together). A step covers CHUNKS x 32 inputs (CHUNKS in 1, 2, 4; 32 * CHUNKS
     divides K and 128): one load of the step's weight scales and activation scales, then per
-    32-input chunk (one weight scale per row) a 16-byte code load per row and a dot. A is x's
-    dtype, or (ACT_QUANT) e4m3 + fp32 scales per 128, fed dequantized to OUT_DTYPE, or as e4m3
-    with FP8_DOT (the fp32 partial then scaled by act x weight scale). STEP_DOT (not with
-    FP8_DOT): the step's chunks decoded together, their scales folded in, and one dot per step
-    instead of one per chunk (a decoded operand passes through shared memory before each dot:
-    4x fewer round trips and waits); PAIR_DECODE: _decode_step's (w_ptr, w3_ptr and stride_we /
-    stride_wn then in int32 words)."""
+    32-input chunk (one weight scale per row) a 16-byte code load per row and a dot. A is in
+    x's dtype (with act_quant already rounded to FP8 per 128 by the host: round_act), or with
+    FP8_DOT e4m3 + fp32 scales per 128 (the fp32 partial then scaled by act x weight scale).
+    STEP_DOT (not with FP8_DOT): the step's chunks decoded together, their scales folded in,
+    and one dot per step instead of one per chunk (a decoded operand passes through shared
+    memory before each dot: 4x fewer round trips and waits); PAIR_DECODE: _decode_step's
+    (w_ptr, w3_ptr and stride_we / stride_wn then in int32 words)."""
     for k0 in range(0, K, 32 * CHUNKS):
         if STEP_DOT:  # bf16 decode: the whole step in one dot (scales folded into the weights)
             kk = k0 + tl.arange(0, 32 * CHUNKS)
             a = tl.load(a_ptr + a_rows[:, None] * stride_a + kk[None, :],
                         mask=row_mask[:, None], other=0.0)
-            if ACT_QUANT:  # e4m3 x its pow2 scale (one 128-block per step): exact
-                sa = tl.load(as_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask,
-                             mask=row_mask, other=0.0)
-                a = (a.to(tl.float32) * sa[:, None]).to(OUT_DTYPE)
             b = _decode_step(w_ptr, s_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn,
                              stride_se, stride_sn, CHUNKS, a.dtype, PAIR_DECODE)
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
@@ -220,7 +216,7 @@ def _expert_gemm(acc, acc3, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_as
             if PAIR:
                 sb3_step = _step_scales(s3_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn,
                                         CHUNKS)
-            if ACT_QUANT or FP8_DOT:  # one 128-block of the activation holds the whole step
+            if FP8_DOT:  # one 128-block of the activation holds the whole step
                 sa = tl.load(as_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask,
                              mask=row_mask, other=0.0)
             for c in tl.static_range(CHUNKS):
@@ -242,8 +238,6 @@ def _expert_gemm(acc, acc3, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_as
                         acc3 += (tl.dot(a, tl.trans(_e2m1_as_e4m3(code3)))
                                  * (sa[:, None] * sbf3[None, :]))
                 else:
-                    if ACT_QUANT:  # e4m3 x its pow2 scale: exact in bf16/fp32
-                        a = (a.to(tl.float32) * sa[:, None]).to(OUT_DTYPE)
                     b = _e2m1_scaled(code, sb[:, None]).to(a.dtype)  # exact: e2m1 x 2^k
                     acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
                     if PAIR:
@@ -258,10 +252,9 @@ def _fp4_gate_up_kernel(
     weights_ptr, h_ptr,
     M, d, I, topk, stride_a, stride_asm, stride_ask, stride_we, stride_wn, stride_se, stride_sn,
     stride_h, limit,
-    NUM_EXPERTS: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_QUANT: tl.constexpr,
-    FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr, CHUNKS: tl.constexpr,
-    STEP_DOT: tl.constexpr, PAIR_DECODE: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr, HAS_LIMIT: tl.constexpr, FP8_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr,
+    CHUNKS: tl.constexpr, STEP_DOT: tl.constexpr, PAIR_DECODE: tl.constexpr,
 ):
     """h[row] = x's dtype(SwiGLU(x W1^T, x W3^T) * routing weight) for this block's rows. With
     act_quant the host then rounds h to FP8 per 128 (its own small kernel: a tile here need not
@@ -280,8 +273,8 @@ def _fp4_gate_up_kernel(
     acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc1, acc3 = _expert_gemm(acc1, acc3, a_ptr, as_ptr, token, row_mask, stride_a, stride_asm,
                               stride_ask, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, e, offs_n, n_mask, d,
-                              stride_we, stride_wn, stride_se, stride_sn, True, ACT_QUANT,
-                              FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS, STEP_DOT, PAIR_DECODE)
+                              stride_we, stride_wn, stride_se, stride_sn, True, FP8_DOT,
+                              DOT_PREC, CHUNKS, STEP_DOT, PAIR_DECODE)
     if HAS_LIMIT:
         acc1 = tl.minimum(acc1, limit)
         acc3 = tl.minimum(tl.maximum(acc3, -limit), limit)
@@ -298,7 +291,7 @@ def _fp4_down_kernel(
     M, d, I, stride_h, stride_hsm, stride_hsk, stride_we, stride_wn, stride_se, stride_sn,
     stride_p,
     NUM_EXPERTS: tl.constexpr, FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr, CHUNKS: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, CHUNKS: tl.constexpr,
     STEP_DOT: tl.constexpr, PAIR_DECODE: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -312,11 +305,11 @@ def _fp4_down_kernel(
     n_mask = offs_n < d
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     # h is already rounded as the down GEMM needs it: FP8_DOT reads e4m3 + scales, otherwise
-    # x's dtype (ACT_QUANT=False: no second dequantization).
+    # x's dtype.
     acc, _ = _expert_gemm(acc, acc, h_ptr, hs_ptr, rows.to(tl.int64), row_mask, stride_h,
                           stride_hsm, stride_hsk, w2_ptr, w2s_ptr, w2_ptr, w2s_ptr, e, offs_n,
-                          n_mask, I, stride_we, stride_wn, stride_se, stride_sn, False, False,
-                          FP8_DOT, DOT_PREC, X_DTYPE, CHUNKS, STEP_DOT, PAIR_DECODE)
+                          n_mask, I, stride_we, stride_wn, stride_se, stride_sn, False, FP8_DOT,
+                          DOT_PREC, CHUNKS, STEP_DOT, PAIR_DECODE)
     tl.store(partial_ptr + assign.to(tl.int64)[:, None] * stride_p + offs_n[None, :], acc,
              mask=row_mask[:, None] & n_mask[None, :])
 
@@ -324,18 +317,29 @@ def _fp4_down_kernel(
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def moe_config(T: int, topk: int, variant: str = "bf16") -> dict:
-    """Tiles by assignment count (T * topk), no autotuning (graph capture).
+def moe_config(T: int, topk: int, variant: str = "bf16",
+               x_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tiles by assignment count M = T * topk, no autotuning (graph capture). With uniform
+    routing an expert gets about M / 256 rows at Flash's 256 experts, sharded or not (a shard's
+    experts see every rank's tokens), and that count picks the rows per tile: a tile wider than
+    an expert's rows computes padding, one narrower decodes the expert's weights once per tile.
 
     Few assignments (decode, small batches) are bandwidth-bound: each expert hit has one
     16-row block, so the programs are (experts hit) x (N tiles), and narrow N tiles put more
     of them on the weights (T = 1, top-6: 6 x 2048/16 gate/up and 6 x 4096/32 down programs,
     where 128-wide tiles gave 96 and 192; 2 warps, as a 16 x 16 tile leaves little to share).
-    Many assignments are decode-bound (ALU): 128-row tiles halve the e2m1 decodes per product
-    against 64. Each step takes 128 inputs (4 chunks of 32) where K allows. num_stages is the
-    software pipeline depth. The fp8 variant keeps 64-row tiles there: its per-chunk fp32
-    partials on top of the two 128 x 64 gate/up accumulators spill in an sm_90 compile (64 B
-    of stack).
+    From 97 assignments one dot per 128-input step (step_dot), 16-row tiles up to ~12 rows per
+    expert, 32-row tiles up to ~32, then 128-row tiles (wider N tiles from 16384 assignments).
+    Measured on an H200 (benchmark/results/session10/, 128-expert shard, release numerics, ms):
+    16-row tiles 1.30 / 1.47 against 64-row tiles' 2.50 / 2.52 at T = 256 / 512; 32-row 1.89
+    against 2.46 (16-row) and 2.58 (64-row) at T = 1024; 128 x 128 gate/up tiles 3.33 against
+    3.57 (128 x 64) and 3.42 (32-row) at T = 2048; and 128 x 128 / 128 x 256 tiles 3.30 against
+    3.68 (128 x 64 / 128 x 128) at T = 4096. num_stages is the software pipeline depth. The fp8
+    variant keeps its own tiles (16 rows to 1024 assignments, then 64): its per-chunk fp32
+    partials on top of the two gate/up accumulators spill with 128-row tiles in an sm_90
+    compile (64 B of stack). fp32 activations (x_dtype) double every operand tile, and the wide
+    128-row tiles would need 288 KiB of shared memory (sm_90 has 227): they keep 64 / 128-wide
+    N tiles.
 
     step_dot (bf16 decode only): one dot per 128-input step instead of one per 32-input chunk,
     from 97 assignments up, where it was measured faster than the per-chunk dots and than the
@@ -345,14 +349,21 @@ def moe_config(T: int, topk: int, variant: str = "bf16") -> dict:
     M = T * topk
     if M <= 96:
         return dict(block_m=16, block_n_up=16, block_n_down=32, num_warps=2, num_stages=4)
-    if M <= 1024:
+    if variant == "fp8":
+        if M <= 1024:
+            return dict(block_m=16, block_n_up=64, block_n_down=64, num_warps=4, num_stages=4)
+        return dict(block_m=64, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3)
+    if M <= 3072:
         return dict(block_m=16, block_n_up=64, block_n_down=64, num_warps=4, num_stages=4,
                     step_dot=True)
-    if M <= 8192 or variant == "fp8":
-        return dict(block_m=64, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3,
+    if M <= 8192:
+        return dict(block_m=32, block_n_up=64, block_n_down=128, num_warps=4, num_stages=3,
                     step_dot=True)
-    return dict(block_m=128, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3,
-                step_dot=True)
+    if x_dtype == torch.float32:
+        return dict(block_m=128, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3,
+                    step_dot=True)
+    return dict(block_m=128, block_n_up=128, block_n_down=256 if M >= 16384 else 128,
+                num_warps=8, num_stages=3, step_dot=True)
 
 
 def _chunks(K: int, most: int = 4) -> int:
@@ -365,9 +376,9 @@ def default_variant(T: int, topk: int) -> str:
     gemv at T * topk <= GEMV_MAX_ASSIGNMENTS (faster at T = 1 and 16), the bf16 decode with one
     dot per 128-input step and the pair decode beyond. The fp8 decode is never the default: the
     one-dot bf16 decode was faster at every batch from T = 32 (bench_quant.py --only moe --quick
-    --moe-t 64 256 1024 4096, 128-expert shard; benchmark/results/session9/call5_pair_decode/
-    moe.log): 1.05 / 2.96 / 3.08 / 4.07 ms against fp8's 2.11 / 5.21 / 5.44 / 10.84 ms and
-    gemv's 1.68 / 5.12 ms at T = 64 / 256 / 1024 / 4096."""
+    --moe-t 64 256 1024 4096, 128-expert shard; benchmark/results/session10/call5_new_tiles/
+    moe.log): 1.02 / 1.31 / 1.90 / 3.30 ms against fp8's 2.11 / 5.23 / 5.46 / 10.79 ms and
+    gemv's 1.67 / 5.11 ms at T = 64 / 256 / 1024 / 4096."""
     return "gemv" if 0 < T * topk <= GEMV_MAX_ASSIGNMENTS else "bf16"
 
 
@@ -424,7 +435,7 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
 
         return fp4_gemv_moe.gemv_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit,
                                      out, act_quant, config or fp4_gemv_moe.gemv_config(T, ids.shape[1]))
-    cfg = config or moe_config(T, ids.shape[1], variant)
+    cfg = config or moe_config(T, ids.shape[1], variant, x.dtype)
     bm = cfg["block_m"]
     topk = ids.shape[1]
     M = T * topk
@@ -433,11 +444,14 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
     max_blocks = block_expert.shape[0]
     rows = sorted_ids.shape[0]
     dev = x.device
-    if act_quant:
+    # The gate/up GEMM's input: with act_quant, x rounded to FP8 per 128, as e4m3 + scales for
+    # the fp8 variant or as the (exact) dequantized values in x's dtype for bf16 (once here, not
+    # in every N tile of the kernel: that dequantization was a third of its loop at 4096 tokens).
+    a_s = torch.empty(1, 1, dtype=torch.float32, device=dev)
+    if act_quant and fp8_dot:
         a, a_s = quantize_act(x)
     else:
-        a = x
-        a_s = torch.empty(1, 1, dtype=torch.float32, device=dev)
+        a = round_act(x) if act_quant else x
     h = torch.empty(rows, I, dtype=x.dtype, device=dev)
     partial = torch.empty(M, d, dtype=torch.float32, device=dev)
     weights_flat = weights.reshape(-1).float().contiguous()
@@ -448,7 +462,7 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
     words = step and cfg.get("pair_decode", True)
     unit = 4 if words else 1
     wview = torch.int32 if words else torch.int8
-    kw = dict(NUM_EXPERTS=E, FP8_DOT=fp8_dot, BLOCK_M=bm, DOT_PREC=prec, X_DTYPE=xdt,
+    kw = dict(NUM_EXPERTS=E, FP8_DOT=fp8_dot, BLOCK_M=bm, DOT_PREC=prec,
               STEP_DOT=step, PAIR_DECODE=words, num_warps=cfg["num_warps"],
               num_stages=cfg["num_stages"])
     bn = cfg["block_n_up"]
@@ -458,7 +472,7 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
         M, d, I, topk, a.stride(0), a_s.stride(0), a_s.stride(1), w1.stride(0) // unit,
         w1.stride(1) // unit,
         w1_scale.stride(0), w1_scale.stride(1), h.stride(0), float(limit),
-        HAS_LIMIT=limit > 0, ACT_QUANT=act_quant, BLOCK_N=bn, CHUNKS=_chunks(d), **kw)
+        HAS_LIMIT=limit > 0, X_DTYPE=xdt, BLOCK_N=bn, CHUNKS=_chunks(d), **kw)
     # The down GEMM's input: with act_quant, h rounded to FP8 per 128 (e4m3 + scales for the
     # fp8 variant, the dequantized values in x's dtype for bf16; padding rows are rounded too,
     # never read).
