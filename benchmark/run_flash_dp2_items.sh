@@ -13,13 +13,9 @@
 #                               logprobs (agreement), bench_serving c 1 / 16 / 64, graph counters
 #   bob                         bench_one_batch mixed and extend at 16 / 256 / 4096 tokens per rank
 #   bob_decode                  bench_one_batch decode at batch 1 / 64 per rank (decode graphs)
-set -uo pipefail
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-LOGS=/tmp/dp2_logs; rm -rf "$LOGS"; mkdir -p "$LOGS"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python
-export DSV4_REFERENCE_DIR=${DSV4_REFERENCE_DIR:-$PWD/.ref/dsv4-reference}
-t0=$(date +%s); BUDGET=${BUDGET:-570}
-left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
+LOGS=/tmp/dp2_logs; TARBALL=dp2_logs.tgz
+source "$(dirname "$0")/budget_items.sh"
+budget_start 570
 declare -A NEED=([mgpu_tests]=90 [offline_bcg]=420 [offline_eager]=420 [serving]=480 [bob]=300 [bob_decode]=150)
 bob="python -m sglang.bench_one_batch --model-path dsv4-flash --load-format dummy --dp-size 2
   --iters 3 --repeats 3 --warmup 2"
@@ -49,15 +45,4 @@ run_item() {  # $1 item, $2 seconds it may take
   esac
 }
 nvidia-smi --query-gpu=index,name,memory.total,clocks.max.sm --format=csv,noheader
-for item in "$@"; do
-  l=$(left)
-  if (( l < ${NEED[$item]:-60} )); then echo "== $item skipped: ${l} s left"; continue; fi
-  s=$(date +%s)
-  echo "== $item (at most $(( l - 8 )) s)"
-  run_item "$item" $(( l - 8 ))
-  # a cut item can leave a server or rank processes holding the GPUs
-  pkill -9 -f "sglang\.(launch_server|bench_|srt)|multiprocessing.spawn" 2> /dev/null; sleep 1
-  echo "== $item done in $(( $(date +%s) - s )) s"
-  tar czf "$OUT/dp2_logs.tgz" -C "$LOGS" .
-done
-tar czf "$OUT/dp2_logs.tgz" -C "$LOGS" .
+run_items "$@"

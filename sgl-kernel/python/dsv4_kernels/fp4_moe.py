@@ -7,9 +7,10 @@ weight-order semantics as fused_moe.
 Hopper has no FP4 MMA, so two decodes, picked by `variant`:
 - "bf16": e2m1 x scale -> x's dtype (exact), tl.dot in that dtype. With act_quant, x and the
   weighted activation are rounded to FP8 per 128 first, by their own kernel (round_act), and
-  fed dequantized (exact), so the products are those of the release. The default from 97 assignments (moe_config's step_dot):
-  a whole 128-input step decoded at once, its chunk scales folded in, two codes per
-  shift-and-merge (_decode_step), and one dot per step; the default variant beyond gemv's range.
+  fed dequantized (exact), so the products are those of the release. The default from 97
+  assignments (moe_config's step_dot): a whole 128-input step decoded at once, its chunk
+  scales folded in, two codes per shift-and-merge (_decode_step), and one dot per step; the
+  default variant beyond gemv's range.
 - "fp8": e2m1 -> e4m3 bits (exact, by table), tl.dot e4m3 x e4m3 per 32-wide K chunk (one
   weight scale per chunk), the fp32 partial scaled by act scale x weight scale. Needs act_quant
   (the activations must be e4m3 already).
