@@ -130,6 +130,31 @@ def test_ops_grouped_linear_off_cuda_is_the_reference_per_group():
         assert torch.equal(got[:, g], want)
 
 
+@pytest.mark.parametrize("N,K", [(256, 384), (200, 136)])  # whole blocks; ragged last blocks
+@pytest.mark.parametrize("pow2", [True, False])
+def test_dequantize_weight_is_the_reference(device, N, K, pow2):
+    require_triton()
+    from dsv4_kernels import fp8_gemm
+
+    g = torch.Generator().manual_seed(N + K)
+    w, s = Q.quantize_fp8_weight(torch.randn(N, K, generator=g) * 0.05)
+    if not pow2:  # scales a bf16 multiply must round (a checkpoint outside the release's ue8m0)
+        s = s * (1 + torch.rand(s.shape, generator=g) * 0.3)
+    w, s = w.to(device), s.to(device)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = fp8_gemm.dequantize_weight(w, s, dtype)
+        want = Q.dequantize_fp8_block(w, s, dtype)
+        assert got.dtype == dtype and got.shape == (N, K)
+        if dtype == torch.bfloat16 and not pow2 and device == "cpu":
+            # the interpreter's fp32 -> bf16 conversion truncates (the scale, then the
+            # product): within two bf16 steps
+            torch.testing.assert_close(got, want, rtol=2 ** -6, atol=0)
+        else:
+            assert torch.equal(got, want)  # one product, rounded once, as torch's chain
+    with pytest.raises(ValueError, match="scales"):
+        fp8_gemm.dequantize_weight(w, s[:1], torch.bfloat16)
+
+
 def test_config_table_by_m():
     require_triton()
     from dsv4_kernels import fp8_gemm

@@ -274,6 +274,39 @@ def round_act(x2: torch.Tensor) -> torch.Tensor:
     return r
 
 
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_w, stride_sn, stride_out,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :], mask=mask, other=0.0)
+    # the scale in the output dtype first, then one fp32 product rounded once: torch's
+    # weight.to(dtype) * scale.to(dtype) (a bf16 multiply is an fp32 one rounded)
+    s = tl.load(s_ptr + (rows // 128)[:, None] * stride_sn + (cols // 128)[None, :], mask=mask, other=0.0)
+    s = s.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :],
+             (w.to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """quant_reference.dequantize_fp8_block in one pass: e4m3 [N, K] x its fp32 scale per
+    128 x 128 block -> `dtype` [N, K] (fp32 or bf16; bf16 exact while the scales are powers of
+    two). torch's chain is an upcast copy and a broadcast multiply, both over the output."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dequantize_weight: dtype must be float32 or bfloat16, got {dtype}")
+    N, K = weight.shape
+    if scale.shape != (cdiv(N, 128), cdiv(K, 128)) or weight.stride(-1) != 1 or scale.stride(-1) != 1:
+        raise ValueError(f"dequantize_weight: weight {tuple(weight.shape)} needs a unit last stride and "
+                         f"scales [{cdiv(N, 128)}, {cdiv(K, 128)}], got {tuple(scale.shape)}")
+    out = torch.empty(N, K, dtype=dtype, device=weight.device)
+    if N and K:
+        _dequant_kernel[(cdiv(N, 32), cdiv(K, 128))](
+            weight, scale, out, N, K, weight.stride(0), scale.stride(0), out.stride(0),
+            BLOCK_N=32, BLOCK_K=128, num_warps=4)
+    return out
+
+
 def fp8_block_linear(x, weight, weight_scale, act_quant: bool, config: dict | None = None,
                      backend: str = "auto", cublas_scale: torch.Tensor | None = None):
     """x [..., K] -> x.dtype [..., N] (quant_reference.fp8_block_linear_ref's contract).

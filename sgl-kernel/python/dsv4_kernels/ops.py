@@ -147,6 +147,42 @@ def hc_post(f, residual, post, comb, out=None):
     return impl.hc_post(f, residual, post, comb, out)
 
 
+def indexer_rope_rotate_round_(x, cos, sin, positions, rope_dim, rotate=True):
+    """In place on the indexer's rows x [T, H, D] (or [T, D]): RoPE on the last rope_dim dims
+    (tables [max_pos, rope_dim/2] at positions [T]; rope_dim 0: none), then with `rotate`
+    the Walsh-Hadamard rotation and the FP4 rounding per 32 (release numerics). Returns x."""
+    if _use_triton(x):
+        return _kernels("indexer_rotate").rope_rotate_round_(x, cos, sin, positions, rope_dim, rotate)
+    if rope_dim:
+        x.copy_(reference.apply_rope(x, cos, sin, positions, rope_dim))
+    if rotate:
+        x.copy_(quant_reference.fp4_round_blocks(quant_reference.hadamard_rotate(x)))
+    return x
+
+
+def rms_norm(x, weight, eps):
+    """weight * x * rsqrt(mean(x^2) + eps) over x's last dim, fp32 math, in x's dtype (weight
+    may be None: no scale). One launch instead of torch's eight fp32 passes."""
+    if _use_triton(x):
+        return _kernels("elementwise").rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps).to(x.dtype)
+
+
+def swiglu_clamped(gate, up, limit, out_dtype):
+    """The shared expert's silu(min(gate, limit)) * clamp(up, +-limit), fp32 math, rounded
+    once to out_dtype (gate, up [T, n]; limit <= 0: no clamp)."""
+    if _use_triton(gate):
+        return _kernels("elementwise").swiglu_clamped(gate, up, limit, out_dtype)
+    return reference.swiglu_clamped(gate.float(), up.float(), limit).to(out_dtype)
+
+
+def add_fp32(a, b, out_dtype):
+    """(a + b) in fp32, rounded once to out_dtype (a, b [T, n]): the MoE's routed + shared sum."""
+    if _use_triton(a):
+        return _kernels("elementwise").add_fp32(a, b, out_dtype)
+    return (a.float() + b.float()).to(out_dtype)
+
+
 # ----------------------------------------------------------------------------------------
 # Release weight format: FP8 block-scaled linears, FP4 routed experts (quant_reference.py
 # holds the formulas; these are the entry points the model calls)
@@ -171,6 +207,15 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, backend: str = "a
         raise ValueError(f"fp8_block_linear: backend={backend!r} needs CUDA tensors and triton "
                          f"(x is on {x.device.type}); 'auto' or 'triton' run the reference here")
     return quant_reference.fp8_block_linear_ref(x, weight, weight_scale, act_quant)
+
+
+def dequantize_fp8_block(weight, scale, dtype=torch.float32):
+    """An FP8 block-scaled weight e4m3 [N, K] dequantized to `dtype` (fp32, or bf16: exact
+    while the scales are powers of two): quant_reference.dequantize_fp8_block, one launch on
+    CUDA."""
+    if _use_triton(weight):
+        return _kernels("fp8_gemm").dequantize_weight(weight, scale, dtype)
+    return quant_reference.dequantize_fp8_block(weight, scale, dtype)
 
 
 def fp8_grouped_linear(x, weight, weight_scale):

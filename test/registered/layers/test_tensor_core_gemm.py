@@ -189,6 +189,44 @@ def test_flash_tensor_core_copies_add_0_57_gib_per_gpu_and_none_in_fp32():
     assert tensor_core_copy_bytes(flash, "float32") == 0
 
 
+# ---- the LM head -----------------------------------------------------------------------------
+
+
+def test_lm_head_runs_bf16_only_when_the_bf16_copy_is_exact():
+    from sglang.srt.model_loader.random_init import init_random_weights
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    model = DeepseekV4ForCausalLM(get_preset("dsv4-tiny"), torch.bfloat16, max_positions=64)
+    init_random_weights(model, seed=5)
+    w = model.head.weight.detach().clone()
+    assert not torch.equal(w.to(torch.bfloat16).float(), w)  # a bf16 config's random head is fp32-only
+    hidden = torch.randn(7, w.shape[1], generator=_gen(6)).to(torch.bfloat16)
+    model._use_bf16_head(True)
+    assert model.head_bf16 is None and torch.equal(model.head.weight, w)  # kept: the copy would round it
+
+    model.head.weight.copy_(w.to(torch.bfloat16))  # a release head: BF16 values
+    w_bf16 = model.head.weight.detach().clone()
+    fp32_logits = model.compute_logits(hidden)
+    model._use_bf16_head(True)
+    model._use_bf16_head(True)  # a second call keeps it
+    assert model.head_bf16.dtype == torch.bfloat16 and model.head.weight.numel() == 0  # 2 bytes, not 4
+    torch.testing.assert_close(model.compute_logits(hidden), fp32_logits, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model.compute_logits(hidden.float()), fp32_logits, rtol=1e-6, atol=1e-6)
+    model._use_bf16_head(False)  # back: the fp32 weight bit for bit
+    assert model.head_bf16 is None and torch.equal(model.head.weight, w_bf16)
+
+
+def test_release_format_random_heads_are_bf16_values():
+    from sglang.srt.model_loader.random_init import init_random_weights
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    model = DeepseekV4ForCausalLM(get_preset("dsv4-tiny-fp8"), torch.bfloat16, max_positions=64)
+    init_random_weights(model, seed=5)
+    w = model.head.weight
+    assert w.dtype == torch.float32 and torch.equal(w.to(torch.bfloat16).float(), w)
+    assert 0.5 < w.std().item() * w.shape[1] ** 0.5 < 2  # drawn, not a constant
+
+
 # ---- the model on these paths ---------------------------------------------------------------
 
 
@@ -268,6 +306,8 @@ def test_bf16_model_on_the_tensor_core_paths_matches_the_fp32_gemms(preset, nume
     assert all(c.proj_split is not None and c.proj_split.shape[1] == SPLIT_TERMS * c.wkv.in_features
                for c in compressors)
     assert all(layer.ffn.gate.tensor_core_logits for layer in model.layers)
+    # release-format dummy heads are BF16 values (as the release's), so they go bf16 too
+    assert (model.head_bf16 is not None) == runner.config.is_quantized
     # the fp32 weights are released (the terms hold them) and the planner counts the difference
     assert all(c.wkv.weight.numel() == c.wgate.weight.numel() == 0 for c in compressors)
     derived = sum(c.proj_split.numel() * c.proj_split.element_size() for c in compressors)
@@ -295,6 +335,7 @@ def test_bf16_model_on_the_tensor_core_paths_matches_the_fp32_gemms(preset, nume
 
     model.use_tensor_core_gemms(False)  # and back: the fp32 weights bit for bit, the fp32 GEMMs' logits
     assert not any(a.wo_a_tensor_cores for a in attn) and all(c.proj_split is None for c in compressors)
+    assert model.head_bf16 is None
     restored = dict(model.layers.named_parameters())
     assert all(torch.equal(restored[name], w) for name, w in masters.items())
     assert torch.equal(_all_logits(runner, tokens), fp32_gemms)

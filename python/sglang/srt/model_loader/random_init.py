@@ -96,6 +96,11 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> None:
             p.fill_(1.0)
         elif name == "embed.weight":
             normal(p, 1.0)
+        elif name == "head.weight" and model.config.is_quantized:
+            # the release stores its head in BF16 (held in fp32 here): values a bf16 head
+            # holds exactly, so a bf16 model runs it on tensor cores (use_tensor_core_gemms)
+            normal(p, 1.0 / math.sqrt(p.shape[1]))
+            p.copy_(p.to(torch.bfloat16))
         elif p.dim() == 3:  # stacked experts [E, out, in]: the same values whatever the shard
             first = model.get_submodule(name.rsplit(".", 1)[0]).first_expert
             n_total = model.config.n_routed_experts

@@ -8,6 +8,7 @@ break op of a breakable CUDA graph; everything else has static shapes and no hos
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -23,18 +24,25 @@ from sglang.srt.layers.moe.experts import DeepseekV4MoE
 from sglang.srt.layers.quantization import BF16, QuantMode
 from sglang.srt.layers.quantization.fp8_linear import Fp8BlockLinear, dense_weight, make_linear
 from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_
-from sglang.srt.layers.tensor_core_gemm import grouped_bf16_einsum, tensor_core_eligible
+from sglang.srt.layers.tensor_core_gemm import grouped_bf16_einsum, mm_fp32, tensor_core_eligible
 from sglang.srt.model_executor.breakable_cuda_graph import register_split_op
 from sglang.srt.model_executor.forward_context import get_forward_context, segment_kernel_ops
+
+logger = logging.getLogger(__name__)
 
 
 def _attention_with_output(q: torch.Tensor, sink: torch.Tensor, output: torch.Tensor, layer_id: int,
                            index_q: Optional[torch.Tensor] = None, index_weights: Optional[torch.Tensor] = None) -> None:
     """The break op: reads the live batch from the forward context, attends with the real
-    (unpadded) token count and writes output[:n]; padded rows are left untouched. On c4 layers
-    it first selects the indexer's top-k from index_q / index_weights (the in-segment half)."""
+    (unpadded) token count and writes every row of output[:n]; padded rows are zeroed here
+    (output comes uninitialized: a fill of all rows is a full pass over [T, H, D]). On c4
+    layers it first selects the indexer's top-k from index_q / index_weights (the in-segment
+    half)."""
     ctx = get_forward_context()
-    ctx.attn_backend.forward(q, sink, output, layer_id, ctx.num_live_tokens, index_q, index_weights)
+    n = ctx.num_live_tokens
+    ctx.attn_backend.forward(q, sink, output, layer_id, n, index_q, index_weights)
+    if n < output.shape[0]:
+        output[n:].zero_()
 
 
 deepseek_v4_attention_with_output = register_split_op(
@@ -135,7 +143,7 @@ class DeepseekV4Attention(nn.Module):
             index_q, index_weights = self.indexer(x, qr, cos, sin, meta, istate, pool.indexer_keys[self.layer_id],
                                                   self.rope, kernels)
 
-        o = torch.zeros_like(q)
+        o = torch.empty_like(q)  # the break writes every row
         deepseek_v4_attention_with_output(q, self.attn_sink, o, self.layer_id, index_q, index_weights)
         if kernels is not None:
             kernels.inverse_rope_(o, self.rope.cos, self.rope.sin, meta.positions, rd)
@@ -224,6 +232,9 @@ class DeepseekV4ForCausalLM(nn.Module):
                                                     expert_range) for k in range(n_mtp))
         for p in self.parameters():
             p.requires_grad_(False)
+        # the head as bf16, derived after load when its values are bf16 (the release's are):
+        # not a parameter or buffer, the loader and random init fill those by name
+        self.head_bf16: torch.Tensor | None = None
 
     def use_tensor_core_gemms(self, enabled: bool = True) -> None:
         """Post-load step (ModelRunner calls it once the weights are in place on their device):
@@ -237,6 +248,27 @@ class DeepseekV4ForCausalLM(nn.Module):
         for module in self.layers.modules():
             if hasattr(module, "use_tensor_core_gemms"):
                 module.use_tensor_core_gemms(self.dtype, enabled)
+        self._use_bf16_head(enabled and tensor_core_eligible(self.dtype, self.head.weight.device))
+
+    def _use_bf16_head(self, want: bool) -> None:
+        """The LM head on bf16 tensor cores: its fp32 weight replaced by the bf16 copy when that
+        holds every value exactly (checked here, once: true of the release's BF16 head), the
+        bf16 hidden times it accumulated in fp32 (mm_fp32): the fp32 GEMM's products, half its
+        bytes (1 GiB less at Flash) and no CUDA-core fp32 GEMM (1.4 ms a step on an H200,
+        docs/benchmarks.md 18.6). A head with fp32-only values keeps the fp32 GEMM."""
+        w = self.head.weight
+        if want and self.head_bf16 is None and w.numel():
+            w_bf16 = w.detach().to(torch.bfloat16)
+            # row blocks: an fp32 copy of the whole head would be another 2 GiB at Flash
+            exact = all(torch.equal(wb.float(), wf) for wb, wf in zip(w_bf16.split(8192), w.detach().split(8192)))
+            if not exact:
+                logger.info("LM head: fp32 values a bf16 copy cannot hold, so it stays an fp32 GEMM")
+                return
+            self.head_bf16 = w_bf16
+            w.data = w.data.new_empty((0, self.head.in_features))  # a reload fails on the shape
+        elif not want and self.head_bf16 is not None:
+            w.data = self.head_bf16.float()
+            self.head_bf16 = None
 
     def to_device(self, device) -> "DeepseekV4ForCausalLM":
         self.to(device)
@@ -255,4 +287,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.norm(self.hc_head(h))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, vocab] of the final hidden states [T, d]."""
+        if self.head_bf16 is not None:
+            if hidden.dtype == torch.bfloat16:
+                return mm_fp32(hidden, self.head_bf16.t())
+            return F.linear(hidden.float(), self.head_bf16.float())
         return F.linear(hidden.float(), self.head.weight.float())

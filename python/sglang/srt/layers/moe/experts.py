@@ -47,6 +47,9 @@ class SharedExpert(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = segment_kernel_ops()
+        if kernels is not None:  # one launch for the fp32 chain and its rounding
+            return self.w2(kernels.swiglu_clamped(self.w1(x), self.w3(x), self.limit, x.dtype))
         return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
 
 
@@ -179,5 +182,8 @@ class DeepseekV4MoE(nn.Module):
         # and come back summed (layers/moe/ep_dispatch.py); else the local experts run them.
         y = dispatch_and_compute(self.experts, x, weights, ids, get_forward_context().dp_moe)
         if self.shared_experts is not None:
+            kernels = segment_kernel_ops()
+            if kernels is not None:  # the fp32 sum and its rounding in one launch
+                return kernels.add_fp32(y, self.shared_experts(x), x.dtype)
             y = y + self.shared_experts(x).float()
         return y.to(x.dtype)

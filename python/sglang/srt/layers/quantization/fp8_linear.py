@@ -47,7 +47,7 @@ class Fp8BlockLinear(nn.Module):
         """[N, K] in fp32 (exact) or bf16 (exact while the scales are powers of two, as the
         release's ue8m0 scales are: check once with `scales_are_pow2`). Used for wo_a, which the
         release applies dequantized in its grouped einsum; pure tensor ops, so capturable."""
-        from dsv4_kernels.quant_reference import dequantize_fp8_block
+        from dsv4_kernels.ops import dequantize_fp8_block  # one Triton pass on CUDA
 
         return dequantize_fp8_block(self.weight, self.weight_scale, dtype)
 

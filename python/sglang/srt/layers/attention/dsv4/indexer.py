@@ -48,15 +48,22 @@ class Indexer(nn.Module):
         q_I and the written keys Hadamard-rotated and FP4-rounded (the rotation keeps dot
         products; the rounding is the release's)."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        apply_rope_(q, cos, sin)
+        if kernels is not None:  # RoPE, and the rotation + FP4 rounding, in one launch
+            kernels.indexer_rope_rotate_round_(q, rope.cos, rope.sin, meta.positions, rope.rope_dim, self.fp4_qk)
+        else:
+            apply_rope_(q, cos, sin)
+            if self.fp4_qk:
+                q = _rotate_round(q)
         self.compressor(x, meta.positions, meta.c4_compressor, state, key_pool, rope, kernels)
         if self.fp4_qk:
-            q = _rotate_round(q)
             # The keys this step emitted, in place and still inside the segment, before the
             # break's select_topk reads them: each entry is written once, so each is rotated
             # and rounded exactly once (padded emissions, -1, go to trash row 0).
             loc = meta.c4_compressor.out_loc.long().clamp(min=0)
-            key_pool.index_copy_(0, loc, _rotate_round(key_pool.index_select(0, loc)))
+            keys = key_pool.index_select(0, loc)
+            keys = (kernels.indexer_rope_rotate_round_(keys, None, None, None, 0) if kernels is not None
+                    else _rotate_round(keys))
+            key_pool.index_copy_(0, loc, keys)
         return q, self.weights_proj(x).float() * self.weight_scale
 
 
