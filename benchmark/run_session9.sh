@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 9 (one H200, Flash dims with 20 layers): issue 12's remaining measurements, as items run
+# Sessions 9-11 (one H200, Flash dims with 20 layers): issue 12's measurements, as items run
 # in the order given while the call's time budget lasts. An item starts only if its usual time
 # fits in what is left, and is cut at what is left; every log goes into one tarball under $OUT
 # (a call returns at most 8 files), rewritten after each item so a cut call still returns it.
@@ -12,17 +12,17 @@
 #                                (BOB_MIXED / BOB_DECODE: other token counts)
 #   moe                          bench_quant's FP4 MoE variants at 64 / 256 / 1024 / 4096 tokens
 #   gpu_tests                    the GPU tests of code not yet run on a GPU (GPU_TESTS: paths,
-#                                GPU_TESTS_K: a -k expression)
+#                                GPU_TESTS_K: a -k expression, GPU_MARK: a -m one, "" for all)
 #   ncu                          Nsight Compute on the FP4 MoE kernels (gemv at 64, fp8 at 256, bf16 at 4096)
-set -uo pipefail
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-LOGS=/tmp/session9_logs; rm -rf "$LOGS"; mkdir -p "$LOGS"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python
-export DSV4_REFERENCE_DIR=${DSV4_REFERENCE_DIR:-$PWD/.ref/dsv4-reference}
-t0=$(date +%s); BUDGET=${BUDGET:-540}
-left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
+#   profile4                     one eager mixed step of 4 layers (PROFILE_TOKENS, 4096), every kernel
+#   attribute                    attribute_kernels.py: that step's GPU time by module and torch op (ATTR_MODE)
+#   sweep                        sweep_moe_tiles.py: the MoE's tiles against alternatives (SWEEP_T)
+LOGS=/tmp/session9_logs; TARBALL=session9_logs.tgz
+source "$(dirname "$0")/budget_items.sh"
+budget_start 540
 declare -A NEED=([offline_bcg]=330 [offline_eager]=360 [serving_bcg]=300 [long128k]=120
-                 [bob_mixed]=110 [bob_decode]=90 [moe]=80 [gpu_tests]=60 [ncu]=100)
+                 [bob_mixed]=110 [bob_decode]=90 [moe]=80 [gpu_tests]=60 [ncu]=100
+                 [profile4]=70 [sweep]=120 [attribute]=60)
 bob="python -m sglang.bench_one_batch --model-path dsv4-flash --load-format dummy --num-layers 20
   --iters 3 --repeats 3 --warmup 2"
 run_item() {  # $1 item, $2 seconds it may take
@@ -50,8 +50,8 @@ run_item() {  # $1 item, $2 seconds it may take
         --out "$LOGS/moe.json" > "$LOGS/moe.log" 2>&1
       echo "rc $?"; grep -E "moe_E|variant" "$LOGS/moe.log" | cut -c1-160 ;;
     gpu_tests)
-      timeout $lim python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-"sgl-kernel/tests/test_kernels_fp8_gemm.py"} \
-        -k "${GPU_TESTS_K:-grouped}" > "$LOGS/gpu_tests.log" 2>&1
+      timeout $lim python -m pytest -q -m "${GPU_MARK-gpu}" -p no:cacheprovider \
+        ${GPU_TESTS:-"sgl-kernel/tests/test_kernels_fp8_gemm.py"} -k "${GPU_TESTS_K-grouped}" > "$LOGS/gpu_tests.log" 2>&1
       echo "rc $?"; grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" "$LOGS/gpu_tests.log" | cut -c1-200 | tail -12 ;;
     ncu)  # the FP4 MoE kernels under Nsight Compute (counters on Firecracker machines only)
       local sec="--section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis
@@ -63,17 +63,21 @@ run_item() {  # $1 item, $2 seconds it may take
         echo "ncu $spec rc $?"; grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Theoretical Occupancy|Stall|Issued Ipc" \
           "$LOGS/ncu_${1}_$2$3.log" | head -14
       done ;;
+    profile4)  # one eager mixed step of 4 Flash layers, its whole kernel list
+      timeout $lim python -m sglang.bench_one_batch --model-path dsv4-flash --load-format dummy --num-layers 4 \
+        --iters 3 --repeats 3 --warmup 2 --modes mixed --num-tokens ${PROFILE_TOKENS:-4096} --profile-kernels 70 \
+        --result-file "$LOGS/profile4.json" > "$LOGS/profile4.log" 2>&1
+      echo "rc $?"; grep -E "^mixed|GPU kernels" "$LOGS/profile4.log" | cut -c1-160 ;;
+    attribute)  # attribute_kernels.py: a 4-layer eager step's GPU time by module and torch op
+      timeout $lim python benchmark/attribute_kernels.py --model-path dsv4-flash --load-format dummy --num-layers 4 \
+        --modes ${ATTR_MODE:-mixed} --num-tokens ${PROFILE_TOKENS:-4096} --top 45 > "$LOGS/attribute.log" 2>&1
+      echo "rc $?"; grep -vE "^\s*$|Warn|warn" "$LOGS/attribute.log" | cut -c1-200 | head -40 ;;
+    sweep)  # sgl-kernel/benchmark/sweep_moe_tiles.py: moe_config's tiles against their alternatives
+      timeout $lim python sgl-kernel/benchmark/sweep_moe_tiles.py ${SWEEP_T:-} --out "$LOGS/sweep.json" \
+        > "$LOGS/sweep.log" 2>&1
+      echo "rc $?"; tail -40 "$LOGS/sweep.log" | cut -c1-180 ;;
     *) echo "unknown item $1" ;;
   esac
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-for item in "$@"; do
-  l=$(left)
-  if (( l < ${NEED[$item]:-60} )); then echo "== $item skipped: ${l} s left"; continue; fi
-  s=$(date +%s)
-  echo "== $item (at most $(( l - 8 )) s)"
-  run_item "$item" $(( l - 8 ))
-  echo "== $item done in $(( $(date +%s) - s )) s"
-  tar czf "$OUT/session9_logs.tgz" -C "$LOGS" .
-done
-tar czf "$OUT/session9_logs.tgz" -C "$LOGS" .
+run_items "$@"

@@ -1,0 +1,38 @@
+"""benchmark/attribute_kernels.py on CPU (dsv4-tiny, 4 layers): one eager step's op time,
+attributed to the innermost module running each op, layer indices folded together."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+from test_bench_one_batch import SMALL
+
+TOOL = Path(__file__).resolve().parents[3] / "benchmark" / "attribute_kernels.py"
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("attribute_kernels", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_attribution_folds_layers_and_names_the_owner_of_each_op(capfd):
+    assert _load_tool().main([*SMALL, "--modes", "extend", "--top", "12"]) == 0
+    out = capfd.readouterr().out
+    head = re.search(r"dsv4-tiny \(all layers\) extend 8: ([\d.]+) ms of CPU time in (\d+) op calls", out)
+    assert head, out
+    total = float(head.group(1))
+    modules = re.findall(r"^\s+([\d.]+) ms\s+([\d.]+)%\s+(\S.*)$", out.split("by module:")[1].split("top 12")[0],
+                         re.M)
+    assert modules and all("layers.*" in m[2] or "(" in m[2] for m in modules)
+    assert not any(re.search(r"layers\.\d", m[2]) for m in modules)  # every layer in one row
+    ms = [float(m[0]) for m in modules]
+    assert ms == sorted(ms, reverse=True) and sum(ms) <= total * 1.001
+    top = re.findall(r"^\s+([\d.]+) ms\s+[\d.]+%\s+(\d+)x  (\S+)\s+(\S+)", out.split("top 12 (module, op):")[1], re.M)
+    assert len(top) == 12
+    # the break op runs once per layer, inside the attention module
+    assert any(op == "sglang::deepseek_v4_attention_with_output" and calls == "4" and owner == "layers.*.attn"
+               for _, calls, op, owner in top), out
