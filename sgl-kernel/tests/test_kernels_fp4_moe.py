@@ -72,6 +72,7 @@ def test_skipped_rows_are_zero_and_weights_scale_before_w2(device, variant, act_
 @pytest.mark.parametrize("table_T,variant,act_quant", [
     (64, "bf16", False),    # 16-row, 64-wide tiles
     (1024, "bf16", True),   # 32-row tiles, 4 warps
+    (2048, "bf16", True),   # 64-row tiles, 4 warps
     (8192, "bf16", True),   # 128-row tiles (fp32 x: gate/up 64 wide), h rounded by its own kernel
     (8192, "fp8", True),    # the fp8 variant keeps 64-row tiles there (as at mid batches)
 ])
@@ -112,10 +113,11 @@ def test_default_variant_follows_the_batch():
     assert fp4_moe.moe_config(8192, 6)["block_m"] == 128
     # fp32 activations keep the narrower 128-row tiles (the wide ones exceed sm_90's shared memory)
     assert fp4_moe.moe_config(8192, 6, "bf16", torch.float32)["block_n_up"] == 64
-    # rows per tile follow rows per expert (~ M / 256): 16 up to 3072 assignments, then 32,
-    # then 128 (session 10's sweep)
-    assert [fp4_moe.moe_config(T, 6)["block_m"] for T in (17, 512, 513, 1365, 1366)] == \
-        [16, 16, 32, 32, 128]
+    # rows per tile follow rows per expert (~ M / 256): 16 up to 3072 assignments, then 32 up
+    # to 8192, 64 up to 16384, then 128 (the sweeps of sessions 10 and 12)
+    assert [fp4_moe.moe_config(T, 6)["block_m"] for T in (17, 512, 513, 1365, 1366, 2730, 2731)] == \
+        [16, 16, 32, 32, 64, 64, 128]
+    assert fp4_moe.moe_config(2048, 6, "bf16", torch.float32)["block_m"] == 64
     assert fp4_moe.moe_config(8192, 6, "fp8")["block_m"] == 64  # 128 rows spill there
 
 

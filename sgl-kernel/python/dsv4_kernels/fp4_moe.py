@@ -330,12 +330,14 @@ def moe_config(T: int, topk: int, variant: str = "bf16",
     of them on the weights (T = 1, top-6: 6 x 2048/16 gate/up and 6 x 4096/32 down programs,
     where 128-wide tiles gave 96 and 192; 2 warps, as a 16 x 16 tile leaves little to share).
     From 97 assignments one dot per 128-input step (step_dot), 16-row tiles up to ~12 rows per
-    expert, 32-row tiles up to ~32, then 128-row tiles (wider N tiles from 16384 assignments).
-    Measured on an H200 (benchmark/results/session10/, 128-expert shard, release numerics, ms):
-    16-row tiles 1.30 / 1.47 against 64-row tiles' 2.50 / 2.52 at T = 256 / 512; 32-row 1.89
-    against 2.46 (16-row) and 2.58 (64-row) at T = 1024; 128 x 128 gate/up tiles 3.33 against
-    3.57 (128 x 64) and 3.42 (32-row) at T = 2048; and 128 x 128 / 128 x 256 tiles 3.30 against
-    3.68 (128 x 64 / 128 x 128) at T = 4096. num_stages is the software pipeline depth. The fp8
+    expert, 32-row tiles up to ~32, 64-row tiles up to ~64, then 128-row tiles: the cost is
+    per tile (each decodes its expert's weights), so the narrowest tile that holds an expert's
+    rows wins. Measured on an H200 (benchmark/results/session10/ and session12/, 128-expert
+    shard, release numerics, ms): 16-row tiles 1.30 / 1.47 against 64-row tiles' 2.50 / 2.52
+    at T = 256 / 512; 32-row 1.89 against 2.46 (16-row) and 2.58 (64-row) at T = 1024; 64-row
+    tiles with 4 warps 2.42 / 2.43 against 128-row tiles' 3.28 / 3.34 at T = 1536 / 2048; and
+    128 x 128 / 128 x 256 tiles 3.25 / 3.29 against 64-row tiles' 4.48 / 5.02 at T = 3072 /
+    4096 (two 64-row tiles per expert). num_stages is the software pipeline depth. The fp8
     variant keeps its own tiles (16 rows to 1024 assignments, then 64): its per-chunk fp32
     partials on top of the two gate/up accumulators spill with 128-row tiles in an sm_90
     compile (64 B of stack). fp32 activations (x_dtype) double every operand tile, and the wide
@@ -360,11 +362,14 @@ def moe_config(T: int, topk: int, variant: str = "bf16",
     if M <= 8192:
         return dict(block_m=32, block_n_up=64, block_n_down=128, num_warps=4, num_stages=3,
                     step_dot=True)
+    if M <= 16384:
+        return dict(block_m=64, block_n_up=64, block_n_down=128, num_warps=4, num_stages=3,
+                    step_dot=True)
     if x_dtype == torch.float32:
         return dict(block_m=128, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3,
                     step_dot=True)
-    return dict(block_m=128, block_n_up=128, block_n_down=256 if M >= 16384 else 128,
-                num_warps=8, num_stages=3, step_dot=True)
+    return dict(block_m=128, block_n_up=128, block_n_down=256, num_warps=8, num_stages=3,
+                step_dot=True)
 
 
 def _chunks(K: int, most: int = 4) -> int:

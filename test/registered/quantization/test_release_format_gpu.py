@@ -49,7 +49,15 @@ def test_dummy_release_format_bcg_equals_eager(numerics, kv):
     print(f"dsv4-mini-fp8 {numerics} kv {kv}: BCG vs eager min cos {cos.min().item():.6f}, logit std "
           f"{got_eager.float().std(-1).tolist()}, peak GPU memory {(torch.cuda.max_memory_allocated() - before) / 2**30:.2f} GiB")
     assert torch.isfinite(got_bcg).all() and (got_eager.float().std(-1) > 0.5).all()
-    assert cos.min().item() > 0.999
+    # The 256-token chunks run the same kernels at the same shapes in both: equal. The 88-token
+    # chunk runs eagerly at 88 rows and padded to 256 in the graph, so the GEMMs pick other
+    # tilings (another fp32 summation order); release numerics re-round every projection's
+    # input to FP8, and with random weights an ulp can flip a rounding, then an indexer top-k
+    # pick, layer after layer. Over 30 token seeds on an H200 (benchmark/results/session13/
+    # callC) that chunk's cosine had median 0.99975 and minimum 0.9945 (fp8 KV 0.9962), before
+    # and after session 12's glue kernels alike; weight-only numerics stay above 0.99998.
+    assert cos[:2].min().item() > 0.999999
+    assert cos[2].item() > (0.99 if numerics == "release" else 0.9999)
 
 
 def test_weight_memory_on_the_gpu():
@@ -89,7 +97,7 @@ def test_fp8_linear_keeps_its_cublas_scale_layout_and_replays(in_features):
 
 
 def test_large_prefill_runs_the_one_dot_per_step_fp4_moe_in_a_breakable_graph(monkeypatch):
-    """A large prefill chunk (2304 tokens at dsv4-mini-fp8's top-4: moe_config's 128-row tiles):
+    """A large prefill chunk (4352 tokens at dsv4-mini-fp8's top-4: moe_config's 128-row tiles):
     the bf16 decode with one dot per 128-input step (pair decode) runs inside the captured
     segments, replays equal eager, and stays close to the fp8 variant it replaced."""
     from dsv4_kernels import fp4_moe
@@ -97,7 +105,7 @@ def test_large_prefill_runs_the_one_dot_per_step_fp4_moe_in_a_breakable_graph(mo
     steps = []
     real = fp4_moe.moe_config
     monkeypatch.setattr(fp4_moe, "moe_config", lambda *a: (lambda c: steps.append(bool(c.get("step_dot"))) or c)(real(*a)))
-    n = 2304  # > 8192 / 4 (128-row tiles), a multiple of 256
+    n = 4352  # > 16384 / 4 (128-row tiles), a multiple of 256
     tokens = torch.randint(2, 32768, (n,), generator=torch.Generator().manual_seed(11)).tolist()
 
     def runner(bcg):
@@ -121,4 +129,7 @@ def test_large_prefill_runs_the_one_dot_per_step_fp4_moe_in_a_breakable_graph(mo
     cos_bcg = F.cosine_similarity(got_bcg.float(), got_eager.float(), dim=0).item()
     cos_fp8 = F.cosine_similarity(got_fp8.float(), got_eager.float(), dim=0).item()
     print(f"dsv4-mini-fp8 {n} tokens, one-dot bf16 MoE: BCG vs eager cos {cos_bcg:.6f}, vs the fp8 variant {cos_fp8:.6f}")
-    assert cos_bcg > 0.9999 and cos_fp8 > 0.999
+    # BCG against eager: one shape, one set of kernels. The fp8 variant sums in another order
+    # (tensor cores accumulate partials per block), which release numerics amplify as above:
+    # 0.99966 and 0.99665 on an H200 at 2304 tokens (sessions 10 and 13).
+    assert cos_bcg > 0.9999 and cos_fp8 > 0.99
