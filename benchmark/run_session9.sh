@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sessions 9-11 (one H200, Flash dims with 20 layers): issue 12's measurements, as items run
+# Sessions 9-13 (one H200, Flash dims with 20 layers): issue 12's measurements, as items run
 # in the order given while the call's time budget lasts. An item starts only if its usual time
 # fits in what is left, and is cut at what is left; every log goes into one tarball under $OUT
 # (a call returns at most 8 files), rewritten after each item so a cut call still returns it.

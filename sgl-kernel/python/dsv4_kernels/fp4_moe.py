@@ -332,17 +332,17 @@ def moe_config(T: int, topk: int, variant: str = "bf16",
     From 97 assignments one dot per 128-input step (step_dot), 16-row tiles up to ~12 rows per
     expert, 32-row tiles up to ~32, 64-row tiles up to ~64, then 128-row tiles: the cost is
     per tile (each decodes its expert's weights), so the narrowest tile that holds an expert's
-    rows wins. Measured on an H200 (benchmark/results/session10/ and session12/, 128-expert
+    rows wins. Measured on an H200 (benchmark/results/session10/ and session13/, 128-expert
     shard, release numerics, ms): 16-row tiles 1.30 / 1.47 against 64-row tiles' 2.50 / 2.52
     at T = 256 / 512; 32-row 1.89 against 2.46 (16-row) and 2.58 (64-row) at T = 1024; 64-row
-    tiles with 4 warps 2.42 / 2.43 against 128-row tiles' 3.28 / 3.34 at T = 1536 / 2048; and
-    128 x 128 / 128 x 256 tiles 3.25 / 3.29 against 64-row tiles' 4.48 / 5.02 at T = 3072 /
-    4096 (two 64-row tiles per expert). num_stages is the software pipeline depth. The fp8
-    variant keeps its own tiles (16 rows to 1024 assignments, then 64): its per-chunk fp32
-    partials on top of the two gate/up accumulators spill with 128-row tiles in an sm_90
-    compile (64 B of stack). fp32 activations (x_dtype) double every operand tile, and the wide
-    128-row tiles would need 288 KiB of shared memory (sm_90 has 227): they keep 64 / 128-wide
-    N tiles.
+    tiles with 4 warps 2.42 / 2.43 / 2.99 against 128-row tiles' 3.28 / 3.34 / 3.25 at
+    T = 1536 / 2048 / 2560; and 128 x 128 / 128 x 256 tiles 3.29 / 3.25 / 3.29 against 64-row
+    tiles' 3.66 / 4.48 / 5.02 at T = 2816 / 3072 / 4096 (some experts need two 64-row tiles).
+    num_stages is the software pipeline depth. The fp8 variant keeps its own tiles (16 rows to
+    1024 assignments, then 64): its per-chunk fp32 partials on top of the two gate/up
+    accumulators spill with 128-row tiles in an sm_90 compile (64 B of stack). fp32
+    activations (x_dtype) double every operand tile, and the wide 128-row tiles would need
+    288 KiB of shared memory (sm_90 has 227): they keep 64 / 128-wide N tiles.
 
     step_dot (bf16 decode only): one dot per 128-input step instead of one per 32-input chunk,
     from 97 assignments up, where it was measured faster than the per-chunk dots and than the
