@@ -56,7 +56,7 @@ def _owner(event) -> str:
 def attribute(fn, cuda: bool) -> list:
     """[((module, op), calls, ms, first input shapes)], largest first. A kernel counts toward the
     innermost op around its launch (time the profiler gives a module's own range, if any, is
-listed as that module's "(outside torch ops)")."""
+    listed as that module's "(outside torch ops)")."""
     fn()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
                  record_shapes=True) as prof:

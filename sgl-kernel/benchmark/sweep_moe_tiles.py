@@ -25,13 +25,12 @@ ALTERNATIVES = {  # T -> tile changes tried beside moe_config(T)'s own
     256: [dict(B16, num_stages=3), dict(B16, block_n_up=128, block_n_down=128),
           dict(block_m=32, block_n_down=128, num_stages=3), dict(block_m=64, num_warps=8, num_stages=3)],
     512: [dict(block_m=32, block_n_down=128, num_stages=3), dict(block_m=64, num_warps=8, num_stages=3)],
-    1024: [B16, dict(block_m=64, num_warps=8), dict(block_m=64, num_warps=4),
-           dict(block_m=64, block_n_up=64, num_warps=4)],
+    1024: [B16, dict(block_m=64, num_warps=8), dict(block_m=64, num_warps=4)],
     # session 11: 64-row tiles beat 128-row ones at T = 2048 (about 48 rows per expert);
     # session 13 moved the tier there and checks both sides of its edge (2560 / 2816)
-    1536: [dict(block_m=64, block_n_up=64), dict(block_m=64, block_n_up=64, num_warps=4)],
-    2048: [dict(block_m=64, block_n_up=64), dict(block_m=64, block_n_up=64, block_n_down=64),
-           dict(block_m=64, block_n_up=128), dict(block_m=64, block_n_up=64, num_warps=4)],
+    1536: [dict(num_warps=8), dict(block_m=128, block_n_up=128, num_warps=8)],
+    2048: [dict(num_warps=8), dict(block_n_down=64), dict(block_n_up=128),
+           dict(block_m=128, block_n_up=128, num_warps=8)],
     2560: [dict(block_m=128, block_n_up=128, block_n_down=256, num_warps=8)],
     2816: [dict(block_m=64, block_n_up=64, block_n_down=128, num_warps=4)],
     3072: [dict(block_m=64, block_n_up=64), dict(block_m=64, block_n_up=64, num_warps=4)],

@@ -114,7 +114,7 @@ def test_default_variant_follows_the_batch():
     # fp32 activations keep the narrower 128-row tiles (the wide ones exceed sm_90's shared memory)
     assert fp4_moe.moe_config(8192, 6, "bf16", torch.float32)["block_n_up"] == 64
     # rows per tile follow rows per expert (~ M / 256): 16 up to 3072 assignments, then 32 up
-    # to 8192, 64 up to 16384, then 128 (the sweeps of sessions 10 and 12)
+    # to 8192, 64 up to 16384, then 128 (the sweeps of sessions 10, 11 and 13)
     assert [fp4_moe.moe_config(T, 6)["block_m"] for T in (17, 512, 513, 1365, 1366, 2730, 2731)] == \
         [16, 16, 32, 32, 64, 64, 128]
     assert fp4_moe.moe_config(2048, 6, "bf16", torch.float32)["block_m"] == 64
