@@ -205,6 +205,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--segment-kernels", default="auto", choices=("auto", "on", "off"),
                    help="dsv4_kernels ops inside graph segments (auto: with the Triton attention core)")
+    p.add_argument("--moe-backend", default="auto", choices=("auto", "torch", "triton", "humming"),
+                   help="who multiplies the FP4 routed experts (server_args --moe-backend)")
     p.add_argument("--quant-numerics", default="release", choices=["weight_only", "release"],
                    help="for release-format models (*-fp8 presets, FP8/FP4 checkpoints)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
@@ -240,7 +242,7 @@ def server_args_for(a: argparse.Namespace, dp_size: int = 1) -> ServerArgs:
         breakable_cuda_graph_max_tokens=max_tokens, disable_cuda_graph=not decode,
         cuda_graph_max_bs=max_tokens if decode else None, attention_backend=a.attention_backend,
         segment_kernels=a.segment_kernels, quant_numerics=a.quant_numerics, kv_cache_dtype=a.kv_cache_dtype,
-        enable_dp_attention=dp_size > 1, dp_size=dp_size,
+        moe_backend=a.moe_backend, enable_dp_attention=dp_size > 1, dp_size=dp_size,
     ).resolve(cuda_available=torch.cuda.is_available())
 
 

@@ -103,7 +103,8 @@ def test_align_groups_every_assignment_once_in_single_expert_blocks(device):
             assert (flat[rows] == e).all()
 
 
-@pytest.mark.parametrize("E,T,topk,block_m", [(8, 37, 3, 16), (256, 1, 6, 16), (5, 16, 2, 64)])
+@pytest.mark.parametrize("E,T,topk,block_m", [(8, 37, 3, 16), (256, 1, 6, 16), (5, 16, 2, 64), (256, 90, 6, 8),
+                                             (128, 600, 6, 32)])
 def test_one_kernel_align_equals_the_torch_align(device, monkeypatch, E, T, topk, block_m):
     require_triton()
     from dsv4_kernels import moe
@@ -111,10 +112,15 @@ def test_one_kernel_align_equals_the_torch_align(device, monkeypatch, E, T, topk
     assert T * topk <= moe.ALIGN_ONE_KERNEL_MAX_M  # small batches take the one-kernel path
     ids = torch.randint(-2, E + 2, (T, topk), dtype=torch.int32, device=device)
     ids[0, 0] = E - 1
-    fast = moe.moe_align(ids, E, block_m)
+    fast = moe.moe_align(ids, E, block_m, return_used=True)
     monkeypatch.setattr(moe, "ALIGN_ONE_KERNEL_MAX_M", 0)
-    slow = moe.moe_align(ids, E, block_m)
+    slow = moe.moe_align(ids, E, block_m, return_used=True)
     assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+    # the entries in use: every used block (they come first) times block_m, on both paths
+    used_blocks = int((fast[1] < E).sum())
+    assert (fast[1][:used_blocks] < E).all()
+    assert fast[2].dtype == slow[2].dtype == torch.int32 and fast[2].dim() == 0
+    assert int(fast[2]) == int(slow[2]) == used_blocks * block_m
 
 
 @pytest.mark.parametrize("swiglu_limit", [0.0, 0.7])

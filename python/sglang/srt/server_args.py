@@ -20,6 +20,7 @@ QUANT_NUMERICS = ("weight_only", "release")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model dtype
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SEGMENT_KERNELS = ("auto", "on", "off")
+MOE_BACKENDS = ("auto", "torch", "triton", "humming")  # layers/moe/backends/
 SCHEDULE_POLICIES = ("fcfs",)
 LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
 DP_IDLE_POLICIES = ("replay", "eager")
@@ -73,6 +74,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     debug_cuda_graph: bool = False
     segment_kernels: str = "auto"
+    moe_backend: str = "auto"
     # data parallel attention and multi-node
     enable_dp_attention: bool = False
     dp_size: int = 1
@@ -161,8 +163,13 @@ class ServerArgs:
                 f"--breakable-cuda-graph-tokens has {max(self.breakable_cuda_graph_tokens)}, "
                 f"above --breakable-cuda-graph-max-tokens {bcg_max}"
             )
+        from sglang.srt.layers.moe.backends import resolve_moe_backend
         from sglang.srt.layers.quantization import QuantMode
 
+        import torch
+
+        moe_backend = resolve_moe_backend(self.moe_backend, device, getattr(torch, dtype), segment_kernels,
+                                          fp4_experts=model_config.fp4_experts)
         return dataclasses.replace(
             self,
             device=device,
@@ -178,6 +185,7 @@ class ServerArgs:
             chunked_prefill_size=self.chunked_prefill_size or _DEFAULT_CHUNKED_PREFILL_SIZE[pick],
             attention_backend=attention_backend,
             segment_kernels="on" if segment_kernels else "off",
+            moe_backend=moe_backend,
             breakable_cuda_graph_max_tokens=bcg_max,
             cuda_graph_max_bs=self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick],
             resolved=True,
@@ -249,7 +257,7 @@ def _validate(a: ServerArgs) -> None:
         ("quant_numerics", QUANT_NUMERICS), ("kv_cache_dtype", KV_CACHE_DTYPES),
         ("attention_backend", ATTENTION_BACKENDS), ("schedule_policy", SCHEDULE_POLICIES),
         ("load_balance_method", LOAD_BALANCE_METHODS), ("dp_idle_policy", DP_IDLE_POLICIES),
-        ("log_level", LOG_LEVELS), ("moe_dispatcher", MOE_DISPATCHERS),
+        ("log_level", LOG_LEVELS), ("moe_dispatcher", MOE_DISPATCHERS), ("moe_backend", MOE_BACKENDS),
     ):
         if getattr(a, name) not in choices:
             raise ValueError(f"--{_flag(name)} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
@@ -328,6 +336,11 @@ _HELP = {
                        "compressors, indexer, MoE) through sgl-kernel's dsv4_kernels ops: auto = exactly when the "
                        "attention backend resolves to triton; on = also elsewhere (on CPU: their torch "
                        "references); off = the model's own torch code",
+    "moe_backend": "who multiplies the FP4 routed experts of release-format models: humming (humming-kernels' "
+                   "W4A8 / W4A16 GEMMs; CUDA, compute capability 9.0+, bf16 models; the optional extra "
+                   "sglang-dsv4[humming]), triton (sgl-kernel's FP4 MoE), torch (the reference); auto = humming "
+                   "where it can run, else triton with segment kernels, else torch. bf16 experts follow "
+                   "--segment-kernels (only auto)",
     "model_path": "preset name (dsv4-tiny, dsv4-mini, dsv4-flash-slice, dsv4-flash, or a release-format "
                   "*-fp8 variant of the first three) or a directory with config.json and *.safetensors "
                   "[+ tokenizer.json]",
@@ -379,7 +392,7 @@ _CHOICES = {
     "quant_numerics": QUANT_NUMERICS, "kv_cache_dtype": KV_CACHE_DTYPES,
     "schedule_policy": SCHEDULE_POLICIES, "load_balance_method": LOAD_BALANCE_METHODS,
     "dp_idle_policy": DP_IDLE_POLICIES, "log_level": LOG_LEVELS, "moe_dispatcher": MOE_DISPATCHERS,
-    "segment_kernels": SEGMENT_KERNELS,
+    "segment_kernels": SEGMENT_KERNELS, "moe_backend": MOE_BACKENDS,
 }
 _INT_FIELDS = {"num_layers", "random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
                "chunked_prefill_size", "breakable_cuda_graph_max_tokens", "cuda_graph_max_bs", "dp_size", "nnodes",

@@ -20,50 +20,61 @@ from .host_math import cdiv, next_power_of_2
 
 BLOCK_M = 64
 SUM_BLOCK_D = 1024
-ALIGN_ONE_KERNEL_MAX_M = 128  # moe_align in one small kernel up to this many assignments
+ALIGN_ONE_KERNEL_MAX_M = 4096  # moe_align in one kernel up to this many assignments
 
 
 @triton.jit
-def _align_small_kernel(
-    ids_ptr, sorted_ptr, block_expert_ptr, M, E, CAP, MAX_BLOCKS,
-    BLOCK_M: tl.constexpr, MP: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr,
+def _align_one_kernel(
+    ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, M, E, CAP, MAX_BLOCKS,
+    BLOCK_M: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
 ):
-    """moe_align's result for M <= MP assignments in one program (decode batches: the torch
-    version is ~25 tiny launches, tens of microseconds, about as long as the experts' GEMMs).
-    Same layout: expert x's assignments in their original order from group_start[x]."""
-    i = tl.arange(0, MP)
-    valid = i < M
-    e = tl.load(ids_ptr + i, mask=valid, other=-1).to(tl.int32)
-    group = tl.where(valid & (e >= 0) & (e < E), e, E)
+    """moe_align's result in one program (decode and mid-size batches: the torch version is
+    ~25 tiny launches, tens of microseconds, about as long as the experts' GEMMs at decode).
+    Two passes over the assignments, CHUNK at a time, each a one-hot [CHUNK, EP] against the
+    experts: the counts, then each assignment's slot = its expert's group start + the earlier
+    assignments of that expert (a stable sort's order), so the work is O(M x E / threads)."""
     ex = tl.arange(0, EP)
-    onehot = group[:, None] == ex[None, :]  # [MP, EP]; skipped assignments match no column
-    counts = tl.sum(onehot.to(tl.int32), axis=0)
+    counts = tl.zeros([EP], tl.int32)
+    for a0 in range(0, M, CHUNK):
+        i = a0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + i, mask=i < M, other=-1).to(tl.int32)
+        valid = (i < M) & (e >= 0) & (e < E)  # skipped assignments match no column
+        onehot = (e[:, None] == ex[None, :]) & valid[:, None]
+        counts += tl.sum(onehot.to(tl.int32), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
     group_start = padded_end - padded
-    # Rank within the expert: earlier assignments of the same expert (a stable sort's order).
-    same = (group[:, None] == group[None, :]) & (i[None, :] < i[:, None])
-    rank = tl.sum(same.to(tl.int32), axis=1)
-    dest = tl.sum(tl.where(onehot, group_start[None, :], 0), axis=1) + rank
-    for p0 in range(0, CAP, CHUNK):  # padding slots hold the sentinel M
-        p = p0 + tl.arange(0, CHUNK)
-        tl.store(sorted_ptr + p, tl.zeros([CHUNK], tl.int32) + M, mask=p < CAP)
+    tl.store(used_ptr, tl.sum(padded, axis=0))
+    for p0 in range(0, CAP, FILL):  # padding slots hold the sentinel M
+        p = p0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + p, tl.zeros([FILL], tl.int32) + M, mask=p < CAP)
     tl.debug_barrier()  # the sentinel fill lands before the scatter (other threads' slots)
-    tl.store(sorted_ptr + dest, i, mask=group < E)
-    for b0 in range(0, MAX_BLOCKS, CHUNK):  # block b: experts whose padded group ends <= b*BM
-        b = b0 + tl.arange(0, CHUNK)
+    seen = tl.zeros([EP], tl.int32)
+    for a0 in range(0, M, CHUNK):
+        i = a0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + i, mask=i < M, other=-1).to(tl.int32)
+        valid = (i < M) & (e >= 0) & (e < E)
+        onehot = ((e[:, None] == ex[None, :]) & valid[:, None]).to(tl.int32)
+        before = tl.cumsum(onehot, axis=0) - onehot + seen[None, :]  # earlier ones of that expert
+        dest = tl.sum(onehot * (before + group_start[None, :]), axis=1)
+        tl.store(sorted_ptr + dest, i, mask=valid)
+        seen += tl.sum(onehot, axis=0)
+    for b0 in range(0, MAX_BLOCKS, FILL):  # block b: experts whose padded group ends <= b*BM
+        b = b0 + tl.arange(0, FILL)
         done = (padded_end[None, :] <= (b * BLOCK_M)[:, None]) & (ex[None, :] < E)
         tl.store(block_expert_ptr + b, tl.sum(done.to(tl.int32), axis=1), mask=b < MAX_BLOCKS)
 
 
-def moe_align(ids, num_experts: int, block_m: int = BLOCK_M):
+def moe_align(ids, num_experts: int, block_m: int = BLOCK_M, return_used: bool = False):
     """Assignment indices (t * topk + k) grouped by expert, each expert's group padded to a
     multiple of block_m; padding holds the sentinel M = T * topk. Assignments whose id is
     outside [0, num_experts) are left out entirely (no block computes them).
 
     Returns (sorted_ids [max_blocks * block_m] int32, block_expert [max_blocks] int32 with
-    num_experts for unused blocks). max_blocks = cdiv(M, block_m) + min(E, M) bounds the
-    blocks any routing can need (each non-empty expert adds at most one partial block)."""
+    num_experts for unused blocks), and with return_used also the number of sorted_ids entries
+    in use (the used blocks x block_m, an int32 0-dim device tensor: the used blocks come
+    first). max_blocks = cdiv(M, block_m) + min(E, M) bounds the blocks any routing can need
+    (each non-empty expert adds at most one partial block)."""
     M = ids.numel()
     device = ids.device
     max_blocks = cdiv(M, block_m) + min(num_experts, M)
@@ -72,11 +83,13 @@ def moe_align(ids, num_experts: int, block_m: int = BLOCK_M):
                                             == "1"):
         sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
         block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
-        _align_small_kernel[(1,)](
-            ids.reshape(-1).contiguous(), sorted_ids, block_expert, M, num_experts, capacity,
-            max_blocks, BLOCK_M=block_m, MP=max(16, next_power_of_2(M)),
-            EP=max(16, next_power_of_2(num_experts)), CHUNK=128, num_warps=16)
-        return sorted_ids, block_expert
+        used = torch.empty((), dtype=torch.int32, device=device)
+        ep = max(16, next_power_of_2(num_experts))
+        _align_one_kernel[(1,)](
+            ids.reshape(-1).contiguous(), sorted_ids, block_expert, used, M, num_experts, capacity,
+            max_blocks, BLOCK_M=block_m, EP=ep, CHUNK=max(16, min(next_power_of_2(M), 8192 // ep)),
+            FILL=128, num_warps=16)
+        return (sorted_ids, block_expert, used) if return_used else (sorted_ids, block_expert)
     flat = ids.reshape(-1).long()
     # Skipped assignments form one extra group (index E) that sorts after every real expert.
     group = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
@@ -96,6 +109,8 @@ def moe_align(ids, num_experts: int, block_m: int = BLOCK_M):
     sorted_ids = sorted_ids[:capacity]  # drop the trash slot
     block_start = torch.arange(max_blocks, device=device) * block_m
     block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    if return_used:
+        return sorted_ids, block_expert, padded_end[-1].to(torch.int32)
     return sorted_ids, block_expert
 
 

@@ -20,7 +20,8 @@ from sglang.srt.layers.attention.dsv4.compressor import Compressor
 from sglang.srt.layers.attention.dsv4.indexer import Indexer
 from sglang.srt.layers.layernorm import RMSNorm, rms_normalize
 from sglang.srt.layers.mhc import HyperConnection, HyperHead
-from sglang.srt.layers.moe.experts import DeepseekV4MoE
+from sglang.srt.layers.moe.backends import make_fp4_backend
+from sglang.srt.layers.moe.experts import DeepseekV4MoE, Fp4RoutedExperts
 from sglang.srt.layers.quantization import BF16, QuantMode
 from sglang.srt.layers.quantization.fp8_linear import Fp8BlockLinear, dense_weight, make_linear
 from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_
@@ -249,6 +250,16 @@ class DeepseekV4ForCausalLM(nn.Module):
             if hasattr(module, "use_tensor_core_gemms"):
                 module.use_tensor_core_gemms(self.dtype, enabled)
         self._use_bf16_head(enabled and tensor_core_eligible(self.dtype, self.head.weight.device))
+
+    def use_moe_backend(self, name: str) -> None:
+        """Post-load step (ModelRunner calls it with the resolved --moe-backend): the FP4 routed
+        experts of every layer multiply with that backend from now on (layers/moe/backends/;
+        humming moves the weights into its own layout here, once). bf16 experts, and the MTP
+        layers (never run), keep what they have. Never inside graph capture."""
+        backend = make_fp4_backend(name)  # one object: its tuned configurations are read once
+        for module in self.layers.modules():
+            if isinstance(module, Fp4RoutedExperts):
+                module.use_backend(backend)
 
     def _use_bf16_head(self, want: bool) -> None:
         """The LM head on bf16 tensor cores: its fp32 weight replaced by the bf16 copy when that

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.layers.moe.backends import Fp4MoEBackend, make_fp4_backend
 from sglang.srt.layers.moe.ep_dispatch import dispatch_and_compute
 from sglang.srt.layers.quantization import BF16, QuantMode
 from sglang.srt.layers.quantization.fp8_linear import make_linear
@@ -123,16 +124,20 @@ class RoutedExperts(nn.Module):
 
 
 class Fp4RoutedExperts(RoutedExperts):
-    """Routed experts in the release format, kept packed: w1/w3 int8 [E_local, inter, d/2],
-    w2 int8 [E_local, d, inter/2] (two e2m1 codes per byte, element 2j in the low nibble) and
-    w*_scale uint8 raw e8m0 bytes [E_local, out, in/32]. Both paths are sgl-kernel's
-    fp4_fused_moe contract (the Triton kernel on CUDA, quant_reference.fp4_moe_ref otherwise),
-    with the same duplicate-id, weight-before-W2 and shard semantics as the bf16 experts."""
+    """Routed experts in the release format, kept packed as loaded: w1/w3 int8 [E_local, inter,
+    d/2], w2 int8 [E_local, d, inter/2] (two e2m1 codes per byte, element 2j in the low nibble)
+    and w*_scale uint8 raw e8m0 bytes [E_local, out, in/32]. Who multiplies them is a backend
+    (layers/moe/backends/: the torch reference, sgl-kernel's Triton kernel, humming), attached
+    after load by `use_backend` (which may move the tensors into the backend's own layout); until
+    then the Triton one (the reference on CPU tensors). Every backend keeps the duplicate-id,
+    weight-before-W2 and shard semantics of the bf16 experts (quant_reference.fp4_moe_ref)."""
 
     def __init__(self, n_experts: int, dim: int, inter: int, limit: float, act_quant: bool,
-                 expert_range: Optional[Tuple[int, int]] = None):
+                 expert_range: Optional[Tuple[int, int]] = None, model_dtype: torch.dtype = torch.bfloat16):
         self.act_quant = act_quant
         super().__init__(n_experts, dim, inter, limit, torch.int8, expert_range)
+        self.model_dtype = model_dtype  # the activations' dtype (the parameters are packed bytes)
+        self.backend = make_fp4_backend("triton")
 
     def _alloc(self, n_local: int, dim: int, inter: int, dtype: torch.dtype) -> None:
         for name, (rows, cols) in (("w1", (inter, dim)), ("w2", (dim, inter)), ("w3", (inter, dim))):
@@ -143,17 +148,22 @@ class Fp4RoutedExperts(RoutedExperts):
             setattr(self, f"{name}_scale", nn.Parameter(
                 torch.full((n_local, rows, cols // FP4_BLOCK), 127, dtype=torch.uint8), requires_grad=False))
 
+    def use_backend(self, backend: Fp4MoEBackend) -> None:
+        """Post-load, once, outside graph capture: multiply with `backend` from now on."""
+        if backend.name == self.backend.name:
+            return
+        if self.backend.name == "humming":  # the packed originals are gone
+            raise RuntimeError("FP4 experts already moved to the humming backend's layout")
+        backend.prepare(self)
+        self.backend = backend
+
+    def expert_tensors(self) -> dict:
+        """The device tensors holding these experts' weights, in whatever layout the backend keeps."""
+        return dict(list(self.named_parameters(recurse=False)) + list(self.named_buffers(recurse=False)))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, d], weights/ids [T, k] -> fp32 [T, d]."""
-        args = (x, self.w1, self.w1_scale, self.w3, self.w3_scale, self.w2, self.w2_scale, self._local_ids(ids),
-                weights, self.limit)
-        kernels = segment_kernel_ops()
-        if kernels is not None:
-            out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-            return kernels.fp4_fused_moe(*args, out, self.act_quant)
-        from dsv4_kernels.quant_reference import fp4_moe_ref
-
-        return fp4_moe_ref(*args, self.act_quant)
+        return self.backend.forward(self, x, weights, self._local_ids(ids))
 
 
 class DeepseekV4MoE(nn.Module):
@@ -166,7 +176,8 @@ class DeepseekV4MoE(nn.Module):
         self.gate = Gate(d, config.n_routed_experts, config.num_experts_per_tok,
                          config.routed_scaling_factor, config.scoring_func, hash_vocab, dtype)
         if quant.fp4_experts:
-            self.experts = Fp4RoutedExperts(config.n_routed_experts, d, inter, limit, quant.act_quant, expert_range)
+            self.experts = Fp4RoutedExperts(config.n_routed_experts, d, inter, limit, quant.act_quant, expert_range,
+                                            dtype)
         else:
             self.experts = RoutedExperts(config.n_routed_experts, d, inter, limit, dtype, expert_range)
         self.experts.may_repeat_ids = hash_vocab is not None

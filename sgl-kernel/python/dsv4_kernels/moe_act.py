@@ -1,0 +1,119 @@
+"""The step between an external MoE's two expert GEMMs, and the activation rounding before the
+first, as one Triton launch each (the humming backend's glue: layers/moe/backends/humming.py).
+
+- `quantize_rows(x)`: x [M, K] -> e4m3 [M, K] + fp32 power-of-two scales [M, K / 128],
+  row-major (the layout a GEMM that takes per-row group scales reads), the values of
+  quant_reference.quantize_fp8_blocks.
+- `swiglu_weight_quant(gu, weights, limit, act_dtype, fp8)`: gu [M, 2I] (gate | up halves, any
+  float dtype) -> h = act_dtype(SwiGLU_clamped(gate, up) * weight[m]) computed in fp32, and with
+  fp8 also rounded to e4m3 per 128 with its scales, exactly as quant_reference.fp4_moe_ref
+  rounds the weighted activation before W2. Rows whose weight is 0 still produce finite output.
+
+Graph-safe: static shapes, no host syncs; grids depend only on the tensor shapes.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_gemm import INV_E4M3_MAX, e4m3_bits, pow2_recip, pow2_scale
+from .host_math import cdiv, next_power_of_2
+
+QBLOCK = 128  # FP8 activation scale block
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
+                       BLOCKS: tl.constexpr, QB: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    kb = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    offs = kb[:, None] * QB + tl.arange(0, QB)[None, :]
+    mask = offs < K
+    x = tl.load(x_ptr + m * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = pow2_scale(tl.max(tl.abs(x), axis=1), INV_E4M3_MAX)
+    v = tl.minimum(tl.maximum(x * pow2_recip(scale)[:, None], -448.0), 448.0)
+    tl.store(q_ptr + m * stride_q + offs, e4m3_bits(v), mask=mask)
+    tl.store(s_ptr + m * stride_s + kb, scale, mask=kb * QB < K)
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), still fp32: by its bits, so the result is
+    the same compiled and under the interpreter (whose fp32 -> bf16 cast truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # 0xFFFF0000 as an int32
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _swiglu_quant_kernel(gu_ptr, w_ptr, h_ptr, s_ptr, I, stride_gu, stride_h, stride_s, limit,
+                         ACT_DTYPE: tl.constexpr, HAS_LIMIT: tl.constexpr, FP8: tl.constexpr,
+                         BLOCKS: tl.constexpr, QB: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    kb = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    offs = kb[:, None] * QB + tl.arange(0, QB)[None, :]
+    mask = offs < I
+    g = tl.load(gu_ptr + m * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + m * stride_gu + I + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_LIMIT:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    w = tl.load(w_ptr + m).to(tl.float32)
+    # rounded to the activation dtype first, as the reference rounds before its FP8 step
+    h = g / (1.0 + tl.exp(-g)) * u * w
+    if ACT_DTYPE == tl.bfloat16:
+        h = _round_bf16(h)
+    h = h.to(ACT_DTYPE)
+    if FP8:
+        h = h.to(tl.float32)
+        scale = pow2_scale(tl.max(tl.abs(h), axis=1), INV_E4M3_MAX)
+        v = tl.minimum(tl.maximum(h * pow2_recip(scale)[:, None], -448.0), 448.0)
+        tl.store(h_ptr + m * stride_h + offs, e4m3_bits(v), mask=mask)  # h viewed as uint8
+        tl.store(s_ptr + m * stride_s + kb, scale, mask=kb * QB < I)
+    else:
+        tl.store(h_ptr + m * stride_h + offs, h, mask=mask)
+
+
+def _blocks_per_program(K: int) -> int:
+    return min(8, next_power_of_2(cdiv(K, QBLOCK)))
+
+
+def quantize_rows(x: torch.Tensor, q: torch.Tensor | None = None, s: torch.Tensor | None = None):
+    """x [M, K] (K % 128 == 0) -> (e4m3 [M, K], fp32 scales [M, K / 128] row-major); q and s may
+    be given (preallocated outputs)."""
+    M, K = x.shape
+    if K % QBLOCK or x.stride(-1) != 1:
+        raise ValueError(f"quantize_rows: x [{M}, {K}] needs K % {QBLOCK} == 0 and unit stride")
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device) if q is None else q
+    s = torch.empty(M, K // QBLOCK, dtype=torch.float32, device=x.device) if s is None else s
+    if M:
+        blocks = _blocks_per_program(K)
+        _quant_rows_kernel[(M, cdiv(K // QBLOCK, blocks))](
+            x, q.view(torch.uint8), s, K, x.stride(0), q.stride(0), s.stride(0), BLOCKS=blocks,
+            QB=QBLOCK, num_warps=4)
+    return q, s
+
+
+def swiglu_weight_quant(gu: torch.Tensor, weights: torch.Tensor, limit: float,
+                        act_dtype: torch.dtype, fp8: bool, h: torch.Tensor | None = None,
+                        s: torch.Tensor | None = None):
+    """gu [M, 2I], weights [M] -> (h [M, I], scales [M, I / 128] or None): see the module
+    docstring. h is e4m3 with fp8, act_dtype otherwise."""
+    M, two_i = gu.shape
+    I = two_i // 2
+    if two_i % 2 or (fp8 and I % QBLOCK) or gu.stride(-1) != 1 or weights.numel() != M:
+        raise ValueError(f"swiglu_weight_quant: gu [{M}, {two_i}], weights {tuple(weights.shape)}"
+                         f" (fp8 needs I % {QBLOCK} == 0)")
+    if h is None:
+        h = torch.empty(M, I, dtype=torch.float8_e4m3fn if fp8 else act_dtype, device=gu.device)
+    if fp8 and s is None:
+        s = torch.empty(M, I // QBLOCK, dtype=torch.float32, device=gu.device)
+    if M:
+        blocks = _blocks_per_program(I)
+        _swiglu_quant_kernel[(M, cdiv(cdiv(I, QBLOCK), blocks))](
+            gu, weights.reshape(-1), h.view(torch.uint8) if fp8 else h, s if fp8 else h, I,
+            gu.stride(0), h.stride(0), s.stride(0) if fp8 else 0, float(limit),
+            ACT_DTYPE=_TL_DTYPE[act_dtype], HAS_LIMIT=limit > 0, FP8=fp8,
+            BLOCKS=blocks, QB=QBLOCK, num_warps=4)
+    return h, (s if fp8 else None)
