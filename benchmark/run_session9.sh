@@ -56,7 +56,7 @@ run_item() {  # $1 item, $2 seconds it may take
     ncu)  # the FP4 MoE kernels under Nsight Compute (counters on Firecracker machines only)
       local sec="--section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis
         --section LaunchStats --section ComputeWorkloadAnalysis"
-      for spec in "gemv 64 _gemv_gate_up" "gemv 64 _gemv_down" "fp8 256 _fp4_gate_up" "bf16 4096 _fp4_gate_up"; do
+      for spec in "gemv 64 _gemv_gate_up" "gemv 64 _gemv_down" "bf16 4096 _fp4_gate_up"; do
         set -- $spec
         timeout $(( lim / 4 )) ncu --clock-control none --kernel-name regex:$3 --launch-skip 1 --launch-count 1 $sec \
           python sgl-kernel/benchmark/ncu_fp4_moe.py --variant $1 --t $2 > "$LOGS/ncu_${1}_$2$3.log" 2>&1

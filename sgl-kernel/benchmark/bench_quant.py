@@ -7,21 +7,18 @@
   device passed its probe; skipped with the reason elsewhere).
   TFLOP/s vs the dense FP8 (1979) and bf16 (989) peaks; GB/s (weight + scales + x + out) vs
   4.8 TB/s HBM.
-- FP4 MoE (fp4_moe.fp4_fused_moe, all decodes; the bf16 one beside its other K step:
+- FP4 MoE (fp4_moe.fp4_fused_moe, both variants; the bf16 one beside its other K step:
   bf16_release_step = one dot per 128-input step where moe_config runs one per 32-input chunk,
   bf16_release_chunk = the reverse where moe_config's tiles already step, and there
   bf16_release_bitdecode = the step's decode by _e2m1_scaled instead of the pair decode; the gemv one at
   T <= GEMV_MAX_T, with tile
   alternatives where they differ from gemv_config's: gemv_release_bm1 / _bm4 = 1 / 4 rows
   per expert block, _narrow / _wide = the small-batch (16/32 x 512) / larger-batch
-  (64 x 128) N x K tiles; the grouped one (bf16 decode + torch._grouped_mm) at T >=
-  GROUPED_MIN_T, with grouped_release_g8 / _g32 = 8 / 32 experts per decoded group beside the
-  default 16, grouped_release_g8_overlap = G = 8 with the next group's decode on a side
-  stream, and grouped_decode_only = its weight decodes alone) at Flash's expert dims (hidden 4096, inter
+  (64 x 128) N x K tiles) at Flash's expert dims (hidden 4096, inter
   2048, top-6 of 256, uniformly random ids): one rank's 128 experts (ids >= 128 skipped, as a
   shard sees them) and all 256. GB/s counts the weight bytes actually touched (distinct local
   experts hit x bytes per expert, scales included); TFLOP/s counts the local assignments'
-  three GEMMs.
+  three GEMMs. The MoE backends side by side (humming beside this kernel): bench_moe_backends.py.
 
 Every configuration is run once (compiled) before any is timed; each time is the median of
 REPS graph replays, with the 10th-90th percentile spread.
@@ -62,11 +59,6 @@ ALT_LARGE_TILE = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)
 MOE_D, MOE_I, MOE_E, MOE_TOPK = 4096, 2048, 256, 6
 MOE_T = [1, 16, 64, 256, 1024, 4096, 8192]
 GEMV_MAX_T = 256  # the gemv decode is for decode-sized batches: not timed beyond
-GROUPED_MIN_T = 1024  # the grouped variant is for large batches: not timed below
-# Experts per decoded group beside the default, and G = 8 with the next group's decode
-# overlapped on a side stream (opt-in: two slots of decoded weights).
-GROUPED_ALTS = (({"group_experts": 8}, "_g8"), ({"group_experts": 32}, "_g32"),
-                ({"group_experts": 8, "overlap": True}, "_g8_overlap"))
 
 
 def _graph(fn):
@@ -229,8 +221,7 @@ def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
             cfg = fp4_moe.moe_config(T, MOE_TOPK)
             other_step = (dict(cfg, step_dot=False), "_chunk") if cfg.get("step_dot") else \
                 (dict(cfg, step_dot=True), "_step")
-            runs = [("bf16", True, None, ""), ("fp8", True, None, ""), ("bf16", False, None, ""),
-                    ("bf16", True, *other_step)]
+            runs = [("bf16", True, None, ""), ("bf16", False, None, ""), ("bf16", True, *other_step)]
             if cfg.get("step_dot"):
                 runs.append(("bf16", True, dict(cfg, pair_decode=False), "_bitdecode"))
             if T <= GEMV_MAX_T:
@@ -240,12 +231,6 @@ def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
                         (dict(gemv, block_n_up=64, block_n_down=64, chunks=4), "_wide")]
                 runs += [("gemv", True, None, ""), ("gemv", False, None, "")]
                 runs += [("gemv", True, c, tag) for c, tag in alts if c != gemv]
-            if T >= GROUPED_MIN_T:
-                runs += [("grouped", True, None, ""), ("grouped", False, None, "")]
-                runs += [("grouped", True, c, tag) for c, tag in GROUPED_ALTS]
-                # Its decode passes alone (no routing, no GEMM): how much of it they are.
-                cases.append((f"moe_E{e_local}", T, "grouped_decode_only",
-                              lambda ws=ws: _grouped_decode_only(ws), nbytes, flops, hit))
             for variant, act_quant, cfg, tag in runs:
                 impl = f"{variant}_{'release' if act_quant else 'weight_only'}{tag}"
                 fn = (lambda x=x, ws=ws, ids=ids, weights=weights, out=out, v=variant,
@@ -261,28 +246,10 @@ def bench_moe(rows, t_list, locals_=(MOE_E // 2, MOE_E)):
         for T in t_list:
             ms = {r["impl"]: r["ms"] for r in rows
                   if r["kind"] == "moe" and r["name"] == name and r["size"] == T}
-            won = min((v for v in ("bf16", "fp8", "gemv", "grouped") if f"{v}_release" in ms),
+            won = min((v for v in fp4_moe.VARIANTS if f"{v}_release" in ms),
                       key=lambda v: ms[f"{v}_release"])
             print(f"variant {name} T={T:<5} faster: {won:<4}  default_variant picks: "
                   f"{fp4_moe.default_variant(T, MOE_TOPK)}", flush=True)
-
-
-def _grouped_decode_only(ws):
-    """The grouped variant's weight decodes for every local expert, as it runs them (groups of
-    GROUP_EXPERTS into one bf16 workspace: W1 | W3, then W2), without its routing and GEMMs."""
-    from dsv4_kernels import fp4_grouped_moe as GM
-    w1, s1, w3, s3, w2, s2 = ws
-    E, inter, half_d = w1.shape
-    d = 2 * half_d
-    G = min(GM.GROUP_EXPERTS, E)
-    space = torch.empty(G * d * 2 * inter, dtype=torch.bfloat16, device=w1.device)
-    w13, w2_dec = space.view(G, d, 2 * inter), space[:G * inter * d].view(G, inter, d)
-    for e0 in range(0, E, G):
-        n_e = min(G, E - e0)
-        GM._decode_group(w1, s1, e0, n_e, w13, 0)
-        GM._decode_group(w3, s3, e0, n_e, w13, inter)
-        GM._decode_group(w2, s2, e0, n_e, w2_dec, 0)
-    return space
 
 
 def _sm90_report(name, fn, types, constexprs, num_warps, num_stages, not_aligned=()):
@@ -369,48 +336,26 @@ def _moe_compile_report():
 
     for T in (1, 64, 512, 1024, 2048, 8192):  # each tier of moe_config
         # (act_quant changes no bf16 kernel: the host rounds x first)
-        for variant, act_quant, step, pair in (("bf16", False, False, False),
-                                               ("fp8", True, False, False),
-                                               ("bf16", True, True, False), ("bf16", True, True, True)):
-            c = fp4_moe.moe_config(T, MOE_TOPK, variant)
-            fp8 = variant == "fp8"
+        for act_quant, step, pair in ((False, False, False), (True, True, False), (True, True, True)):
+            c = fp4_moe.moe_config(T, MOE_TOPK)
             wt = "*i32" if pair else "*i8"  # the pair decode reads int32 words
-            kw = dict(NUM_EXPERTS=MOE_E // 2, FP8_DOT=fp8, BLOCK_M=c["block_m"], DOT_PREC="tf32",
+            kw = dict(NUM_EXPERTS=MOE_E // 2, BLOCK_M=c["block_m"], DOT_PREC="tf32",
                       CHUNKS=4, STEP_DOT=step, PAIR_DECODE=pair)
             decode = (" step_dot" if step else "") + (" pair" if pair else "")
-            tag = (f"T={T} {variant}{decode} act_quant={act_quant} bm={c['block_m']} "
+            tag = (f"T={T} bf16{decode} act_quant={act_quant} bm={c['block_m']} "
                    f"bn={c['block_n_up']}/{c['block_n_down']} w{c['num_warps']} "
                    f"s{c['num_stages']}")
             _sm90_report(f"moe gate_up {tag}", fp4_moe._fp4_gate_up_kernel,
-                         dict(a_ptr="*fp8e4nv" if fp8 else "*bf16", as_ptr="*fp32",
-                              w1_ptr=wt, w1s_ptr="*u8", w3_ptr=wt, w3s_ptr="*u8",
+                         dict(a_ptr="*bf16", w1_ptr=wt, w1s_ptr="*u8", w3_ptr=wt, w3s_ptr="*u8",
                               sorted_ids_ptr="*i32", block_expert_ptr="*i32",
                               weights_ptr="*fp32", h_ptr="*bf16", limit="fp32"),
                          dict(kw, HAS_LIMIT=True, X_DTYPE=tl.bfloat16, BLOCK_N=c["block_n_up"]),
                          c["num_warps"], c["num_stages"], ("M", "topk"))
             _sm90_report(f"moe down {tag}", fp4_moe._fp4_down_kernel,
-                         dict(h_ptr="*fp8e4nv" if fp8 else "*bf16", hs_ptr="*fp32",
-                              w2_ptr=wt, w2s_ptr="*u8", sorted_ids_ptr="*i32",
+                         dict(h_ptr="*bf16", w2_ptr=wt, w2s_ptr="*u8", sorted_ids_ptr="*i32",
                               block_expert_ptr="*i32", partial_ptr="*fp32"),
                          dict(kw, BLOCK_N=c["block_n_down"]), c["num_warps"], c["num_stages"],
                          ("M",))
-    from dsv4_kernels import fp4_grouped_moe as GM
-    for name, w in (("gate_up (d = 4096)", MOE_D), ("down (inter = 2048)", MOE_I)):
-        _sm90_report(f"moe grouped decode {name}", GM._decode_experts_kernel,
-                     dict(w_ptr="*i8", s_ptr="*u8", out_ptr="*bf16"),
-                     dict(BLOCK_N=GM.DECODE_BLOCK_N, CHUNKS=fp4_moe._chunks(w)), 4, 1,
-                     ("e0", "col0"))
-    rows = dict(order_ptr="*i32", bounds_ptr="*i32")
-    _sm90_report("moe grouped gather", GM._gather_rows_kernel,
-                 dict(rows, a_ptr="*bf16", rows_ptr="*bf16"),
-                 dict(BLOCK_R=GM.BLOCK_R, BLOCK_D=GM.BLOCK_D), 4, 1, ("g",))
-    _sm90_report("moe grouped swiglu + FP8 round", GM._swiglu_rows_kernel,
-                 dict(rows, gu_ptr="*bf16", weights_ptr="*fp32", limit="fp32"),
-                 dict(HAS_LIMIT=True, ACT_QUANT=True, BLOCK_R=GM.BLOCK_R, BLOCK_I=128), 4, 1,
-                 ("g",))
-    _sm90_report("moe grouped scatter", GM._scatter_rows_kernel,
-                 dict(rows, y_ptr="*bf16", partial_ptr="*bf16"),
-                 dict(BLOCK_R=GM.BLOCK_R, BLOCK_D=GM.BLOCK_D), 4, 1, ("g",))
     gemv_configs = [fp4_gemv_moe.gemv_config(T, MOE_TOPK) for T in (1, 16, 256)]  # bm 1, 2, 4
     gemv_configs += [dict(gemv_configs[0], block_m=m) for m in (2, 4)]  # bench's _narrow
     gemv_configs += [dict(gemv_configs[1], block_m=1)]  # bench's _wide / _bm1

@@ -42,7 +42,7 @@ def build(local_experts: int, T: int, seed: int = 0):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variant", choices=("gemv", "fp8", "bf16", "grouped"), default="gemv")
+    ap.add_argument("--variant", choices=("gemv", "bf16"), default="gemv")
     ap.add_argument("--t", type=int, default=64, help="tokens")
     ap.add_argument("--experts", type=int, default=MOE_E, help="local experts (128: one EP-2 shard)")
     ap.add_argument("--calls", type=int, default=5, help="calls after the warm-up one")

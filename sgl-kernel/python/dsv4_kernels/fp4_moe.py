@@ -4,50 +4,49 @@ decoded inside the GEMM kernels. quant_reference.fp4_moe_ref is the contract; th
 alignment and top-k sum are moe.py's (moe_align, sum_topk): same skipped-id and
 weight-order semantics as fused_moe.
 
-Hopper has no FP4 MMA, so two decodes, picked by `variant`:
+Hopper has no FP4 MMA, so the weights are decoded in the kernels; two variants, picked by
+`variant` (the ones that were fastest somewhere on an H200):
 - "bf16": e2m1 x scale -> x's dtype (exact), tl.dot in that dtype. With act_quant, x and the
   weighted activation are rounded to FP8 per 128 first, by their own kernel (round_act), and
   fed dequantized (exact), so the products are those of the release. The default from 97
   assignments (moe_config's step_dot): a whole 128-input step decoded at once, its chunk
   scales folded in, two codes per shift-and-merge (_decode_step), and one dot per step; the
   default variant beyond gemv's range.
-- "fp8": e2m1 -> e4m3 bits (exact, by table), tl.dot e4m3 x e4m3 per 32-wide K chunk (one
-  weight scale per chunk), the fp32 partial scaled by act scale x weight scale. Needs act_quant
-  (the activations must be e4m3 already).
-Per 32-input chunk (fp8, and bf16 without step_dot): per weight row 16 packed bytes (one vector
-load, nibbles split and interleaved in registers) and one scale byte, so a step costs two loads
-per row rather than one per element. The bf16 and fp8 decodes accumulate in fp32 and give fp32
-per-assignment partials, summed in a fixed order.
+  Per 32-input chunk (without step_dot): per weight row 16 packed bytes (one vector load,
+  nibbles split and interleaved in registers) and one scale byte, so a step costs two loads per
+  row rather than one per element. Accumulates in fp32, fp32 per-assignment partials, summed in
+  a fixed order.
 
 - "gemv": for decode-sized batches, no MMA: an FMA GEMV that decodes each weight once per
   block of 1-4 rows of one expert (fp4_gemv_moe.py: tiles, decode, numerics).
   default_variant picks it at T * topk <= GEMV_MAX_ASSIGNMENTS (release numerics on bf16/fp16
   activations: where it was measured; fp32 and weight-only calls keep the bf16 decode).
 
-- "grouped": for large batches, no decode inside a GEMM: the experts are decoded to bf16 a
-  group of GROUP_EXPERTS at a time into a workspace and multiplied by torch._grouped_mm
-  (CUTLASS) on the group's rows, gathered into a static-capacity buffer (fp4_grouped_moe.py:
-  routing, workspace bytes, numerics: gate/up and the down partials come out of grouped_mm in
-  bf16, one bf16 rounding more than the bf16 variant's fp32 accumulators). bf16 x on the GPU.
-  Never picked by default_variant: the bf16 decode with one dot per step (moe_config's
-  step_dot) measured faster where grouped won against the others (T = 1536 and 4096).
+On Hopper, the humming MoE backend (sglang's layers/moe/backends/humming_moe.py) is faster at
+every batch; this kernel is the portable path (any float dtype, exact fp32 products, the
+interpreter on CPU).
 
 Graph-safe: buffers sized by (T, topk, E) only, no host syncs, tiles fixed per shape.
 An e8m0 byte 0 or 1 (2^-127, 2^-126) decodes as 0 in the bf16 variant's per-chunk decode
-(_e2m1_scaled), byte 0 alone in the others (the reference keeps the values): no real scale
+(_e2m1_scaled), byte 0 alone in the pair decode (the reference keeps the values): no real scale
 is that small.
 """
+
+import functools
+import json
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from ._dot import dot_precision
-from .fp8_gemm import QBLOCK, quantize_act, round_act
+from .fp8_gemm import QBLOCK, round_act
 from .host_math import cdiv
 from .moe import moe_align, sum_topk
 
-VARIANTS = ("bf16", "fp8", "gemv", "grouped")
+VARIANTS = ("bf16", "gemv")
+TILES_FILE = Path(__file__).resolve().parent / "configs" / "fp4_moe_tiles.json"
 # default_variant picks the gemv variant at T * topk <= this. Measured on an H200 (bench_quant.py
 # --only moe --quick, 128-expert shard, release numerics; benchmark/results/session9/
 # call6_moe_small and call5_pair_decode): gemv 46 / 572 / 1119 / 1676 us against the one-dot
@@ -96,16 +95,6 @@ def _e2m1_scaled(code, sbyte):
     bits = ((sbyte - 1) << 23) + ((mag - (mag == 1).to(tl.int32)) << 22)
     bits = tl.where((mag == 0) | (sbyte < 2), 0, bits) | ((code & 8) << 28)
     return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e2m1_as_e4m3(code):
-    """e2m1 codes -> the same values as e4m3 (exact): as in _e2m1_scaled, magnitude codes 2..7
-    are 0x30 + (c << 2) (0.5 is 0x30, exponent 6 = 2^-1 at bias 7, mantissa bit 2), code 1 is
-    0x30, code 0 is 0; the sign moves from bit 3 to bit 7."""
-    mag = code & 7
-    bits = tl.where(mag == 0, 0, 0x30 + ((mag - (mag == 1).to(tl.int32)) << 2))
-    return (bits | ((code & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -184,24 +173,22 @@ def _decode_step(w_ptr, s_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn, stri
 
 
 @triton.jit
-def _expert_gemm(acc, acc3, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_asm, stride_ask,
+def _expert_gemm(acc, acc3, a_ptr, a_rows, row_mask, stride_a,
                  w_ptr, s_ptr, w3_ptr, s3_ptr, e, offs_n, n_mask, K, stride_we, stride_wn,
-                 stride_se, stride_sn, PAIR: tl.constexpr, FP8_DOT: tl.constexpr,
-                 DOT_PREC: tl.constexpr, CHUNKS: tl.constexpr, STEP_DOT: tl.constexpr,
-                 PAIR_DECODE: tl.constexpr):
+                 stride_se, stride_sn, PAIR: tl.constexpr, DOT_PREC: tl.constexpr,
+                 CHUNKS: tl.constexpr, STEP_DOT: tl.constexpr, PAIR_DECODE: tl.constexpr):
     """acc += A[a_rows] @ W_e^T over K, and with PAIR also acc3 += A[a_rows] @ W3_e^T (same
     shapes and strides: the gate and up projections share each A tile, and their weight loads
     are in flight together). A step covers CHUNKS x 32 inputs (CHUNKS in 1, 2, 4; 32 * CHUNKS
-    divides K and 128): one load of the step's weight scales and activation scales, then per
-    32-input chunk (one weight scale per row) a 16-byte code load per row and a dot. A is in
-    x's dtype (with act_quant already rounded to FP8 per 128 by the host: round_act), or with
-    FP8_DOT e4m3 + fp32 scales per 128 (the fp32 partial then scaled by act x weight scale).
-    STEP_DOT (not with FP8_DOT): the step's chunks decoded together, their scales folded in,
-    and one dot per step instead of one per chunk (a decoded operand passes through shared
-    memory before each dot: 4x fewer round trips and waits); PAIR_DECODE: _decode_step's
-    (w_ptr, w3_ptr and stride_we / stride_wn then in int32 words)."""
+    divides K and 128): one load of the step's weight scales, then per 32-input chunk (one
+    weight scale per row) a 16-byte code load per row and a dot. A is in x's dtype (with
+    act_quant already rounded to FP8 per 128 by the host: round_act).
+    STEP_DOT: the step's chunks decoded together, their scales folded in, and one dot per step
+    instead of one per chunk (a decoded operand passes through shared memory before each dot:
+    4x fewer round trips and waits); PAIR_DECODE: _decode_step's (w_ptr, w3_ptr and stride_we /
+    stride_wn then in int32 words)."""
     for k0 in range(0, K, 32 * CHUNKS):
-        if STEP_DOT:  # bf16 decode: the whole step in one dot (scales folded into the weights)
+        if STEP_DOT:  # the whole step in one dot (scales folded into the weights)
             kk = k0 + tl.arange(0, 32 * CHUNKS)
             a = tl.load(a_ptr + a_rows[:, None] * stride_a + kk[None, :],
                         mask=row_mask[:, None], other=0.0)
@@ -217,43 +204,30 @@ def _expert_gemm(acc, acc3, a_ptr, as_ptr, a_rows, row_mask, stride_a, stride_as
             if PAIR:
                 sb3_step = _step_scales(s3_ptr, e, offs_n, n_mask, k0, stride_se, stride_sn,
                                         CHUNKS)
-            if FP8_DOT:  # one 128-block of the activation holds the whole step
-                sa = tl.load(as_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask,
-                             mask=row_mask, other=0.0)
             for c in tl.static_range(CHUNKS):
                 kk = k0 + c * 32 + tl.arange(0, 32)
                 a = tl.load(a_ptr + a_rows[:, None] * stride_a + kk[None, :],
                             mask=row_mask[:, None], other=0.0)
                 code = _load_codes(w_ptr, e, offs_n, n_mask, k0 + c * 32, stride_we, stride_wn)
                 sb = _chunk_scale(sb_step, c, CHUNKS)
+                b = _e2m1_scaled(code, sb[:, None]).to(a.dtype)  # exact: e2m1 x 2^k
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
                 if PAIR:
                     code3 = _load_codes(w3_ptr, e, offs_n, n_mask, k0 + c * 32, stride_we,
                                         stride_wn)
                     sb3 = _chunk_scale(sb3_step, c, CHUNKS)
-                if FP8_DOT:
-                    sbf = (sb << 23).to(tl.float32, bitcast=True)
-                    acc += (tl.dot(a, tl.trans(_e2m1_as_e4m3(code)))
-                            * (sa[:, None] * sbf[None, :]))
-                    if PAIR:
-                        sbf3 = (sb3 << 23).to(tl.float32, bitcast=True)
-                        acc3 += (tl.dot(a, tl.trans(_e2m1_as_e4m3(code3)))
-                                 * (sa[:, None] * sbf3[None, :]))
-                else:
-                    b = _e2m1_scaled(code, sb[:, None]).to(a.dtype)  # exact: e2m1 x 2^k
-                    acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
-                    if PAIR:
-                        b3 = _e2m1_scaled(code3, sb3[:, None]).to(a.dtype)
-                        acc3 = tl.dot(a, tl.trans(b3), acc3, input_precision=DOT_PREC)
+                    b3 = _e2m1_scaled(code3, sb3[:, None]).to(a.dtype)
+                    acc3 = tl.dot(a, tl.trans(b3), acc3, input_precision=DOT_PREC)
     return acc, acc3
 
 
 @triton.jit
 def _fp4_gate_up_kernel(
-    a_ptr, as_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, sorted_ids_ptr, block_expert_ptr,
+    a_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, sorted_ids_ptr, block_expert_ptr,
     weights_ptr, h_ptr,
-    M, d, I, topk, stride_a, stride_asm, stride_ask, stride_we, stride_wn, stride_se, stride_sn,
+    M, d, I, topk, stride_a, stride_we, stride_wn, stride_se, stride_sn,
     stride_h, limit,
-    NUM_EXPERTS: tl.constexpr, HAS_LIMIT: tl.constexpr, FP8_DOT: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, X_DTYPE: tl.constexpr,
     CHUNKS: tl.constexpr, STEP_DOT: tl.constexpr, PAIR_DECODE: tl.constexpr,
 ):
@@ -272,9 +246,9 @@ def _fp4_gate_up_kernel(
     n_mask = offs_n < I
     acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc1, acc3 = _expert_gemm(acc1, acc3, a_ptr, as_ptr, token, row_mask, stride_a, stride_asm,
-                              stride_ask, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, e, offs_n, n_mask, d,
-                              stride_we, stride_wn, stride_se, stride_sn, True, FP8_DOT,
+    acc1, acc3 = _expert_gemm(acc1, acc3, a_ptr, token, row_mask, stride_a,
+                              w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, e, offs_n, n_mask, d,
+                              stride_we, stride_wn, stride_se, stride_sn, True,
                               DOT_PREC, CHUNKS, STEP_DOT, PAIR_DECODE)
     if HAS_LIMIT:
         acc1 = tl.minimum(acc1, limit)
@@ -288,10 +262,10 @@ def _fp4_gate_up_kernel(
 
 @triton.jit
 def _fp4_down_kernel(
-    h_ptr, hs_ptr, w2_ptr, w2s_ptr, sorted_ids_ptr, block_expert_ptr, partial_ptr,
-    M, d, I, stride_h, stride_hsm, stride_hsk, stride_we, stride_wn, stride_se, stride_sn,
+    h_ptr, w2_ptr, w2s_ptr, sorted_ids_ptr, block_expert_ptr, partial_ptr,
+    M, d, I, stride_h, stride_we, stride_wn, stride_se, stride_sn,
     stride_p,
-    NUM_EXPERTS: tl.constexpr, FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, CHUNKS: tl.constexpr,
     STEP_DOT: tl.constexpr, PAIR_DECODE: tl.constexpr,
 ):
@@ -305,11 +279,10 @@ def _fp4_down_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < d
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    # h is already rounded as the down GEMM needs it: FP8_DOT reads e4m3 + scales, otherwise
-    # x's dtype.
-    acc, _ = _expert_gemm(acc, acc, h_ptr, hs_ptr, rows.to(tl.int64), row_mask, stride_h,
-                          stride_hsm, stride_hsk, w2_ptr, w2s_ptr, w2_ptr, w2s_ptr, e, offs_n,
-                          n_mask, I, stride_we, stride_wn, stride_se, stride_sn, False, FP8_DOT,
+    # h is already rounded as the down GEMM needs it (x's dtype; FP8 values with act_quant)
+    acc, _ = _expert_gemm(acc, acc, h_ptr, rows.to(tl.int64), row_mask, stride_h,
+                          w2_ptr, w2s_ptr, w2_ptr, w2s_ptr, e, offs_n,
+                          n_mask, I, stride_we, stride_wn, stride_se, stride_sn, False,
                           DOT_PREC, CHUNKS, STEP_DOT, PAIR_DECODE)
     tl.store(partial_ptr + assign.to(tl.int64)[:, None] * stride_p + offs_n[None, :], acc,
              mask=row_mask[:, None] & n_mask[None, :])
@@ -318,9 +291,16 @@ def _fp4_down_kernel(
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def moe_config(T: int, topk: int, variant: str = "bf16",
-               x_dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Tiles by assignment count M = T * topk, no autotuning (graph capture). With uniform
+@functools.lru_cache(maxsize=None)
+def _tile_tiers() -> tuple:
+    data = json.loads(TILES_FILE.read_text())
+    return tuple((t["max_assignments"], t["tiles"], t.get("fp32_tiles", t["tiles"])) for t in data["tiers"])
+
+
+def moe_config(T: int, topk: int, x_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tiles by assignment count M = T * topk, no autotuning (graph capture), from the data file
+    configs/fp4_moe_tiles.json (TILES_FILE, read once; sweep_moe_tiles.py compares its tiles
+    with alternatives). With uniform
     routing an expert gets about M / 256 rows at Flash's 256 experts, sharded or not (a shard's
     experts see every rank's tokens), and that count picks the rows per tile: a tile wider than
     an expert's rows computes padding, one narrower decodes the expert's weights once per tile.
@@ -338,38 +318,20 @@ def moe_config(T: int, topk: int, variant: str = "bf16",
     tiles with 4 warps 2.42 / 2.43 / 2.99 against 128-row tiles' 3.28 / 3.34 / 3.25 at
     T = 1536 / 2048 / 2560; and 128 x 128 / 128 x 256 tiles 3.29 / 3.25 / 3.29 against 64-row
     tiles' 3.66 / 4.48 / 5.02 at T = 2816 / 3072 / 4096 (some experts need two 64-row tiles).
-    num_stages is the software pipeline depth. The fp8 variant keeps its own tiles (16 rows to
-    1024 assignments, then 64): its per-chunk fp32 partials on top of the two gate/up
-    accumulators spill with 128-row tiles in an sm_90 compile (64 B of stack). fp32
-    activations (x_dtype) double every operand tile, and the wide 128-row tiles would need
+    num_stages is the software pipeline depth. fp32 activations (x_dtype) double every operand
+    tile, and the wide 128-row tiles would need
     288 KiB of shared memory (sm_90 has 227): they keep 64 / 128-wide N tiles.
 
     step_dot (bf16 decode only): one dot per 128-input step instead of one per 32-input chunk,
-    from 97 assignments up, where it was measured faster than the per-chunk dots and than the
-    fp8 decode (default_variant). pair_decode (with step_dot; default on): _decode_step's
+    from 97 assignments up, where it was measured faster than the per-chunk dots and than an
+    e4m3 decode on FP8 tensor cores (2.1-3.3x; default_variant). pair_decode (with step_dot; default on): _decode_step's
     two-codes-per-shift decode instead of _e2m1_scaled, 1.3-2.0x faster at T = 64-4096 (call5's
     bf16_release against bf16_release_bitdecode)."""
     M = T * topk
-    if M <= 96:
-        return dict(block_m=16, block_n_up=16, block_n_down=32, num_warps=2, num_stages=4)
-    if variant == "fp8":
-        if M <= 1024:
-            return dict(block_m=16, block_n_up=64, block_n_down=64, num_warps=4, num_stages=4)
-        return dict(block_m=64, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3)
-    if M <= 3072:
-        return dict(block_m=16, block_n_up=64, block_n_down=64, num_warps=4, num_stages=4,
-                    step_dot=True)
-    if M <= 8192:
-        return dict(block_m=32, block_n_up=64, block_n_down=128, num_warps=4, num_stages=3,
-                    step_dot=True)
-    if M <= 16384:
-        return dict(block_m=64, block_n_up=64, block_n_down=128, num_warps=4, num_stages=3,
-                    step_dot=True)
-    if x_dtype == torch.float32:
-        return dict(block_m=128, block_n_up=64, block_n_down=128, num_warps=8, num_stages=3,
-                    step_dot=True)
-    return dict(block_m=128, block_n_up=128, block_n_down=256, num_warps=8, num_stages=3,
-                step_dot=True)
+    for bound, tiles, fp32_tiles in _tile_tiers():
+        if bound is None or M <= bound:
+            return dict(fp32_tiles if x_dtype == torch.float32 else tiles)
+    raise ValueError(f"{TILES_FILE}: no tier holds {M} assignments (the last needs max_assignments null)")
 
 
 def _chunks(K: int, most: int = 4) -> int:
@@ -380,19 +342,16 @@ def _chunks(K: int, most: int = 4) -> int:
 def default_variant(T: int, topk: int) -> str:
     """The fastest variant for release numerics at this batch, as measured on an H200 at top-6:
     gemv at T * topk <= GEMV_MAX_ASSIGNMENTS (faster at T = 1 and 16), the bf16 decode with one
-    dot per 128-input step and the pair decode beyond. The fp8 decode is never the default: the
-    one-dot bf16 decode was faster at every batch from T = 32 (bench_quant.py --only moe --quick
-    --moe-t 64 256 1024 4096, 128-expert shard; benchmark/results/session10/call5_new_tiles/
-    moe.log): 1.02 / 1.31 / 1.90 / 3.30 ms against fp8's 2.11 / 5.23 / 5.46 / 10.79 ms and
-    gemv's 1.67 / 5.11 ms at T = 64 / 256 / 1024 / 4096."""
+    dot per 128-input step and the pair decode beyond (1.02 / 1.31 / 1.90 / 3.30 ms against
+    gemv's 1.67 / 5.11 ms at T = 64 / 256 / 1024 / 4096, 128-expert shard, bench_quant.py
+    --only moe --quick --moe-t 64 256 1024 4096)."""
     return "gemv" if 0 < T * topk <= GEMV_MAX_ASSIGNMENTS else "bf16"
 
 
 def select_variant(T: int, topk: int, act_quant: bool, x_dtype: torch.dtype) -> str:
     """The decode fp4_fused_moe uses when none is given: default_variant for release numerics
     on bf16/fp16 activations (where the variants were measured), else "bf16" (fp32 x stays on
-    exact fp32 products, the FP8 tensor cores' in-block accumulation is not fp32-exact; and
-    weight-only numerics keep the decode they were validated with)."""
+    exact fp32 products; weight-only numerics keep the decode they were validated with)."""
     return default_variant(T, topk) if act_quant and x_dtype != torch.float32 else "bf16"
 
 
@@ -400,16 +359,11 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
                   act_quant: bool, variant: str | None = None, config: dict | None = None):
     """out fp32 [T, d] <- quant_reference.fp4_moe_ref(...) (see the module docstring).
     variant None: select_variant (default_variant for bf16/fp16 x with act_quant, else "bf16").
-    config: moe_config's keys, or gemv_config's for the gemv variant, or for the grouped one
-    {"group_experts": n, "overlap": bool} (fp4_grouped_moe.grouped_fp4_moe's keyword
-    arguments; default GROUP_EXPERTS, no overlap)."""
+    config: moe_config's keys, or gemv_config's for the gemv variant."""
     if variant is None:
         variant = select_variant(*ids.shape, act_quant, x.dtype)
     if variant not in VARIANTS:
         raise ValueError(f"fp4_fused_moe: variant must be one of {VARIANTS}, got {variant!r}")
-    if variant == "fp8" and not act_quant:
-        raise ValueError("fp4_fused_moe: the fp8 variant multiplies e4m3 activations; it needs "
-                         "act_quant=True (use variant='bf16' for weight-only numerics)")
     T, d = x.shape
     E, I, half_d = w1.shape
     if (half_d * 2 != d or w3.shape != w1.shape or w2.shape != (E, d, I // 2)
@@ -429,69 +383,50 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
     assert all(t.is_contiguous() for t in (w1, w3, w2, w1_scale, w3_scale, w2_scale))
     if T == 0:
         return out
-    if variant == "grouped":
-        if x.is_cuda and x.dtype != torch.bfloat16 and torch.cuda.is_current_stream_capturing():
-            raise ValueError("fp4_fused_moe: the grouped variant is graph-capturable with bf16 "
-                             f"activations only (torch._grouped_mm's CUTLASS path), got {x.dtype}")
-        from .fp4_grouped_moe import grouped_fp4_moe  # it imports this module's decode helpers
-        return grouped_fp4_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit,
-                               out, act_quant, **(config or {}))
     if variant == "gemv":
         from . import fp4_gemv_moe  # it imports this module's helpers
 
         return fp4_gemv_moe.gemv_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit,
                                      out, act_quant, config or fp4_gemv_moe.gemv_config(T, ids.shape[1]))
-    cfg = config or moe_config(T, ids.shape[1], variant, x.dtype)
+    cfg = config or moe_config(T, ids.shape[1], x.dtype)
     bm = cfg["block_m"]
     topk = ids.shape[1]
     M = T * topk
-    fp8_dot = variant == "fp8"
     sorted_ids, block_expert = moe_align(ids, E, bm)
     max_blocks = block_expert.shape[0]
     rows = sorted_ids.shape[0]
     dev = x.device
-    # The gate/up GEMM's input: with act_quant, x rounded to FP8 per 128, as e4m3 + scales for
-    # the fp8 variant or as the (exact) dequantized values in x's dtype for bf16 (once here, not
-    # in every N tile of the kernel: that dequantization was a third of its loop at 4096 tokens).
-    a_s = torch.empty(1, 1, dtype=torch.float32, device=dev)
-    if act_quant and fp8_dot:
-        a, a_s = quantize_act(x)
-    else:
-        a = round_act(x) if act_quant else x
+    # The gate/up GEMM's input: with act_quant, x rounded to FP8 per 128, as the (exact)
+    # dequantized values in x's dtype (once here, not in every N tile of the kernel: that
+    # dequantization was a third of its loop at 4096 tokens).
+    a = round_act(x) if act_quant else x
     h = torch.empty(rows, I, dtype=x.dtype, device=dev)
     partial = torch.empty(M, d, dtype=torch.float32, device=dev)
     weights_flat = weights.reshape(-1).float().contiguous()
     xdt = _TL_DTYPE[x.dtype]
     prec = dot_precision(x.dtype)
-    step = bool(cfg.get("step_dot")) and not fp8_dot
+    step = bool(cfg.get("step_dot"))
     # The pair decode reads the packed codes as int32 words: views and strides in words.
     words = step and cfg.get("pair_decode", True)
     unit = 4 if words else 1
     wview = torch.int32 if words else torch.int8
-    kw = dict(NUM_EXPERTS=E, FP8_DOT=fp8_dot, BLOCK_M=bm, DOT_PREC=prec,
-              STEP_DOT=step, PAIR_DECODE=words, num_warps=cfg["num_warps"],
-              num_stages=cfg["num_stages"])
+    kw = dict(NUM_EXPERTS=E, BLOCK_M=bm, DOT_PREC=prec, STEP_DOT=step, PAIR_DECODE=words,
+              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     bn = cfg["block_n_up"]
     _fp4_gate_up_kernel[(max_blocks, cdiv(I, bn))](
-        a, a_s, w1.view(wview), w1_scale.view(torch.uint8), w3.view(wview),
+        a, w1.view(wview), w1_scale.view(torch.uint8), w3.view(wview),
         w3_scale.view(torch.uint8), sorted_ids, block_expert, weights_flat, h,
-        M, d, I, topk, a.stride(0), a_s.stride(0), a_s.stride(1), w1.stride(0) // unit,
-        w1.stride(1) // unit,
+        M, d, I, topk, a.stride(0), w1.stride(0) // unit, w1.stride(1) // unit,
         w1_scale.stride(0), w1_scale.stride(1), h.stride(0), float(limit),
         HAS_LIMIT=limit > 0, X_DTYPE=xdt, BLOCK_N=bn, CHUNKS=_chunks(d), **kw)
-    # The down GEMM's input: with act_quant, h rounded to FP8 per 128 (e4m3 + scales for the
-    # fp8 variant, the dequantized values in x's dtype for bf16; padding rows are rounded too,
-    # never read).
-    hs = a_s
-    if act_quant and fp8_dot:
-        h, hs = quantize_act(h)
-    elif act_quant:
+    # The down GEMM's input: with act_quant, h rounded to FP8 per 128 as the dequantized values
+    # in x's dtype (padding rows are rounded too, never read).
+    if act_quant:
         h = round_act(h)
     bn = cfg["block_n_down"]
     _fp4_down_kernel[(max_blocks, cdiv(d, bn))](
-        h, hs, w2.view(wview), w2_scale.view(torch.uint8), sorted_ids, block_expert,
-        partial, M, d, I, h.stride(0), hs.stride(0), hs.stride(1), w2.stride(0) // unit,
-        w2.stride(1) // unit,
+        h, w2.view(wview), w2_scale.view(torch.uint8), sorted_ids, block_expert,
+        partial, M, d, I, h.stride(0), w2.stride(0) // unit, w2.stride(1) // unit,
         w2_scale.stride(0), w2_scale.stride(1), partial.stride(0), BLOCK_N=bn,
         CHUNKS=_chunks(I), **kw)
     return sum_topk(partial, ids, out, E)
