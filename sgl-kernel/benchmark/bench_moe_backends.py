@@ -23,7 +23,6 @@ Needs a CUDA GPU; the humming columns need humming-kernels (skipped with the rea
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,39 +31,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
-from common import _flush_l2, require_cuda  # noqa: E402
+from bench_quant import _time as timed  # noqa: E402  (median, p10, p90) ms of graph replays, cold L2
+from common import require_cuda  # noqa: E402
 
 D, I, TOPK, LIMIT = 4096, 2048, 6, 10.0
 HBM_GBPS = 4800.0
 BF16_PEAK_TFLOPS = 989.0
 FP8_PEAK_TFLOPS = 1979.0
-REPS = 20
+REPS = 20  # bench_quant._time's default
 T_LIST = [1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384]
 EXPERT_BYTES = 3 * (I * D // 2 + I * D // 32)  # FP4 codes + e8m0 scales of w1, w3, w2
-
-
-def timed(fn, reps: int = REPS):
-    """(median ms, p10, p90) of `reps` graph replays of fn, cold L2, after a warm-up."""
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        _flush_l2()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return statistics.median(times), times[len(times) // 10], times[-1 - len(times) // 10]
 
 
 def kernel_breakdown(fn, reps: int = 10) -> str:
@@ -141,7 +117,6 @@ def main():
     a = ap.parse_args()
     if not require_cuda():
         return
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_quant import fp4_expert_weights
     from dsv4_kernels import ops
 

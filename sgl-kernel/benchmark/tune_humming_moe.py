@@ -20,7 +20,6 @@ Prints every T's best time beside the current configuration's (the gain tuning b
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
-from common import _flush_l2, require_cuda  # noqa: E402
+from bench_quant import _time  # noqa: E402
+from common import require_cuda  # noqa: E402
 
 D, I, TOPK, N_TOTAL = 4096, 2048, 6, 256
 T_GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -36,21 +36,7 @@ REPS = 15
 
 
 def time_graph(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(REPS):
-        _flush_l2()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return _time(fn, REPS)[0]  # median ms of graph replays, cold L2
 
 
 def candidates(gemm, sample: int) -> list:
@@ -171,7 +157,6 @@ def main():
     a = ap.parse_args()
     if not require_cuda():
         return
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_moe_backends import make_experts
     from bench_quant import fp4_expert_weights
 

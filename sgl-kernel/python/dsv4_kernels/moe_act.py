@@ -24,6 +24,16 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 
 
 @triton.jit
+def _store_e4m3_blocks(x, q_row_ptr, s_row_ptr, offs, kb, mask, K, QB: tl.constexpr):
+    """fp32 x [BLOCKS, QB] (blocks kb of one row) -> e4m3 bits at q_row_ptr + offs and the
+    blocks' power-of-two scales at s_row_ptr + kb (quant_reference.quantize_fp8_blocks)."""
+    scale = pow2_scale(tl.max(tl.abs(x), axis=1), INV_E4M3_MAX)
+    v = tl.minimum(tl.maximum(x * pow2_recip(scale)[:, None], -448.0), 448.0)
+    tl.store(q_row_ptr + offs, e4m3_bits(v), mask=mask)
+    tl.store(s_row_ptr + kb, scale, mask=kb * QB < K)
+
+
+@triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
                        BLOCKS: tl.constexpr, QB: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
@@ -31,10 +41,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
     offs = kb[:, None] * QB + tl.arange(0, QB)[None, :]
     mask = offs < K
     x = tl.load(x_ptr + m * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = pow2_scale(tl.max(tl.abs(x), axis=1), INV_E4M3_MAX)
-    v = tl.minimum(tl.maximum(x * pow2_recip(scale)[:, None], -448.0), 448.0)
-    tl.store(q_ptr + m * stride_q + offs, e4m3_bits(v), mask=mask)
-    tl.store(s_ptr + m * stride_s + kb, scale, mask=kb * QB < K)
+    _store_e4m3_blocks(x, q_ptr + m * stride_q, s_ptr + m * stride_s, offs, kb, mask, K, QB)
 
 
 @triton.jit
@@ -65,12 +72,9 @@ def _swiglu_quant_kernel(gu_ptr, w_ptr, h_ptr, s_ptr, I, stride_gu, stride_h, st
     if ACT_DTYPE == tl.bfloat16:
         h = _round_bf16(h)
     h = h.to(ACT_DTYPE)
-    if FP8:
-        h = h.to(tl.float32)
-        scale = pow2_scale(tl.max(tl.abs(h), axis=1), INV_E4M3_MAX)
-        v = tl.minimum(tl.maximum(h * pow2_recip(scale)[:, None], -448.0), 448.0)
-        tl.store(h_ptr + m * stride_h + offs, e4m3_bits(v), mask=mask)  # h viewed as uint8
-        tl.store(s_ptr + m * stride_s + kb, scale, mask=kb * QB < I)
+    if FP8:  # h viewed as uint8
+        _store_e4m3_blocks(h.to(tl.float32), h_ptr + m * stride_h, s_ptr + m * stride_s, offs, kb,
+                           mask, I, QB)
     else:
         tl.store(h_ptr + m * stride_h + offs, h, mask=mask)
 
