@@ -163,10 +163,10 @@ class ServerArgs:
                 f"--breakable-cuda-graph-tokens has {max(self.breakable_cuda_graph_tokens)}, "
                 f"above --breakable-cuda-graph-max-tokens {bcg_max}"
             )
+        import torch
+
         from sglang.srt.layers.moe.backends import resolve_moe_backend
         from sglang.srt.layers.quantization import QuantMode
-
-        import torch
 
         moe_backend = resolve_moe_backend(self.moe_backend, device, getattr(torch, dtype), segment_kernels,
                                           fp4_experts=model_config.fp4_experts)
