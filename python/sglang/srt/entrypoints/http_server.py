@@ -273,6 +273,12 @@ async def get_server_info(request: web.Request) -> web.Response:
     return web.json_response(info, dumps=lambda o: json.dumps(o, default=str))
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text exposition (srt/metrics.py); the schedulers' gauges are read per scrape."""
+    body, content_type = await request.app[MANAGER].metrics_text()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
 async def get_model_info(request: web.Request) -> web.Response:
     manager = request.app[MANAGER]
     args = manager.server_args
@@ -294,6 +300,7 @@ def create_app(manager: TokenizerManager) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/get_server_info", get_server_info)
     app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/metrics", metrics)
     return app
 
 

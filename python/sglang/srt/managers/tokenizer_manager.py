@@ -27,6 +27,7 @@ from sglang.srt.managers.io_struct import (
     kv_capacity_tokens,
     visible_output_ids,
 )
+from sglang.srt.metrics import ServerMetrics
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.tokenizer import IncrementalDetokenizer, get_tokenizer
 
@@ -89,6 +90,7 @@ class TokenizerManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._death_event: asyncio.Event | None = None
         self._info_waiters: list[collections.deque[asyncio.Future]] = []
+        self.metrics = ServerMetrics()  # /metrics: per-request latencies here, scheduler gauges at scrape
 
     # ---- process lifecycle --------------------------------------------------------------
 
@@ -265,17 +267,27 @@ class TokenizerManager:
         state = _ReqState(IncrementalDetokenizer(self.tokenizer, skip_special_tokens, req.sampling_params.stop))
         self.rid_to_state[rid] = state
         self.client.submit(req)
-        finished = False
+        timer = self.metrics.start_request()
+        finished, failed, prompt_tokens = False, False, 0
         try:
             while not finished:
                 items = [await state.queue.get()]
                 while not state.queue.empty():  # under load, fold queued steps into one chunk
                     items.append(state.queue.get_nowait())
-                out = self._fold(req, state.detokenizer, items)
-                finished = out.finished
+                try:
+                    out = self._fold(req, state.detokenizer, items)
+                except BaseException:
+                    failed = True
+                    raise
+                finished, prompt_tokens = out.finished, out.prompt_tokens
+                timer.chunk(len(out.output_ids))
+                if finished:
+                    timer.finish((out.finish_reason or {}).get("type", "stop"), prompt_tokens)
                 yield out
         finally:
             self.rid_to_state.pop(rid, None)
+            # a client that went away (or a cancelled handler) is an abort; a failed step an error
+            timer.finish("error" if failed else "abort", prompt_tokens)
             if not finished and not self.dead:
                 self._abort(rid)
 
@@ -316,16 +328,25 @@ class TokenizerManager:
             output_top_logprobs=outs.top_logprobs,
         )
 
-    async def get_server_info(self, timeout_s: float = 30.0) -> dict:
-        """Server args plus the schedulers' live stats (BCG replays, fallbacks, ...): summed over
-        DP ranks in `scheduler_stats`, each rank's own in `dp_rank_stats`."""
+    async def scheduler_stats(self, timeout_s: float = 30.0) -> list[dict]:
+        """Each DP rank's live scheduler stats (Scheduler.get_stats), in rank order."""
         if self.dead:
             raise SchedulerDiedError(self.death_message)
         futs = [self._loop.create_future() for _ in self._info_waiters]
         for waiters, fut in zip(self._info_waiters, futs):
             waiters.append(fut)
         self.client.request_server_info()
-        per_rank = [info.stats for info in await asyncio.wait_for(asyncio.gather(*futs), timeout_s)]
+        return [info.stats for info in await asyncio.wait_for(asyncio.gather(*futs), timeout_s)]
+
+    async def metrics_text(self, timeout_s: float = 30.0) -> tuple[bytes, str]:
+        """The Prometheus exposition (metrics.py), the schedulers' gauges read now."""
+        self.metrics.observe_schedulers(await self.scheduler_stats(timeout_s))
+        return self.metrics.render()
+
+    async def get_server_info(self, timeout_s: float = 30.0) -> dict:
+        """Server args plus the schedulers' live stats (BCG replays, fallbacks, ...): summed over
+        DP ranks in `scheduler_stats`, each rank's own in `dp_rank_stats`."""
+        per_rank = await self.scheduler_stats(timeout_s)
         args = self.server_args
         args = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
         return {
