@@ -201,6 +201,41 @@ def test_the_attention_break_op_gets_the_live_token_count_not_the_bucket(monkeyp
     assert seen == [(layer, 16, 7) for layer in range(num_layers)]
 
 
+def test_a_replay_pays_for_live_rows_only_in_the_attention_core_and_the_indexer(monkeypatch):
+    """Padding costs nothing where the work is: replaying a 16-token bucket for 7 live tokens,
+    every layer's sink-attention core gets 7 query rows (and writes 7 output rows), and every
+    c4 layer's indexer top-k selects for 7 tokens. The break op passing n = 7 is not enough:
+    a backend that attended all 16 rows would still give the right live outputs."""
+    from bcg_equivalence import TINY
+    from dsv4_kernels import reference as kernel_reference
+
+    from sglang.srt.layers.attention import deepseek_v4_backend
+
+    runner = ModelRunner(cpu_server_args(**TINY, enable_breakable_cuda_graph=True,
+                                         breakable_cuda_graph_tokens=[16]))
+    core_rows, topk_tokens = [], []
+    real_core, real_topk = kernel_reference.sparse_attn_with_sink, deepseek_v4_backend.select_topk
+
+    def core_spy(q, *args, out, **kwargs):
+        core_rows.append((q.shape[0], out.shape[0]))
+        return real_core(q, *args, out=out, **kwargs)
+
+    def topk_spy(config, index_q, index_weights, keys, meta, page_list, live, *args):
+        topk_tokens.append(live)
+        return real_topk(config, index_q, index_weights, keys, meta, page_list, live, *args)
+
+    assert runner.attn_backend.kernels == "torch"  # the CPU core is the reference's
+    monkeypatch.setattr(kernel_reference, "sparse_attn_with_sink", core_spy)
+    monkeypatch.setattr(deepseek_v4_backend, "select_topk", topk_spy)
+    fb = _batch(runner, [[5, 6, 7, 8], [9, 10, 11]])
+    path = decide_step_path((describe(fb),), runner.graph_tables)
+    assert (path.kind, path.size) == (PathKind.BCG, 16)
+    runner.bcg_runner.replay_hidden(fb, path.size)
+    ratios = runner.model.config.compress_ratios[:runner.model.config.num_hidden_layers]
+    assert core_rows == [(7, 7)] * len(ratios)
+    assert topk_tokens == [7] * sum(1 for r in ratios if r == 4) and topk_tokens
+
+
 def test_harness_catches_a_refresh_that_assigns_a_copy_field(monkeypatch):
     """The replay hook builds copy fields straight into the captured storage; a hook that
     builds them into new storage and then replaces the captured tensor (instead of copy_)
