@@ -26,6 +26,10 @@ LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
 DP_IDLE_POLICIES = ("replay", "eager")
 MOE_DISPATCHERS = ("gather", "deepep")  # layers/moe/ep_dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# Parsers of generated text (srt/parsers/), spelled as SGLang and vLLM spell them so their
+# launch commands work unchanged; "none" returns the model's text as it is.
+TOOL_CALL_PARSERS = ("deepseekv4", "deepseek_v4", "none")
+REASONING_PARSERS = ("deepseek-v4", "deepseek_v4", "none")
 
 # Device-dependent defaults: (cpu, cuda).
 _DEFAULT_MAX_RUNNING_REQUESTS = (64, 256)
@@ -55,6 +59,8 @@ class ServerArgs:
     served_model_name: Optional[str] = None
     max_request_bytes: int = 32 * 1024 * 1024
     shutdown_timeout: float = 20.0
+    tool_call_parser: str = "deepseekv4"
+    reasoning_parser: str = "deepseek-v4"
     # memory and scheduling (None = auto)
     context_length: Optional[int] = None
     page_size: int = 128
@@ -258,6 +264,7 @@ def _validate(a: ServerArgs) -> None:
         ("attention_backend", ATTENTION_BACKENDS), ("schedule_policy", SCHEDULE_POLICIES),
         ("load_balance_method", LOAD_BALANCE_METHODS), ("dp_idle_policy", DP_IDLE_POLICIES),
         ("log_level", LOG_LEVELS), ("moe_dispatcher", MOE_DISPATCHERS), ("moe_backend", MOE_BACKENDS),
+        ("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS),
     ):
         if getattr(a, name) not in choices:
             raise ValueError(f"--{_flag(name)} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
@@ -385,6 +392,10 @@ _HELP = {
     "shutdown_timeout": "seconds in-flight requests may take to finish after SIGTERM; streams still "
                         "open then end with an error event",
     "stream_interval": "stream every N tokens (always on finish)",
+    "tool_call_parser": "how /v1/chat/completions reads tool calls: deepseekv4 (or deepseek_v4) parses the "
+                        "model's DSML blocks into message.tool_calls; none refuses requests with tools",
+    "reasoning_parser": "how /v1/chat/completions reads reasoning: deepseek-v4 (or deepseek_v4) returns the "
+                        "text before </think> as reasoning_content; none leaves it in content",
     "watchdog_timeout": "seconds a forward may take before the server is considered hung",
 }
 _CHOICES = {
@@ -393,6 +404,7 @@ _CHOICES = {
     "schedule_policy": SCHEDULE_POLICIES, "load_balance_method": LOAD_BALANCE_METHODS,
     "dp_idle_policy": DP_IDLE_POLICIES, "log_level": LOG_LEVELS, "moe_dispatcher": MOE_DISPATCHERS,
     "segment_kernels": SEGMENT_KERNELS, "moe_backend": MOE_BACKENDS,
+    "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS,
 }
 _INT_FIELDS = {"num_layers", "random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
                "chunked_prefill_size", "breakable_cuda_graph_max_tokens", "cuda_graph_max_bs", "dp_size", "nnodes",

@@ -186,6 +186,48 @@ def test_sigterm_stops_every_rank_and_leaves_no_child(servers):
     assert "ended with exit code" not in log
 
 
+def _client_outcome(url: str, i: int) -> tuple[str, float]:
+    """A long request (streamed for odd i) that the test kills mid-flight: how it ended, and
+    when (monotonic seconds)."""
+    body = {"input_ids": PROMPTS[i], "stream": bool(i % 2),
+            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+    try:
+        r = requests.post(url + "/generate", json=body, stream=bool(i % 2), timeout=60)
+        if not i % 2:
+            return f"http {r.status_code}: {r.text[:200]}", time.monotonic()
+        events = [line for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+        last = events[-2] if len(events) >= 2 and events[-1] == "data: [DONE]" else (events or ["no events"])[-1]
+        return f"stream {r.status_code}: {last[:200]}", time.monotonic()
+    except requests.RequestException as e:  # the connection dropped: also an error the client sees
+        return f"connection error: {type(e).__name__}", time.monotonic()
+
+
+def test_kill_9_of_one_rank_under_load_fails_every_client_within_seconds_and_leaves_no_orphan(tmp_path):
+    server = Server(tmp_path, *DP2, *GRAPHS).wait_ready()
+    try:
+        info = server.info()
+        children = descendant_pids(server.proc.pid)
+        pool = ThreadPoolExecutor(12)
+        futures = [pool.submit(_client_outcome, server.url, i) for i in range(12)]
+        deadline = time.monotonic() + 60
+        while not all(r["num_running_reqs"] for r in _rank_stats(server)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(r["num_running_reqs"] for r in _rank_stats(server)), "both ranks are busy when one dies"
+        killed_at = time.monotonic()
+        os.kill(info["scheduler_pids"][1], signal.SIGKILL)
+        outcomes = [f.result(timeout=60) for f in futures]
+        for text, at in outcomes:
+            assert at - killed_at < 15, (text, at - killed_at)
+            # non-streamed: a 503 naming the rank; streamed: an error event before [DONE]
+            assert text.startswith(("http 503", "stream 503", "stream 200: data: {\"error\"", "connection error")), text
+            assert "200: {" not in text  # no request reports success after its rank died
+        assert any("DP rank 1 exited unexpectedly (exit code -9)" in text for text, _ in outcomes)
+        assert server.proc.wait(30) == 1
+        assert still_alive_after(children) == []
+    finally:
+        server.stop()
+
+
 # ---- two nodes on loopback ------------------------------------------------------------------
 
 

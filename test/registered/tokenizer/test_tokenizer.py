@@ -49,7 +49,8 @@ def test_byte_tokenizer_specials_in_text_map_to_their_ids():
     text = f"{BOS}<｜User｜>hi<｜Assistant｜><think>x</think>{EOS}"
     ids = tok.encode(text)
     assert ids == [0, 259, 104 + 3, 105 + 3, 260, 261, 120 + 3, 262, 1]
-    assert tok.decode(ids) == "hix"
+    # The think markers are text (not special) in the release's vocabulary: kept when skipping.
+    assert tok.decode(ids) == "hi<think>x</think>"
     assert tok.decode(ids, skip_special_tokens=False) == text
     assert tok.encode("hi", add_special_tokens=True) == [0, 107, 108]
     assert tok.encode(BOS + "hi", add_special_tokens=True) == [0, 107, 108]  # no second BOS

@@ -195,9 +195,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 def _openai_request(manager: TokenizerManager, body: dict, chat: bool):
-    """(request, skip_special_tokens, model, include_usage) of a completions or chat body."""
+    """(request, skip_special_tokens, model, include_usage, chat output spec) of a completions
+    or chat body."""
     model = oai.check_model(body, manager)
-    input_ids = oai.chat_prompt_ids(body, manager) if chat else oai.completion_prompt_ids(body, manager)
+    output = None
+    if chat:
+        input_ids, output = oai.chat_prompt_ids(body, manager)
+    else:
+        input_ids = oai.completion_prompt_ids(body, manager)
     sampling_params, skip = oai.sampling_params_of(body, chat)
     stream = oai.get_bool(body, "stream", False)
     include_usage = stream and oai.stream_include_usage(body)
@@ -205,7 +210,7 @@ def _openai_request(manager: TokenizerManager, body: dict, chat: bool):
     want_logprobs, top_logprobs = oai.logprobs_of(body, chat)
     req, skip = manager.build_request(input_ids, sampling_params, stream, return_logprob=want_logprobs,
                                       top_logprobs_num=top_logprobs)
-    return req, skip, model, include_usage
+    return req, skip, model, include_usage, output
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -218,11 +223,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _openai_generate(request: web.Request, chat: bool):
     manager = request.app[MANAGER]
-    req, skip, model, include_usage = await prepare(request, lambda m, body: _openai_request(m, body, chat))
+    req, skip, model, include_usage, output = await prepare(request, lambda m, body: _openai_request(m, body, chat))
     gen = manager.generate(req, skip)
     token_text = (lambda i: manager.tokenizer.decode([i], skip_special_tokens=False)) if req.return_logprob else None
     fmt = oai.ResponseFormatter(chat=chat, model=model, rid=req.rid, created=int(time.time()),
-                                token_text=token_text, top_logprobs=req.top_logprobs_num)
+                                token_text=token_text, top_logprobs=req.top_logprobs_num, output=output)
     if not req.stream:
         text, outs, last = await _collect(req, gen)
         logprobs = fmt.logprobs(outs.ids, outs.logprobs, outs.top_logprobs, last.finish_reason)

@@ -3,8 +3,11 @@ parameter mapping onto SamplingParams names, and the JSON of responses and strea
 
 from __future__ import annotations
 
+from sglang.srt.entrypoints.chat_output import ChatOutputParser, ChatOutputSpec
 from sglang.srt.managers.io_struct import MAX_TOP_LOGPROBS, visible_output_ids
+from sglang.srt.parsers.dsml_tool_calls import BLOCK_START, INVOKE_START
 from sglang.srt.tokenizer import encode_messages
+from sglang.srt.tokenizer.chat_template import THINK_START
 
 # OpenAI parameters this server cannot honour: accepted only at their neutral values, so a
 # client that relies on them gets a 400 instead of silently different output.
@@ -70,18 +73,58 @@ def completion_prompt_ids(body: dict, manager) -> list[int]:
     raise APIError("prompt must be a string or a list of token ids")
 
 
-def chat_prompt_ids(body: dict, manager) -> list[int]:
+def chat_tools_of(body: dict, parse_tools: bool) -> tuple[list | None, object]:
+    """(tools, tool_choice) of a chat body, validated. tool_choice defaults to "auto" with
+    tools and "none" without; a named choice is {"type": "function", "function": {"name"}}."""
+    for key in ("functions", "function_call"):
+        if body.get(key) is not None:
+            raise APIError(f"{key} is deprecated and not supported: use tools and tool_choice",
+                           code="unsupported_parameter")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise APIError("tools must be a list of function tools")
+    for tool in tools or []:
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise APIError(f"each tool must be {{\"type\": \"function\", \"function\": {{...}}}}, got {tool!r}")
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise APIError(f"each tool needs function.name, a non-empty string: {tool!r}")
+    tools = tools or None
+    if tools and not parse_tools:
+        raise APIError("tools need a tool-call parser: this server runs with --tool-call-parser none",
+                       code="unsupported_parameter")
+    choice = body.get("tool_choice")
+    if choice is None:
+        return tools, "auto" if tools else "none"
+    if not tools and choice != "none":
+        raise APIError(f"tool_choice {choice!r} needs tools")
+    names = [t["function"]["name"] for t in tools or []]
+    if isinstance(choice, dict):
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise APIError(f'tool_choice must be "none", "auto", "required" or {{"type": "function", '
+                           f'"function": {{"name": ...}}}}, got {choice!r}')
+        if name not in names:
+            raise APIError(f"tool_choice names {name!r}, which is not among the tools")
+        return tools, choice
+    if choice not in ("none", "auto", "required"):
+        raise APIError(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}')
+    return tools, choice
+
+
+def chat_prompt_ids(body: dict, manager) -> tuple[list[int], ChatOutputSpec]:
+    """Prompt ids of a chat body and how its output is to be read."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError("messages is required and must be a non-empty list")
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError("each message must be an object with a string role")
-    # Accepting tools and answering without tool calls would look like a model that chose not
-    # to call them; refuse until tool calling (parsing the model's calls) exists.
-    for key in ("tools", "tool_choice", "functions", "function_call"):
-        if body.get(key) not in (None, [], "none"):
-            raise APIError(f"{key} is not supported: this server has no tool calling yet", code="unsupported_parameter")
+    args = manager.server_args
+    parse_tools = args.tool_call_parser != "none"
+    tools, tool_choice = chat_tools_of(body, parse_tools)
+    get_bool(body, "parallel_tool_calls", True)  # the model decides how many calls it makes
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise APIError("chat_template_kwargs must be an object")
@@ -91,11 +134,24 @@ def chat_prompt_ids(body: dict, manager) -> list[int]:
     response_format = body.get("response_format")
     if response_format not in (None, {"type": "text"}):
         raise APIError("response_format is not supported")
+    offered = tools if tool_choice != "none" else None
     try:
-        prompt = encode_messages(messages, None, thinking)
+        prompt = encode_messages(messages, offered, thinking)
     except (ValueError, NotImplementedError, TypeError, KeyError) as e:
         raise APIError(f"cannot encode messages: {e}") from None
-    return manager.tokenizer.encode(prompt, add_special_tokens=False)
+    in_thinking = prompt.endswith(THINK_START)
+    forced = ""
+    if tool_choice == "required" or isinstance(tool_choice, dict):
+        # No grammar engine: the call is started in the prompt, and the model completes it.
+        if in_thinking:
+            raise APIError("tool_choice required or a named function needs thinking off "
+                           "(chat_template_kwargs.thinking: false): the call would skip the reasoning")
+        forced = f"\n\n{BLOCK_START}\n{INVOKE_START} name=\""
+        if isinstance(tool_choice, dict):
+            forced += f'{tool_choice["function"]["name"]}">\n'
+    spec = ChatOutputSpec(thinking=in_thinking, parse_reasoning=args.reasoning_parser != "none",
+                          parse_tools=parse_tools and offered is not None, forced_prefix=forced)
+    return manager.tokenizer.encode(prompt + forced, add_special_tokens=False), spec
 
 
 def sampling_params_of(body: dict, chat: bool) -> tuple[dict, bool]:
@@ -161,8 +217,10 @@ class ResponseFormatter:
     tokens / token_logprobs / top_logprobs / text_offset (offsets into the completion text,
     from the tokens' own texts)."""
 
-    def __init__(self, chat: bool, model: str, rid: str, created: int, token_text=None, top_logprobs: int = 0):
+    def __init__(self, chat: bool, model: str, rid: str, created: int, token_text=None, top_logprobs: int = 0,
+                 output: ChatOutputSpec | None = None):
         self.chat, self.model, self.created = chat, model, created
+        self.output = ChatOutputParser(output or ChatOutputSpec()) if chat else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + rid
         self._role_sent = False
         self.token_text, self.top_n = token_text, top_logprobs
@@ -195,12 +253,17 @@ class ResponseFormatter:
             "total_tokens": out.prompt_tokens + out.completion_tokens,
         }
 
+    def _finish_reason(self, out) -> str | None:
+        reason = finish_reason_str(out.finish_reason)
+        return self.output.finish_reason(reason) if self.chat else reason
+
     def response(self, text: str, out, logprobs: dict | None = None) -> dict:
-        choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason_str(out.finish_reason)}
+        choice = {"index": 0, "logprobs": logprobs}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = self.output.message(text)
         else:
             choice["text"] = text
+        choice["finish_reason"] = self._finish_reason(out)
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -236,10 +299,18 @@ class ResponseFormatter:
         reason = out.finish_reason if out.finished else None
         if self.token_text is not None and visible_output_ids(out.output_ids, reason):
             logprobs = self.logprobs(out.output_ids, out.output_logprobs, out.output_top_logprobs, reason)
-        if out.text or logprobs:
-            events.append(self._chunk({"content": out.text} if self.chat else out.text, logprobs=logprobs))
+        if self.chat:
+            deltas = self.output.feed(out.text) if out.text else []
+            if out.finished:
+                deltas += self.output.finish()
+            if logprobs and not deltas:
+                deltas = [{"content": ""}]  # the tokens' text is held back; their logprobs are not
+            for i, delta in enumerate(deltas):
+                events.append(self._chunk(delta, logprobs=logprobs if i == 0 else None))
+        elif out.text or logprobs:
+            events.append(self._chunk(out.text, logprobs=logprobs))
         if out.finished:
-            events.append(self._chunk({} if self.chat else "", finish_reason_str(out.finish_reason)))
+            events.append(self._chunk({} if self.chat else "", self._finish_reason(out)))
             if include_usage:
                 events.append(self._chunk(None, usage=self.usage(out)))
         return events

@@ -46,6 +46,7 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from sglang.srt.layers.logprobs import token_logprobs
 from sglang.srt.layers.sampler import Sampler, make_generator
+from sglang.srt.managers.scripted_outputs import ScriptedOutputs
 from sglang.srt.managers.io_struct import GenerateReqInput, TokenOut, check_logprob_args, check_prompt_ids
 from sglang.srt.managers.overlap import FutureMap, LaunchedStep, rows_to_device
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, check_finished, eos_ids_of
@@ -74,6 +75,7 @@ class Scheduler:
         self.vocab_size = model_runner.config.vocab_size
         self.eos_token_ids = eos_ids_of(model_runner.config)
         self.sampler = Sampler(seed=server_args.random_seed)
+        self.scripted = ScriptedOutputs.from_env(min(self.eos_token_ids, default=0))
         self.overlap = not getattr(server_args, "disable_overlap_schedule", False)
         self.future_map = FutureMap(self.pool.slots.capacity, self.device)
         self._inflight: Optional[LaunchedStep] = None  # launched, sampled ids not read yet
@@ -362,6 +364,8 @@ class Scheduler:
         if len(rows) < logits.shape[0]:
             logits = logits[rows_to_device(rows, logits.device)]
         ids = self.sampler(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
+        if self.scripted is not None:
+            ids = self.scripted.apply(reqs, ids)
         first = self.future_map.store(ids)
         step.logprob_rows = [j for j, r in enumerate(reqs) if r.return_logprob]
         logprobs = ()
@@ -433,6 +437,7 @@ class Scheduler:
             "num_total_pages": self.pool.pages.capacity,
             "page_size": self.page_size,
             "num_free_req_slots": self.pool.slots.num_free,
+            "num_total_req_slots": self.pool.slots.capacity,
             "max_running_requests": self.max_running_requests,
             "num_forwards": sum(forwards.values()),
             **{f"num_forwards_{name}": n for name, n in forwards.items()},

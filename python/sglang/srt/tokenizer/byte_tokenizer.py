@@ -18,7 +18,9 @@ Id layout (the first 265 ids; any model vocab of at least 265 fits, dsv4-tiny ha
                                              sample them, so they decode like special tokens
 
 Special tokens written literally in the input text encode to their ids; everything else is
-encoded as its UTF-8 bytes.
+encoded as its UTF-8 bytes. `<think>` and `</think>` are single ids but text, not special, as
+DeepSeek's released vocabularies mark them: decoding keeps them even when it skips special
+tokens, so a reasoning parser sees where the reasoning ends.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ CHAT_SPECIAL_TOKENS = (
     "<｜latest_reminder｜>",
     "<｜action｜>",
 )
+TEXT_MARKERS = ("<think>", "</think>")
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 FIRST_CHAT_SPECIAL_ID = BYTE_OFFSET + NUM_BYTES  # 259
 MIN_VOCAB_SIZE = FIRST_CHAT_SPECIAL_ID + len(CHAT_SPECIAL_TOKENS)  # 265
@@ -62,6 +65,7 @@ class ByteTokenizer:
         # Longest first, so a marker that is a prefix of another never wins the match.
         alternatives = sorted(self._special_to_id, key=len, reverse=True)
         self._special_re = re.compile("|".join(re.escape(t) for t in alternatives))
+        self._text_marker_ids = frozenset(self._special_to_id[t] for t in TEXT_MARKERS)
 
     # ---- ids <-> tokens -----------------------------------------------------------------
 
@@ -99,7 +103,8 @@ class ByteTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Bytes are joined and decoded as UTF-8 (invalid sequences become U+FFFD); special
-        ids are dropped, or spelled out when `skip_special_tokens` is False."""
+        ids are dropped, or spelled out when `skip_special_tokens` is False (the text markers
+        always are)."""
         parts: list[str] = []
         buf = bytearray()
         for token_id in ids:
@@ -108,7 +113,7 @@ class ByteTokenizer:
             if not self.is_special(token_id):
                 buf.append(token_id - BYTE_OFFSET)
                 continue
-            if skip_special_tokens:
+            if skip_special_tokens and token_id not in self._text_marker_ids:
                 continue
             # A special token ends the byte run: bytes never merge across it.
             parts.append(buf.decode("utf-8", errors="replace"))
