@@ -1,6 +1,6 @@
 """What capturing a serving configuration's graphs costs: seconds and graph-pool memory per
 bucket (largest first), for the breakable (extend / mixed) and the decode graphs, at the
-default bucket lists unless told otherwise. Issue 13's goal: all buckets in <= 10 s and
+default bucket lists unless told otherwise. The target: all buckets in <= 10 s and
 <= 3 GiB per GPU at flash-slice dims; nothing may grow with the context length, so run it at
 two context lengths and compare the static buffers.
 

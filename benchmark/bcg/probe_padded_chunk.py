@@ -4,7 +4,7 @@ how far a padded chunk's logits move when only the GEMM tilings differ.
 Each prompt is 600 tokens prefilled in chunks of 256, 256 and 88. The 256-token chunks run the
 same kernels at the same shapes in both modes; the 88-token chunk runs at 88 rows eagerly and
 padded to 256 in the graph. Prints, per seed, the cosine of each chunk's last-token logits and
-an eager rerun's (determinism). Used in session 13 to tell a defect from release numerics'
+an eager rerun's (determinism). It tells a defect from release numerics'
 sensitivity (test_release_format_gpu.py's bounds); compare two source trees by running it
 under each one's PYTHONPATH.
 

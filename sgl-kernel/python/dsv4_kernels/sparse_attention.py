@@ -29,7 +29,7 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class SparseAttnConfig:
     # Chosen without a GPU from sm_90 compile reports (no spills, 225 registers, two programs
-    # per token at H=64); benchmark/bench_sparse_attention.py sweeps the alternatives.
+    # per token at H=64); sgl-kernel/benchmark/bench_sparse_attention.py sweeps the alternatives.
     block_h: int = 32
     block_n: int = 32
     num_warps: int = 8
@@ -45,7 +45,7 @@ MAX_SPLITS = 16
 # many key blocks of the lists' widths: a shorter split saves less GPU time than its merge
 # launch and partial buffers cost on the host, paid by a break on every replay (dsv4-mini's
 # 128-key window list at 16 tokens, split 8 ways: 76.5 against 47.4 host µs unsplit,
-# benchmark/bench_launch_overhead.py). Captured into a graph, a split costs no host time at
+# benchmark/bcg/bench_launch_overhead.py). Captured into a graph, a split costs no host time at
 # replay, so there only the wave decides (decode graphs: Flash's T=1 step split 16 ways).
 MIN_BLOCKS_PER_SPLIT = 4
 
@@ -238,7 +238,7 @@ def _merge_splits_kernel(
 
 def measured_config(num_tokens: int) -> SparseAttnConfig:
     """Best configurations measured on an H200 at dsv4-flash-slice decode shapes (H=64,
-    D=512, 128 window + 512 c4 entries; benchmark/bench_sparse_attention.py): 32-head blocks
+    D=512, 128 window + 512 c4 entries; sgl-kernel/benchmark/bench_sparse_attention.py): 32-head blocks
     with split key lists for a handful of tokens, 64-head blocks above, keys on the M side
     once there are enough tokens to fill the machine."""
     if num_tokens < 16:
