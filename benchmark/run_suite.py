@@ -37,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SUITES = REPO / "benchmark" / "suites.toml"
 ITEM_KEYS = {"command", "timeout", "outputs", "env", "gpus"}
+SUITE_KEYS = {"about", "env"}
 KILL_GRACE_S = 5.0
 
 
@@ -49,8 +50,11 @@ def load_suites(path: Path = SUITES) -> dict[str, dict]:
     for name, suite in data.items():
         items = []
         for item_name, item in suite.items():
-            if not isinstance(item, dict):
+            if item_name in SUITE_KEYS:
                 continue
+            if not isinstance(item, dict):
+                raise ValueError(f"{path}: {name}.{item_name} is neither an item table nor one of "
+                                 f"{sorted(SUITE_KEYS)}")
             unknown = set(item) - ITEM_KEYS
             if unknown or "command" not in item or "timeout" not in item:
                 raise ValueError(f"{path}: item {name}.{item_name} needs command and timeout "
