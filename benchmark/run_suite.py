@@ -200,6 +200,10 @@ def run_suite(name: str, suite: dict, results_dir: Path, only: list[str] | None,
     return summary
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def print_list(suites: dict[str, dict]) -> None:
     for name, suite in suites.items():
         print(f"{name}: {suite['about']}")
@@ -243,9 +247,16 @@ def main(argv=None) -> int:
     names = gpu_names()
     results_dir = args.results_dir or default_results_dir(names)
     failed = []
-    for name in args.suites:
-        summary = run_suite(name, suites[name], results_dir, args.only, len(names))
-        failed += [f"{name}/{r['item']}" for r in summary["items"] if r.get("rc") not in (0, None)]
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a killed driver takes its item along
+    try:
+        for name in args.suites:
+            summary = run_suite(name, suites[name], results_dir, args.only, len(names))
+            failed += [f"{name}/{r['item']}" for r in summary["items"] if r.get("rc") not in (0, None)]
+    except KeyboardInterrupt:
+        print(f"interrupted; results so far under {results_dir}")
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"results under {results_dir}" + (f"; failed: {' '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 

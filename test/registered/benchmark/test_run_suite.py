@@ -9,6 +9,8 @@ import json
 import os
 import re
 import shlex
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -135,6 +137,40 @@ timeout = {30 if leaves_it else 3}
     assert row["rc"] == (0 if leaves_it else -15)
     pid = int((results / "hang" / "sleeper" / "pid").read_text())
     assert _gone(pid), f"grandchild {pid} survived its item"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])
+def test_an_interrupted_driver_kills_the_running_item(tmp_path, sig):
+    spawn = ("import os, subprocess, sys; "
+             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+             "open(os.path.join(os.environ['OUT'], 'pid'), 'w').write(str(p.pid)); p.wait()")
+    suites = _write_suite(tmp_path, f'''
+[hang]
+about = "an item interrupted while it runs"
+
+[hang.sleeper]
+command = "{PY} -c \\"{spawn}\\""
+timeout = 60
+
+[hang.never]
+command = "echo never > $OUT/ran"
+timeout = 60
+''')
+    results = tmp_path / "results"
+    driver = subprocess.Popen([sys.executable, str(REPO / "benchmark" / "run_suite.py"), "hang", "--suites-file",
+                               str(suites), "--results-dir", str(results)], stdout=subprocess.PIPE, text=True)
+    pid_file = results / "hang" / "sleeper" / "pid"
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pid = int(pid_file.read_text())
+    driver.send_signal(sig)
+    out, _ = driver.communicate(timeout=30)
+    assert driver.returncode == 130, out
+    assert _gone(pid), f"grandchild {pid} survived the interrupted driver"
+    rows = json.loads((results / "hang" / "summary.json").read_text())["items"]
+    assert rows == [{"item": "sleeper", "rc": None, "interrupted": True}]
+    assert not (results / "hang" / "never").exists()
 
 
 def test_list_and_dry_run_print_the_suites(tmp_path, capsys):
