@@ -51,9 +51,8 @@ GEMM_SHAPES = [("wq_a", 4096, 1024), ("wq_b", 1024, 64 * 512), ("wkv", 4096, 512
                ("wo_b", 8192, 4096), ("shared_w1_w3", 4096, 2048), ("shared_w2", 2048, 4096)]
 GEMM_M = [16, 64, 256, 1024, 2048, 4096, 8192]
 QUICK_SIZES = [16, 64, 2048, 8192]  # --quick: M and T
-# --quick also times the FP8 tile gemm_config used before this session's H200 run beside
-# today's at M >= 2048 (fp8_release_128x128: 128 x 128 x 8 warps, one CTA per SM; the 64 x 128
-# default lets two CTAs share an SM), and fp8_release_tma: the same GEMM with TMA tile loads
+# --quick also times 128 x 128 x 8-warp FP8 tiles beside gemm_config's at M >= 2048
+# (fp8_release_128x128: one CTA per SM; the 64 x 128 default lets two CTAs share an SM), and fp8_release_tma: the same GEMM with TMA tile loads
 # (fp8_tma_experiment.py), when it runs and agrees.
 ALT_LARGE_TILE = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)
 MOE_D, MOE_I, MOE_E, MOE_TOPK = 4096, 2048, 256, 6

@@ -106,7 +106,7 @@ def test_default_variant_follows_the_batch():
     # fp32 activations keep the narrower 128-row tiles (the wide ones exceed sm_90's shared memory)
     assert fp4_moe.moe_config(8192, 6, torch.float32)["block_n_up"] == 64
     # rows per tile follow rows per expert (~ M / 256): 16 up to 3072 assignments, then 32 up
-    # to 8192, 64 up to 16384, then 128 (the sweeps of sessions 10, 11 and 13)
+    # to 8192, 64 up to 16384, then 128 (as sweep_moe_tiles.py measured them on an H200)
     assert [fp4_moe.moe_config(T, 6)["block_m"] for T in (17, 512, 513, 1365, 1366, 2730, 2731)] == \
         [16, 16, 32, 32, 64, 64, 128]
     assert fp4_moe.moe_config(2048, 6, torch.float32)["block_m"] == 64
@@ -225,7 +225,7 @@ def test_gemv_is_picked_only_below_its_switch(device, monkeypatch):
         ["bf16"] * 3
     monkeypatch.setattr(fp4_moe, "GEMV_MAX_ASSIGNMENTS", 0)
     assert fp4_moe.select_variant(1, 6, True, bf16) == "bf16"
-    # the tiles measured fastest on an H200 at T = 1, 16, 64 (gemv_config's docstring)
+    # the tiles measured fastest on an H200 at T = 1, 16, 64 (configs/fp4_gemv_moe_tiles.json)
     assert [fp4_gemv_moe.gemv_config(T, 6)["block_m"] for T in (1, 16, 17, 64, 65)] == [1, 1, 2, 2, 4]
     assert [fp4_gemv_moe.gemv_config(T, 6)["block_n_up"] for T in (5, 6, 16, 17, 64, 65)] == [16, 64, 64, 16, 16, 64]
     # the wiring: a weight-only fp32 call with variant=None does not reach the gemv kernels,

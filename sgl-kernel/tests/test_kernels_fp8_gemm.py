@@ -274,7 +274,7 @@ def test_gpu_cublas_block_linear_matches_reference(M, N, K, dtype):
         assert S.use_cublas(x, q, True, "auto")  # what the model's linears take
         y = ops.fp8_block_linear(x, q, s, True, backend="cublas")
     else:
-        # torch._scaled_mm's layout is what the H200 ran (probe_torch_gemm.log); only the
+        # torch._scaled_mm's layout is what the H200 ran (probe_torch_gemm.py); only the
         # zero-padded one (torch.nn.functional.scaled_mm) may be missing from this torch.
         assert padded, S.probe_failures()
         with pytest.raises(ValueError, match="failed the cuBLAS block-scaling probe"):

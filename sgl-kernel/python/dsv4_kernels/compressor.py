@@ -58,7 +58,7 @@ def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio,
     assert gather_idx.stride(-1) == 1 and out.stride(-1) == 1
     if E == 0:
         return out
-    # Register-sized tiles of [R, BLOCK_C] fp32 (sm_90 reports: no spills; see benchmark/).
+    # Register-sized tiles of [R, BLOCK_C] fp32 (sm_90 reports: no spills; sgl-kernel/benchmark/sm90_resources.py).
     block_c = min(next_power_of_2(D), 32 if ratio == 128 else 256)
     _compressor_pool_kernel[(E, cdiv(D, block_c))](
         kv_state, score_state, kv_new, score_new, gather_idx, out,

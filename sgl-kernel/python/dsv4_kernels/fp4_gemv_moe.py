@@ -32,6 +32,10 @@ from .fp4_moe import _TL_DTYPE, _chunks, _decode_words, _load_words
 from .fp8_gemm import round_act
 from .host_math import cdiv
 from .moe import moe_align, sum_topk
+from .tile_tables import CONFIGS, load_tiers, pick
+
+TILES_FILE = CONFIGS / "fp4_gemv_moe_tiles.json"
+_TIERS = load_tiers(TILES_FILE)
 
 
 @triton.jit
@@ -206,37 +210,24 @@ def _gemv_down_kernel(
 
 
 def gemv_config(T: int, topk: int) -> dict:
-    """The gemv variant's tiles (fixed per shape: graph capture). block_m follows the rows an
-    expert holds (uniform routing over a 128-expert shard, top-6: ~1.2 per hit expert at
-    T = 16, ~1.6 at T = 64): every row of a block costs one FMA per weight element, real or
-    padding, and every extra block of an expert one more decode of its weights (~4.5
-    instructions per element), so 2-row blocks from T * topk > 32 and 4-row ones only past
-    T * topk = 384, where experts commonly hold 3 or more.
+    """The gemv variant's tiles (fixed per shape: graph capture), from the data file
+    configs/fp4_gemv_moe_tiles.json (TILES_FILE, read at import) by M = T * topk.
 
-    Tiles: at T * topk <= 32 (a handful of experts hit) narrow N tiles with long K steps
-    (16 / 32 weight rows x 512 inputs = 256 contiguous bytes per row and step, 8 KB per
-    program and step), so the few experts still give hundreds of programs. Beyond, 64 x 128
-    input tiles (64 bytes per row and step, 8 KB over gate + up): a quarter of the programs
-    (the static grid is max_blocks x N tiles, most blocks empty padding when few experts are
-    hit, and an empty program still costs a launch) and fewer registers (sm_90: 120-130
-    gate/up, 70-80 down at block_m 2-4, where the narrow tiles took 128-215). chunks: 32-input
-    chunks per K step (capped to divide K). 8 warps.
+    block_m follows the rows an expert holds (uniform routing over a 128-expert shard, top-6:
+    ~1.2 per hit expert at T = 16, ~1.6 at T = 64): every row of a block costs one FMA per
+    weight element, real or padding, and every extra block of an expert one more decode of its
+    weights (~4.5 instructions per element), so 2-row blocks from T * topk > 96 and 4-row ones
+    only past 384, where experts commonly hold 3 or more.
 
-    Tuned on an H200 (bench_quant.py --only moe --quick --moe-t 1 16 64, the alternatives it
-    times; benchmark/results/session4/call4_final/moe_gemv.log): at T * topk = 96 1-row blocks
-    on the 64 x 128 tiles beat 2-row ones (571 vs 642 us), at 384 the narrow tiles with 2-row
-    blocks beat the 64 x 128 ones (1761 vs 1867 us); at 6 the narrow 1-row tiles stay (48 us,
-    against 65-114 for the others). Past 384 (4-row blocks): not measured."""
-    M = T * topk
-    narrow = dict(block_n_up=16, block_n_down=32, chunks=16, num_warps=8, num_stages=2)
-    wide = dict(block_n_up=64, block_n_down=64, chunks=4, num_warps=8, num_stages=2)
-    if M <= 32:
-        return dict(narrow, block_m=1)
-    if M <= 96:
-        return dict(wide, block_m=1)
-    if M <= 384:
-        return dict(narrow, block_m=2)
-    return dict(wide, block_m=4)
+    Tiles: with a handful of experts hit, narrow N tiles with long K steps (16 / 32 weight
+    rows x 512 inputs = 256 contiguous bytes per row and step, 8 KB per program and step), so
+    the few experts still give hundreds of programs. Otherwise 64 x 128 input tiles (64 bytes
+    per row and step, 8 KB over gate + up): a quarter of the programs (the static grid is
+    max_blocks x N tiles, most blocks empty padding when few experts are hit, and an empty
+    program still costs a launch) and fewer registers (sm_90: 120-130 gate/up, 70-80 down at
+    block_m 2-4, where the narrow tiles took 128-215). chunks: 32-input chunks per K step
+    (capped to divide K). 8 warps. Which tiers win was measured (the file names the device)."""
+    return pick(_TIERS, T * topk)
 
 
 def gemv_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, out,

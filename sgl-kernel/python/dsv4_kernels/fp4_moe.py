@@ -33,8 +33,6 @@ is that small.
 """
 
 import functools
-import json
-from pathlib import Path
 
 import torch
 import triton
@@ -44,14 +42,13 @@ from ._dot import dot_precision
 from .fp8_gemm import QBLOCK, round_act
 from .host_math import cdiv
 from .moe import moe_align, sum_topk
+from .tile_tables import CONFIGS, load_tiers, pick
 
 VARIANTS = ("bf16", "gemv")
-TILES_FILE = Path(__file__).resolve().parent / "configs" / "fp4_moe_tiles.json"
-# default_variant picks the gemv variant at T * topk <= this. Measured on an H200 (bench_quant.py
-# --only moe --quick, 128-expert shard, release numerics; benchmark/results/session9/
-# call6_moe_small and call5_pair_decode): gemv 46 / 572 / 1119 / 1676 us against the one-dot
-# bf16 decode's 117 / 710 / 843 / 1049 us at T = 1 / 16 / 32 / 64. Between T = 16 and 32 not
-# measured: the switch sits at the last point gemv won, where moe_config's per-chunk rows end.
+TILES_FILE = CONFIGS / "fp4_moe_tiles.json"
+# default_variant picks the gemv variant at T * topk <= this: on an H200 (128-expert shard,
+# release numerics) gemv was faster than the one-dot bf16 decode at T = 1 and 16 and slower
+# from T = 32 on (the `moe-backends` suite's variants_decode / variants_mid items measure both).
 GEMV_MAX_ASSIGNMENTS = 16 * 6
 
 
@@ -293,8 +290,7 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 
 @functools.lru_cache(maxsize=None)
 def _tile_tiers() -> tuple:
-    data = json.loads(TILES_FILE.read_text())
-    return tuple((t["max_assignments"], t["tiles"], t.get("fp32_tiles", t["tiles"])) for t in data["tiers"])
+    return load_tiers(TILES_FILE)
 
 
 def moe_config(T: int, topk: int, x_dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -312,26 +308,20 @@ def moe_config(T: int, topk: int, x_dtype: torch.dtype = torch.bfloat16) -> dict
     From 97 assignments one dot per 128-input step (step_dot), 16-row tiles up to ~12 rows per
     expert, 32-row tiles up to ~32, 64-row tiles up to ~64, then 128-row tiles: the cost is
     per tile (each decodes its expert's weights), so the narrowest tile that holds an expert's
-    rows wins. Measured on an H200 (benchmark/results/session10/ and session13/, 128-expert
-    shard, release numerics, ms): 16-row tiles 1.30 / 1.47 against 64-row tiles' 2.50 / 2.52
-    at T = 256 / 512; 32-row 1.89 against 2.46 (16-row) and 2.58 (64-row) at T = 1024; 64-row
-    tiles with 4 warps 2.42 / 2.43 / 2.99 against 128-row tiles' 3.28 / 3.34 / 3.25 at
-    T = 1536 / 2048 / 2560; and 128 x 128 / 128 x 256 tiles 3.29 / 3.25 / 3.29 against 64-row
-    tiles' 3.66 / 4.48 / 5.02 at T = 2816 / 3072 / 4096 (some experts need two 64-row tiles).
+    rows wins (the tier edges are where the H200 measured the next tile size winning; the
+    `moe-tiles` suite's sweep item times each tier against its alternatives and writes this
+    file's format).
     num_stages is the software pipeline depth. fp32 activations (x_dtype) double every operand
     tile, and the wide 128-row tiles would need
     288 KiB of shared memory (sm_90 has 227): they keep 64 / 128-wide N tiles.
 
     step_dot (bf16 decode only): one dot per 128-input step instead of one per 32-input chunk,
     from 97 assignments up, where it was measured faster than the per-chunk dots and than an
-    e4m3 decode on FP8 tensor cores (2.1-3.3x; default_variant). pair_decode (with step_dot; default on): _decode_step's
-    two-codes-per-shift decode instead of _e2m1_scaled, 1.3-2.0x faster at T = 64-4096 (call5's
-    bf16_release against bf16_release_bitdecode)."""
-    M = T * topk
-    for bound, tiles, fp32_tiles in _tile_tiers():
-        if bound is None or M <= bound:
-            return dict(fp32_tiles if x_dtype == torch.float32 else tiles)
-    raise ValueError(f"{TILES_FILE}: no tier holds {M} assignments (the last needs max_assignments null)")
+    e4m3 decode on FP8 tensor cores (2.1-3.3x; default_variant). pair_decode (with step_dot;
+    default on): _decode_step's two-codes-per-shift decode instead of _e2m1_scaled, 1.3-2.0x
+    faster at T = 64-4096 on an H200 (bench_quant.py's bf16_release against
+    bf16_release_bitdecode)."""
+    return pick(_tile_tiers(), T * topk, fp32=x_dtype == torch.float32)
 
 
 def _chunks(K: int, most: int = 4) -> int:

@@ -225,9 +225,9 @@ def gemm_config(M: int, N: int, K: int, act_quant: bool, num_sms: int = 132) -> 
         bm, bn, warps, stages = 64, 128, 4, 4
     elif act_quant:
         # 64 x 128 x 4 warps beat 128 x 128 x 8 warps on all six Flash shapes at M 2048 and 8192
-        # on the H200 (1.03-1.61x; wq_b M=8192 863 vs 1155 us, wo_b M=2048 194 vs 313 us:
-        # benchmark/results/session3_h200x2/bench_quant_quick.log): two CTAs share an SM, so
-        # one's per-block rescale overlaps the other's tensor-core work.
+        # on the H200 (1.03-1.61x; bench_quant.py --quick's fp8_release_128x128 rows, the
+        # release-format suite's bench_quant_quick item): two CTAs share an SM, so one's
+        # per-block rescale overlaps the other's tensor-core work.
         bm, bn, warps, stages = 64, 128, 4, 4
     else:
         bm, bn, warps, stages = 128, 128, 8, 4

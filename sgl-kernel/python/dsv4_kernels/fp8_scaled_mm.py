@@ -2,7 +2,7 @@
 (activations 1 x 128, weights 128 x 128; cuBLASLt >= 12.9 on sm90). fp8_gemm.fp8_block_linear
 takes it for release numerics on bf16/fp16 activations when the device passed the probe below;
 everything else (weight-only, fp32 x, CPU, shapes cuBLAS refuses) stays on the Triton kernels.
-Measured on an H200 (benchmark/probe_torch_gemm.py): 1.5-2.6x the Triton GEMM at M = 64..16384
+Measured on an H200 (sgl-kernel/benchmark/probe_torch_gemm.py): 1.5-2.6x the Triton GEMM at M = 64..16384
 with the same error against the fp32 product (M <= 16 is not measured yet).
 
 Layout contract of cuBLASLt for a [M, K] (e4m3, row-major) times b = weight.t() [K, N]

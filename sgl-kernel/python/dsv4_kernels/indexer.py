@@ -9,7 +9,7 @@ token. Masked candidates get -inf and never win.
 the deterministic top-k's int64 key (reference.topk_indices: the score's order-preserving
 bits, then the reversed column), one torch.topk over the keys, and a kernel that decodes the
 chosen keys into slots. The reference's ~25 small torch ops cost ~0.65 ms of host time per
-c4 layer in every breakable-graph replay (benchmark/profile_bcg_step.py, docs/benchmarks.md).
+c4 layer in every breakable-graph replay (benchmark/bcg/profile_bcg_step.py, docs/benchmarks.md).
 """
 
 import torch

@@ -224,7 +224,7 @@ def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out, block_n: int = 64,
     """out [T, d] (any float dtype) <- the routed experts' sum (see the module docstring).
     ids [T, topk] (int32/int64; outside [0, E) = skip), weights [T, topk]. Returns out."""
     # Default tiles: the largest that compile for sm_90 without spills (two fp32 accumulators
-    # in the gate/up kernel); see benchmark/sm90_resources.py.
+    # in the gate/up kernel); see sgl-kernel/benchmark/sm90_resources.py.
     T, d = x.shape
     E, I, _ = w1.shape
     topk = ids.shape[1]

@@ -22,6 +22,7 @@ from .host_math import cdiv, next_power_of_2, sm_count
 from .kv_fp8 import KV_FP8_BLOCK
 from .page_table_list import kernel_list_args
 from .reference import check_kv_layout
+from .tile_tables import CONFIGS, load_tiers
 
 LOG2E = 1.4426950408889634
 
@@ -29,7 +30,7 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class SparseAttnConfig:
     # Chosen without a GPU from sm_90 compile reports (no spills, 225 registers, two programs
-    # per token at H=64); benchmark/bench_sparse_attention.py sweeps the alternatives.
+    # per token at H=64); sgl-kernel/benchmark/bench_sparse_attention.py sweeps the alternatives.
     block_h: int = 32
     block_n: int = 32
     num_warps: int = 8
@@ -45,7 +46,7 @@ MAX_SPLITS = 16
 # many key blocks of the lists' widths: a shorter split saves less GPU time than its merge
 # launch and partial buffers cost on the host, paid by a break on every replay (dsv4-mini's
 # 128-key window list at 16 tokens, split 8 ways: 76.5 against 47.4 host µs unsplit,
-# benchmark/bench_launch_overhead.py). Captured into a graph, a split costs no host time at
+# benchmark/bcg/bench_launch_overhead.py). Captured into a graph, a split costs no host time at
 # replay, so there only the wave decides (decode graphs: Flash's T=1 step split 16 ways).
 MIN_BLOCKS_PER_SPLIT = 4
 
@@ -237,21 +238,21 @@ def _merge_splits_kernel(
 
 
 def measured_config(num_tokens: int) -> SparseAttnConfig:
-    """Best configurations measured on an H200 at dsv4-flash-slice decode shapes (H=64,
-    D=512, 128 window + 512 c4 entries; benchmark/bench_sparse_attention.py): 32-head blocks
+    """The configuration of the first tier of configs/sparse_attention_tiles.json (TILES_FILE,
+    read at import) holding num_tokens: the best ones measured at dsv4-flash-slice decode
+    shapes (H=64, D=512, 128 window + 512 c4 entries; sgl-kernel/benchmark/
+    bench_sparse_attention.py sweeps them) on the device the file names. There: 32-head blocks
     with split key lists for a handful of tokens, 64-head blocks above, keys on the M side
     once there are enough tokens to fill the machine."""
-    if num_tokens < 16:
-        return _FEW_TOKENS
-    if num_tokens < 256:
-        return _SOME_TOKENS
-    return _MANY_TOKENS
+    for bound, config in _TIERS:
+        if bound is None or num_tokens <= bound:
+            return config
+    raise AssertionError("load_tiers guarantees an unbounded last tier")
 
 
-# (built once: a break calls measured_config on every replay)
-_FEW_TOKENS = SparseAttnConfig(block_h=32)
-_SOME_TOKENS = SparseAttnConfig(block_h=64)
-_MANY_TOKENS = SparseAttnConfig(block_h=64, keys_as_m=True)
+TILES_FILE = CONFIGS / "sparse_attention_tiles.json"
+# built once: a break calls measured_config on every replay
+_TIERS = tuple((bound, SparseAttnConfig(**tiles)) for bound, tiles, _ in load_tiers(TILES_FILE, "max_tokens"))
 
 
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,

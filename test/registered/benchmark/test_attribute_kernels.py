@@ -1,4 +1,4 @@
-"""benchmark/attribute_kernels.py on CPU (dsv4-tiny, 4 layers): one eager step's op time,
+"""benchmark/profiling/attribute_kernels.py on CPU (dsv4-tiny, 4 layers): one eager step's op time,
 attributed to the innermost module running each op, layer indices folded together."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from test_bench_one_batch import SMALL
 
-TOOL = Path(__file__).resolve().parents[3] / "benchmark" / "attribute_kernels.py"
+TOOL = Path(__file__).resolve().parents[3] / "benchmark" / "profiling" / "attribute_kernels.py"
 
 
 def _load_tool():

@@ -1,4 +1,4 @@
-"""benchmark/greedy_agreement.py: collect against a real server (its top-2 logprobs per step),
+"""benchmark/accuracy/greedy_agreement.py: collect against a real server (its top-2 logprobs per step),
 and compare's first divergences with their near-tie call."""
 
 import importlib.util
@@ -11,7 +11,8 @@ import pytest
 
 
 REPO = Path(__file__).resolve().parents[3]
-spec = importlib.util.spec_from_file_location("greedy_agreement", REPO / "benchmark" / "greedy_agreement.py")
+TOOL = REPO / "benchmark" / "accuracy" / "greedy_agreement.py"
+spec = importlib.util.spec_from_file_location("greedy_agreement", TOOL)
 greedy_agreement = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(greedy_agreement)
 
@@ -49,7 +50,7 @@ def test_compare_of_files_without_logprobs_leaves_the_call_open(tmp_path):
 def test_collect_against_a_server_records_ids_and_top2(tmp_path, tiny_server):
     out = tmp_path / "run.json"
     for path in (out, tmp_path / "again.json"):
-        subprocess.run([sys.executable, str(REPO / "benchmark" / "greedy_agreement.py"), "collect", "--port",
+        subprocess.run([sys.executable, str(TOOL), "collect", "--port",
                         str(tiny_server.port), "--num", "3", "--input-len", "8", "--output-len", "4",
                         "--out", str(path)], check=True, timeout=120)
     data = json.loads(out.read_text())

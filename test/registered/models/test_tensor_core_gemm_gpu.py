@@ -133,7 +133,7 @@ def _logits(runner, tokens):
 # few decisions and the positions after them: on CPU, computing only the compressors'
 # projections exactly (fp64) instead of by the fp32 GEMM moved dsv4-tiny-fp8's min cosine to
 # 0.9968 (release) and a 128-row-group variant's to 0.9852 (weight-only, one c4 top-k flip).
-# dsv4-mini-fp8's bounds are the H200 measurement's (session 5): min 0.9909, mean 0.99916,
+# dsv4-mini-fp8's bounds are the H200 measurement's: min 0.9909, mean 0.99916,
 # argmax agreement 0.899. Its release numerics re-round every projection's input to FP8, so an
 # fp32 ulp of difference flips FP8 roundings layer after layer; with random weights the logits
 # are flat (std 1), so argmax flips between near-ties are common. The dsv4-mini and

@@ -53,9 +53,9 @@ def test_dummy_release_format_bcg_equals_eager(numerics, kv):
     # chunk runs eagerly at 88 rows and padded to 256 in the graph, so the GEMMs pick other
     # tilings (another fp32 summation order); release numerics re-round every projection's
     # input to FP8, and with random weights an ulp can flip a rounding, then an indexer top-k
-    # pick, layer after layer. Over 30 token seeds on an H200 (benchmark/results/session13/
-    # callC) that chunk's cosine had median 0.99975 and minimum 0.9945 (fp8 KV 0.9962), before
-    # and after session 12's glue kernels alike; weight-only numerics stay above 0.99998.
+    # pick, layer after layer. Over 30 token seeds on an H200 (benchmark/bcg/probe_padded_chunk.py,
+    # the release-format suite's padded_chunk_probe) that chunk's cosine had median 0.99975 and
+    # minimum 0.9945 (fp8 KV 0.9962); weight-only numerics stay above 0.99998.
     assert cos[:2].min().item() > 0.999999
     assert cos[2].item() > (0.99 if numerics == "release" else 0.9999)
 

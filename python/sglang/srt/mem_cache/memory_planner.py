@@ -32,7 +32,7 @@ GiB = 1024**3
 H200_USABLE_BYTES = 139 * GiB
 
 WEIGHT_FORMATS = ("bfloat16", "float32", "release")
-# Whether the loader keeps the release format quantized in memory: it does (issue 11: the
+# Whether the loader keeps the release format quantized in memory: it does (the
 # model holds Fp8BlockLinear / Fp4RoutedExperts, the streaming loader and --load-format dummy
 # fill them without a dequantized copy).
 LOADER_KEEPS_RELEASE_FORMAT = True

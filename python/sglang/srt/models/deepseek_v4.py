@@ -57,8 +57,8 @@ deepseek_v4_attention_with_output = register_split_op(
 # Up to this many tokens (decode and small extends: graph buckets are fixed T, so the choice is
 # static per graph), FP8 wo_a runs as one weight-only FP8 GEMM per group, reading 1 byte per
 # weight element, instead of a bf16 dequantization (~7 bytes of traffic per element per step)
-# and one cuBLAS bmm. Measured at Flash shapes on an H200 (benchmark/bench_tensor_core_gemm.py,
-# docs/benchmarks.md 13.2): 0.062 / 0.097 / 0.165 / 0.660 ms against 0.229 / 0.234 / 0.263 /
+# and one cuBLAS bmm. Measured at Flash shapes on an H200
+# (benchmark/layers/bench_tensor_core_gemm.py, docs/benchmarks.md 13.2): 0.062 / 0.097 / 0.165 / 0.660 ms against 0.229 / 0.234 / 0.263 /
 # 0.644 ms at T = 16 / 128 / 512 / 4096; sizes between 512 and 4096 were not timed.
 WO_A_FP8_GEMM_MAX_TOKENS = 512
 

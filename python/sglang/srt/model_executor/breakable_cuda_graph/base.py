@@ -158,7 +158,7 @@ class BreakableGraph(abc.ABC):
     def replay(self, host_seconds: Optional[Tuple[list, list]] = None) -> None:
         """Replay segment 0, call break 0 on its recorded arguments, replay segment 1, ...
         host_seconds=(segments, breaks): also append the host seconds each segment launch and
-        each break op took, without syncs (benchmark/profile_bcg_step.py)."""
+        each break op took, without syncs (benchmark/bcg/profile_bcg_step.py)."""
         if not self._captured:
             raise RuntimeError("replay() before capture() finished (or after release())")
         clock = time.perf_counter
