@@ -1,6 +1,6 @@
 """Host µs per call of the pieces of a breakable-graph break, on a GPU.
 
-A replayed step at 16 tokens is host-bound (docs/benchmarks.md §14.1): its breaks cost
+A replayed step at 16 tokens is host-bound (docs/benchmarks.md §3): its breaks cost
 130-365 µs of host time while the Python around them costs 6-25 µs. This splits the rest:
 Triton's launch path against the raw launcher, by argument count, and each break's calls at
 dsv4-mini's shapes (16 heads x 512, window 128, c4 top-256, 16 tokens).

@@ -1,7 +1,7 @@
 """Which model code launches a step's GPU time: one eager step under torch.profiler, every torch
 op's own device time (the kernels it launched) attributed to the innermost module running it
 and to the op's input shapes. This is the view that finds the torch glue worth fusing
-(docs/benchmarks.md 18.6, 19). It covers torch ops only: Triton kernels launched from Python
+(docs/benchmarks.md §3). It covers torch ops only: Triton kernels launched from Python
 have no torch op around them and torch.profiler ties none of their time to a range here (on an
 H200 the table's total was about a third of the step's kernel time), so read them from
 `bench_one_batch --profile-kernels`, which lists every kernel.

@@ -1,5 +1,5 @@
 """One FP4 MoE call at Flash's expert dims, shaped for Nsight Compute: where the gemv variant
-loses its HBM bandwidth (17% of it at T = 64 on an H200, docs/benchmarks.md §16.1).
+loses its HBM bandwidth (17% of it at T = 64 on an H200, docs/benchmarks.md §4).
 
 bench_quant.py says how fast each variant is; this says why. It builds one routed-expert
 shard (hidden 4096, inter 2048, top-6 of 256, uniformly random ids, release numerics), runs the

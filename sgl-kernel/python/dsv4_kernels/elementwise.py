@@ -4,7 +4,7 @@ expert's clamped SwiGLU and the MoE's shared + routed sum.
 In torch each of these is a chain of fp32 temporaries: an RMSNorm is eight kernels (upcast,
 square, mean, add, rsqrt, two broadcast multiplies, downcast), each a full pass over [T, d] in
 fp32. At a Flash-dims 4096-token step those chains were about a fifth of a layer's GPU time
-(docs/benchmarks.md 18.6). Here each is one pass: read the 16-bit inputs once, fp32 math in
+(docs/benchmarks.md §3). Here each is one pass: read the 16-bit inputs once, fp32 math in
 registers, write the result once in its final dtype. The math follows reference.py operation
 for operation, so only the order of the fp32 sum of squares differs from torch's.
 

@@ -4,7 +4,7 @@ RoPE on the last rope_dim dims, the Walsh-Hadamard rotation (x dim^-0.5), FP4 ro
 In torch (Indexer.forward's fallback) these are about forty kernels over [T, heads, 128]
 fp32 temporaries: the rotation's seven butterfly stages alone are an add, a sub and a stack
 each. At a Flash-dims 4096-token step that was about 4 ms per c4 layer, more than the layer's
-attention (docs/benchmarks.md 19). Here it is one pass over the bf16 rows.
+attention (docs/benchmarks.md §3). Here it is one pass over the bf16 rows.
 
 Per program BLOCK_R rows of `dim` (= 128) elements, even and odd elements loaded as two
 [BLOCK_R, dim/2] tiles (a RoPE pair at the same lane of both, as in cache_write.py):

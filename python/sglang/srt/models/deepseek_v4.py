@@ -58,7 +58,7 @@ deepseek_v4_attention_with_output = register_split_op(
 # static per graph), FP8 wo_a runs as one weight-only FP8 GEMM per group, reading 1 byte per
 # weight element, instead of a bf16 dequantization (~7 bytes of traffic per element per step)
 # and one cuBLAS bmm. Measured at Flash shapes on an H200
-# (benchmark/layers/bench_tensor_core_gemm.py, docs/benchmarks.md 13.2): 0.062 / 0.097 / 0.165 / 0.660 ms against 0.229 / 0.234 / 0.263 /
+# (benchmark/layers/bench_tensor_core_gemm.py, docs/benchmarks.md §5): 0.062 / 0.097 / 0.165 / 0.660 ms against 0.229 / 0.234 / 0.263 /
 # 0.644 ms at T = 16 / 128 / 512 / 4096; sizes between 512 and 4096 were not timed.
 WO_A_FP8_GEMM_MAX_TOKENS = 512
 
@@ -266,7 +266,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         holds every value exactly (checked here, once: true of the release's BF16 head), the
         bf16 hidden times it accumulated in fp32 (mm_fp32): the fp32 GEMM's products, half its
         bytes (1 GiB less at Flash) and no CUDA-core fp32 GEMM (1.4 ms a step on an H200,
-        docs/benchmarks.md 18.6). A head with fp32-only values keeps the fp32 GEMM."""
+        docs/benchmarks.md §5). A head with fp32-only values keeps the fp32 GEMM."""
         w = self.head.weight
         if want and self.head_bf16 is None and w.numel():
             w_bf16 = w.detach().to(torch.bfloat16)
