@@ -24,7 +24,7 @@ MOE_BACKENDS = ("auto", "torch", "triton", "humming")  # layers/moe/backends/
 SCHEDULE_POLICIES = ("fcfs",)
 LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
 DP_IDLE_POLICIES = ("replay", "eager")
-MOE_DISPATCHERS = ("gather", "deepep")  # layers/moe/ep_dispatch.py
+MOE_DISPATCHERS = ("gather",)  # layers/moe/ep_dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 # Device-dependent defaults: (cpu, cuda).
@@ -375,8 +375,8 @@ _HELP = {
                            "(fewest outstanding requests, then tokens)",
     "dp_idle_policy": "what ranks do on steps where some DP rank is idle",
     "moe_dispatcher": "how DP ranks exchange MoE rows (each holds 1/dp of the routed experts): gather "
-                      "(all-gather + reduce-scatter, captured in graphs) or deepep (all-to-all; needs deep_ep, "
-                      "not implemented yet)",
+                      "(all-gather every rank's rows, run the local experts, reduce-scatter the sums; "
+                      "captured in graphs)",
     "nnodes": "nodes the DP ranks span (--dp-size must be a multiple)",
     "node_rank": "this node's index; node 0 runs the HTTP server, the others only their DP ranks",
     "dist_init_addr": "host:port of node 0 for the torch.distributed rendezvous; node 0's DP "
