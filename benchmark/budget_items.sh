@@ -9,7 +9,6 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python
-export DSV4_REFERENCE_DIR=${DSV4_REFERENCE_DIR:-$PWD/.ref/dsv4-reference}
 
 budget_start() { t0=$(date +%s); BUDGET=${BUDGET:-$1}; rm -rf "$LOGS"; mkdir -p "$LOGS"; }
 left() { echo $(( BUDGET - ($(date +%s) - t0) )); }

@@ -2,7 +2,7 @@
 # Session 3's last GPU call on 2 x H200: GPU 1 runs every gpu-marked test (one line per test
 # in the log) while GPU 0 starts DeepSeek-V4-Flash at full dims with 20 layers (release-format
 # dummy weights, memory plan vs measured, capture) and times one mixed batch.
-# Usage (repo root, GPU machine): OUT=/dir DSV4_REFERENCE_DIR=... bash benchmark/run_final_gpu.sh
+# Usage (repo root, GPU machine): OUT=/dir bash benchmark/run_final_gpu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python

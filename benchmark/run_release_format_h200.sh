@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 11 on one H200: the gpu tests of the release format (kernels, loader, conformance on
 # CUDA, FP8 KV cache), the quantized-kernel microbenchmarks, and one batch bf16 vs release format.
-# Usage (repo root, GPU machine): OUT=/some/dir DSV4_REFERENCE_DIR=... bash benchmark/run_release_format_h200.sh
+# Usage (repo root, GPU machine): OUT=/some/dir bash benchmark/run_release_format_h200.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python

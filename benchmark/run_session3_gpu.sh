@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on 2 x H200: GPU 1 runs every gpu-marked test (one line per test in the log, so a
 # killed run still says what passed) while GPU 0 runs the benchmarks; then the DP multi_gpu test.
-# Usage (repo root, GPU machine): OUT=/dir DSV4_REFERENCE_DIR=... bash benchmark/run_session3_gpu.sh
+# Usage (repo root, GPU machine): OUT=/dir bash benchmark/run_session3_gpu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python

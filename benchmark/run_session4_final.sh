@@ -3,7 +3,7 @@
 # settings from ServerArgs, overlap scheduling on by default, the FP4 MoE gemv variant):
 # GPU 0 times the FP4 MoE variants at decode sizes, then runs one shard of the gpu-marked
 # tests; GPU 1 runs the other shard (the HTTP load test last); then the DP tests on both.
-# Usage (repo root, GPU machine): OUT=/dir DSV4_REFERENCE_DIR=... bash benchmark/run_session4_final.sh
+# Usage (repo root, GPU machine): OUT=/dir bash benchmark/run_session4_final.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python

@@ -2,7 +2,7 @@
 # Session 4's GPU calls on 2 x H200: GPU 1 runs every gpu-marked test while GPU 0 starts
 # DeepSeek-V4-Flash at full dims with 20 layers (release-format dummy weights, plan vs
 # measured, capture, graph memory) and times mixed batches with bench_one_batch.
-# Usage (repo root, GPU machine): OUT=/dir DSV4_REFERENCE_DIR=... bash benchmark/run_session4_gpu.sh
+# Usage (repo root, GPU machine): OUT=/dir bash benchmark/run_session4_gpu.sh
 # (benchmark/flash_memory_probe.py gives the per-module peaks when the graph pool needs a look.)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"

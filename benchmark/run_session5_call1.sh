@@ -2,7 +2,7 @@
 # Session 5, first call on 2 x H200. GPU 0: the overlap no-sync test alone (full traceback),
 # the 128K test, probe_torch_gemm.py, a kernel profile of a Flash-width step, dsv4-mini
 # bench_one_batch (issue 14's re-run). GPU 1: the HTTP load test.
-# Usage (repo root, GPU machine): OUT=/dir DSV4_REFERENCE_DIR=... bash benchmark/run_session5_call1.sh
+# Usage (repo root, GPU machine): OUT=/dir bash benchmark/run_session5_call1.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python

@@ -4,7 +4,7 @@
 # table, the grouped FP4 MoE variant). GPU 1: every gpu-marked test (kernels first). GPU 0: which cuBLAS
 # layouts this torch takes, dsv4-mini and flash-slice-fp8 bench_one_batch (decode too), the step
 # profile, the grouped MoE rows, the tensor-core GEMM timings.
-# Usage (repo root, GPU machine): OUT=/dir DSV4_REFERENCE_DIR=... bash benchmark/run_session5_call2.sh
+# Usage (repo root, GPU machine): OUT=/dir bash benchmark/run_session5_call2.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python

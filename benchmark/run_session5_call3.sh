@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 5, third call on 2 x H200: every gpu-marked test of the merged tree in two shards, one per GPU,
 # each with room to finish (the second call's 230 / 290 s shards were cut before their summaries).
-# Usage (repo root, GPU machine): OUT=/dir DSV4_REFERENCE_DIR=... bash benchmark/run_session5_call3.sh
+# Usage (repo root, GPU machine): OUT=/dir bash benchmark/run_session5_call3.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python

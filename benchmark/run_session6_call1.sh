@@ -3,7 +3,7 @@
 # conformance tests (issue 14), (2) the small-extend regression profiled on dsv4-mini with
 # host µs per segment / break, the metadata cProfile and torch's sync debug mode (issues 13, 14),
 # (3) what capturing flash-slice's default buckets costs, cold and warm, at 8K and 1M context (issue 13).
-# Usage (repo root, GPU machine): OUT=/dir DSV4_REFERENCE_DIR=... bash benchmark/run_session6_call1.sh
+# Usage (repo root, GPU machine): OUT=/dir bash benchmark/run_session6_call1.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python

@@ -3,7 +3,7 @@
 # the deterministic top-k and CUDA conformance tests, the attention GPU tests; (2) bench_one_batch
 # on dsv4-mini alone (issue 14's before/after: session 5 call 5 had extend 16 / 64 at BCG/ideal
 # 2.01 / 1.87); (3) the profile's host µs per break at 16 tokens.
-# Usage (repo root, GPU machine): OUT=/dir DSV4_REFERENCE_DIR=... bash benchmark/run_session6_call2.sh
+# Usage (repo root, GPU machine): OUT=/dir bash benchmark/run_session6_call2.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python

@@ -5,7 +5,7 @@
 #     0.57 ms and 130-365 µs before the one-launch metadata and the numpy host layout);
 # (3) bench_one_batch dsv4-mini at 16 / 64 / 256 tokens (issue 14's before/after).
 # (4) benchmark/bench_launch_overhead.py.
-# Usage (repo root, GPU machine): OUT=/dir DSV4_REFERENCE_DIR=... bash benchmark/run_session7_call1.sh
+# Usage (repo root, GPU machine): OUT=/dir bash benchmark/run_session7_call1.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python

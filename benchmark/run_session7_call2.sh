@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 7, call 2 on one H200: every gpu-marked test under test/ (issue 14's "GPU suite passes",
 # the CUDA conformance tests included; multi_gpu ones skip on one GPU).
-# Usage (repo root, GPU machine): OUT=/dir DSV4_REFERENCE_DIR=... bash benchmark/run_session7_call2.sh
+# Usage (repo root, GPU machine): OUT=/dir bash benchmark/run_session7_call2.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python

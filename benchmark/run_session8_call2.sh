@@ -4,11 +4,10 @@
 # MoE inside a breakable graph, the one-dot-per-step bf16 decode), the MoE variants around the
 # new switch, and bench_one_batch at Flash dims with 20 layers again (mixed 2048 / 4096 with the
 # kernel profile, decode 1 / 64).
-# Usage (repo root, GPU machine, .ref/dsv4-reference present): OUT=/dir bash benchmark/run_session8_call2.sh
+# Usage (repo root, GPU machine): OUT=/dir bash benchmark/run_session8_call2.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python
-export DSV4_REFERENCE_DIR=$PWD/.ref/dsv4-reference
 start=$(date +%s)
 timeout 150 python -m pytest -q -v -m gpu -p no:cacheprovider -s \
   "test/registered/quantization/test_release_format_gpu.py::test_large_prefill_runs_the_grouped_fp4_moe_in_a_breakable_graph" \
