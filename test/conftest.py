@@ -37,10 +37,12 @@ def dsv4_reference_dir() -> Path:
     """The DeepSeek-V4 reference data (conformance checkpoints, real configs, chat encodings):
     test/data/dsv4-reference, which the repository carries, or DSV4_REFERENCE_DIR. Missing data
     fails the tests that need it: a conformance check must never pass by being skipped."""
-    path = Path(os.environ.get("DSV4_REFERENCE_DIR") or REPO_ROOT / "test" / "data" / "dsv4-reference")
+    override = os.environ.get("DSV4_REFERENCE_DIR")
+    path = Path(override or REPO_ROOT / "test" / "data" / "dsv4-reference")
     if not (path / "conformance-tiny" / "model.safetensors").is_file():
-        pytest.fail(f"DSV4 reference data not found at {path}: test/data/dsv4-reference is part of the "
-                    "repository (restore it), or set DSV4_REFERENCE_DIR to a copy", pytrace=False)
+        where = (f"DSV4_REFERENCE_DIR={override} holds no conformance-tiny/model.safetensors" if override else
+                 f"{path} is missing: it is part of the repository (restore it, or set DSV4_REFERENCE_DIR)")
+        pytest.fail(f"DSV4 reference data not found: {where}", pytrace=False)
     return path
 
 
