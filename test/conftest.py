@@ -34,10 +34,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def dsv4_reference_dir() -> Path:
-    """The shared DeepSeek-V4 reference data, read in place (it is not copied into the repo)."""
-    path = Path(os.environ.get("DSV4_REFERENCE_DIR", REPO_ROOT.parent / "shared" / "dsv4-reference"))
-    if not path.is_dir():
-        pytest.skip(f"DSV4 reference data not found at {path} (set DSV4_REFERENCE_DIR)")
+    """The DeepSeek-V4 reference data (conformance checkpoints, real configs, chat encodings):
+    test/data/dsv4-reference, which the repository carries, or DSV4_REFERENCE_DIR. Missing data
+    fails the tests that need it: a conformance check must never pass by being skipped."""
+    override = os.environ.get("DSV4_REFERENCE_DIR")
+    path = Path(override or REPO_ROOT / "test" / "data" / "dsv4-reference")
+    if not (path / "conformance-tiny" / "model.safetensors").is_file():
+        where = (f"DSV4_REFERENCE_DIR={override} holds no conformance-tiny/model.safetensors" if override else
+                 f"{path} is missing: it is part of the repository (restore it, or set DSV4_REFERENCE_DIR)")
+        pytest.fail(f"DSV4 reference data not found: {where}", pytrace=False)
     return path
 
 

@@ -18,10 +18,10 @@ import asyncio
 import json
 import random
 
-import aiohttp
-
 
 async def collect(args) -> None:
+    import aiohttp  # `compare` needs no HTTP client
+
     base = f"http://{args.host}:{args.port}"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         async with session.get(f"{base}/get_server_info") as resp:

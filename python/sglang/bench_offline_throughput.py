@@ -43,9 +43,12 @@ class BenchArgs:
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=BenchArgs.num_prompts)
-    parser.add_argument("--random-input-len", type=int, default=BenchArgs.random_input_len)
-    parser.add_argument("--random-output-len", type=int, default=BenchArgs.random_output_len)
+    parser.add_argument("--num-prompts", type=int, default=BenchArgs.num_prompts,
+                        help=f"requests of each timed run (default {BenchArgs.num_prompts})")
+    parser.add_argument("--random-input-len", type=int, default=BenchArgs.random_input_len,
+                        help=f"prompt tokens per request (default {BenchArgs.random_input_len})")
+    parser.add_argument("--random-output-len", type=int, default=BenchArgs.random_output_len,
+                        help=f"tokens generated per request (default {BenchArgs.random_output_len})")
     parser.add_argument("--dataset-seed", type=int, default=BenchArgs.dataset_seed, help="seed of the prompts")
     parser.add_argument("--warmup-prompts", type=int, default=BenchArgs.warmup_prompts,
                         help="requests of the benchmark's lengths served (untimed) before the runs, "
@@ -201,11 +204,16 @@ def format_result(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m sglang.bench_offline_throughput",
+                                     description=__doc__.splitlines()[0])
     add_cli_args(parser)
     add_bench_args(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> dict:
+    args = make_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
     server_args = from_cli_args(args)
     bench_args = BenchArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchArgs)})

@@ -186,30 +186,43 @@ def print_capture_table(bcg) -> None:
           f"(device memory taken by the capture: {bcg.capture_memory_bytes / 2**20:.1f} MiB)")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default="dsv4-mini")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None)
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sglang.bench_one_batch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default="dsv4-mini",
+                   help="preset name or checkpoint directory, as for launch_server (default dsv4-mini)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="bfloat16 or float32 (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--load-format", default="auto", help="auto | dummy (random weights) | safetensors")
     p.add_argument("--num-layers", type=int, default=None, help="only the model's first N layers (same dims)")
-    p.add_argument("--num-tokens", type=int, nargs="+", default=[16, 64, 256, 512, 1024, 2048, 4096])
-    p.add_argument("--modes", nargs="+", default=["extend", "mixed"], choices=["extend", "mixed", "decode"])
-    p.add_argument("--prefix", type=int, default=1024, help="cached tokens per request")
-    p.add_argument("--max-chunk", type=int, default=1024)
-    p.add_argument("--decode-rows", type=int, default=32)
-    p.add_argument("--context-length", type=int, default=8192)
+    p.add_argument("--num-tokens", type=int, nargs="+", default=[16, 64, 256, 512, 1024, 2048, 4096],
+                   help="tokens per step, one table row each (in decode mode: batch sizes); each is also a "
+                        "breakable-graph bucket (default 16 64 256 512 1024 2048 4096)")
+    p.add_argument("--modes", nargs="+", default=["extend", "mixed"], choices=["extend", "mixed", "decode"],
+                   help="extend: prefill chunks only; mixed: one prefill chunk plus decode rows; decode: one "
+                        "token per request, through the decode graph (default extend mixed)")
+    p.add_argument("--prefix", type=int, default=1024, help="cached tokens per request (default 1024)")
+    p.add_argument("--max-chunk", type=int, default=1024,
+                   help="extend mode: the step's tokens split into prefill chunks of at most this many (default 1024)")
+    p.add_argument("--decode-rows", type=int, default=32,
+                   help="mixed mode: decode rows beside the prefill chunk, at most half the step's tokens "
+                        "(default 32)")
+    p.add_argument("--context-length", type=int, default=8192,
+                   help="the runner's context length, capped at the model's max_position_embeddings (default 8192)")
     p.add_argument("--iters", type=int, default=10, help="steps per timed run")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per mode (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode before timing")
-    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
+                   help="the attention core (server_args --attention-backend; auto: triton on CUDA)")
     p.add_argument("--segment-kernels", default="auto", choices=("auto", "on", "off"),
                    help="dsv4_kernels ops inside graph segments (auto: with the Triton attention core)")
     p.add_argument("--moe-backend", default="auto", choices=("auto", "torch", "triton", "humming"),
                    help="who multiplies the FP4 routed experts (server_args --moe-backend)")
     p.add_argument("--quant-numerics", default="release", choices=["weight_only", "release"],
                    help="for release-format models (*-fp8 presets, FP8/FP4 checkpoints)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                   help="auto: the model dtype; fp8_e4m3: KV nope dims in e4m3 (also in the limit column)")
     p.add_argument("--dp-size", type=int, default=1,
                    help="DP attention ranks (processes; rank r on cuda:r, or gloo on CPU), experts split N ways")
     p.add_argument("--dp-timeout", type=float, default=600.0, help="DP: seconds any collective may wait")
@@ -217,7 +230,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-kernels", type=int, default=0, metavar="N",
                    help="after each row, the N largest kernels of one eager step (torch.profiler; GPU time on "
                         "CUDA, op CPU time on CPU), with the step's kernel count")
-    p.add_argument("--result-file", default=None)
+    p.add_argument("--result-file", default=None, help="write the result (every row and run) there as JSON")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = make_parser()
     a = p.parse_args(argv)
     if a.dp_size < 1:
         p.error(f"--dp-size must be >= 1, got {a.dp_size}")

@@ -171,24 +171,31 @@ async def run(args) -> dict:
     return summarize(results, duration)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sglang.bench_serving", description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:30000 (overrides --host/--port)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--random-input-len", type=int, default=512)
-    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--host", default="127.0.0.1", help="server host, when no --base-url (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000, help="server port, when no --base-url (default 30000)")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests of the timed run (default 64)")
+    p.add_argument("--random-input-len", type=int, default=512, help="prompt tokens per request (default 512)")
+    p.add_argument("--random-output-len", type=int, default=128,
+                   help="tokens generated per request (default 128)")
     p.add_argument("--random-range-ratio", type=float, default=1.0,
                    help="lengths are uniform in [ratio * len, len]; 1.0 = fixed lengths")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at once (default: all)")
-    p.add_argument("--warmup-requests", type=int, default=1)
-    p.add_argument("--disable-ignore-eos", action="store_true")
+    p.add_argument("--warmup-requests", type=int, default=1,
+                   help="requests sent one by one before the timed run, of at most 4 output tokens (default 1)")
+    p.add_argument("--disable-ignore-eos", action="store_true",
+                   help="let requests stop at EOS (by default they generate exactly their output length)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds without a streamed byte")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="seed of the prompts' token ids and lengths (default 1)")
     p.add_argument("--output-file", default=None, help="append the result as one JSON line")
     p.add_argument("--tag", default=None, help="a label stored in that line (e.g. which server: bcg / eager)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    args = make_parser().parse_args(argv)
     metrics = asyncio.run(run(args))
     print_summary(metrics, args)
     if args.output_file:

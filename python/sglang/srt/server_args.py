@@ -24,7 +24,7 @@ MOE_BACKENDS = ("auto", "torch", "triton", "humming")  # layers/moe/backends/
 SCHEDULE_POLICIES = ("fcfs",)
 LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
 DP_IDLE_POLICIES = ("replay", "eager")
-MOE_DISPATCHERS = ("gather", "deepep")  # layers/moe/ep_dispatch.py
+MOE_DISPATCHERS = ("gather",)  # layers/moe/ep_dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # Parsers of generated text (srt/parsers/), spelled as SGLang and vLLM spell them so their
 # launch commands work unchanged; "none" returns the model's text as it is.
@@ -357,12 +357,19 @@ _HELP = {
     "num_layers": "run only the model's first N layers at full dims (compress-ratio pattern and MTP "
                   "entry kept), for when the whole model does not fit; needs --load-format dummy",
     "dtype": "auto: bfloat16 on CUDA, float32 on CPU",
+    "random_seed": "seed of the random weights of --load-format dummy and of the sampler for requests "
+                   "without a seed of their own (default 0)",
     "quant_numerics": "release-format weights (FP8 linears, FP4 experts): release reproduces the release's "
                       "rounding (activations to FP8 per 128, KV nope dims to FP8 per 64, indexer q/k Hadamard + "
                       "FP4 per 32); weight_only runs the quantized weights on unrounded activations. A bf16 model "
                       "has nothing to round: it always runs weight_only",
     "kv_cache_dtype": "auto: the model dtype; fp8_e4m3: KV nope dims stored as e4m3 with per-64 scales",
     "device": "auto: cuda when available, else cpu",
+    "host": "address the HTTP server listens on (default 127.0.0.1, this machine only; 0.0.0.0 for every "
+            "interface)",
+    "port": "HTTP port (default 30000); checked free before the model loads",
+    "served_model_name": "the model id /v1/models lists and OpenAI requests may name (default: --model-path, "
+                         "which requests may always name)",
     "context_length": "default: min(max_position_embeddings, 4096)",
     "page_size": "tokens per KV page (a multiple of 128)",
     "max_running_requests": "default: 64 on CPU, 256 on CUDA",
@@ -370,20 +377,39 @@ _HELP = {
                         "min(context * max running, 65536) on CPU",
     "mem_fraction_static": "fraction of free GPU memory for weights + KV cache",
     "chunked_prefill_size": "max prefill tokens per step (default 2048 CUDA / 256 CPU; -1: no chunking)",
+    "schedule_policy": "order in which waiting requests are admitted: fcfs (first come, first served; the "
+                       "only policy)",
     "enable_mixed_chunk": "run a prefill chunk and the running decodes in one MIXED forward",
     "disable_overlap_schedule": "process each step's sampled tokens before launching the next step (by default "
                                 "the host schedules and launches step N+1 while the GPU runs step N, and "
                                 "finish checks and outputs lag one step)",
+    "attention_backend": "the attention core: triton (sgl-kernel's Triton kernels; CUDA only) or torch (the "
+                         "plain-torch reference); auto = triton on CUDA when triton imports, else torch",
+    "enable_breakable_cuda_graph": "replay extend and mixed batches (prefill chunks, alone or with decodes) from "
+                                   "breakable graphs captured at token buckets up to "
+                                   "--breakable-cuda-graph-max-tokens: captured segments replay, attention runs "
+                                   "eagerly between them; a batch above the largest bucket or padded too much "
+                                   "runs eagerly. On CPU an emulator records and replays the segments",
     "breakable_cuda_graph_max_tokens": "largest breakable-graph bucket (default 4096 CUDA / 512 CPU)",
-    "breakable_cuda_graph_tokens": "explicit breakable-graph token buckets",
+    "breakable_cuda_graph_tokens": "explicit breakable-graph token buckets (default: a ladder up to "
+                                   "--breakable-cuda-graph-max-tokens, neighbours at most 2x apart)",
     "cuda_graph_max_bs": "largest decode graph batch size (default 256 CUDA / 16 CPU)",
+    "disable_cuda_graph": "run decode batches eagerly instead of replaying decode CUDA graphs (captured on "
+                          "CUDA only, for batch sizes up to --cuda-graph-max-bs)",
+    "debug_cuda_graph": "check at every graph replay that no break op's tensor argument moved since capture "
+                        "(an error instead of a silent wrong answer); under DP attention also verify every "
+                        "step's path decision across ranks (one extra small all-gather per step)",
+    "enable_dp_attention": "data-parallel attention: --dp-size scheduler processes, each with its own batch, "
+                           "KV cache and 1/dp of the routed experts, exchanging MoE rows through "
+                           "--moe-dispatcher",
     "dp_size": "DP attention ranks (scheduler processes, one GPU each); needs --enable-dp-attention",
     "load_balance_method": "how the DP controller picks a rank: round_robin, or least_loaded "
                            "(fewest outstanding requests, then tokens)",
-    "dp_idle_policy": "what ranks do on steps where some DP rank is idle",
+    "dp_idle_policy": "steps where some DP rank has no work: replay (idle ranks replay the graph the busy "
+                      "ranks take, with zero real tokens) or eager (every rank runs that step eagerly)",
     "moe_dispatcher": "how DP ranks exchange MoE rows (each holds 1/dp of the routed experts): gather "
-                      "(all-gather + reduce-scatter, captured in graphs) or deepep (all-to-all; needs deep_ep, "
-                      "not implemented yet)",
+                      "(all-gather every rank's rows, run the local experts, reduce-scatter the sums; "
+                      "captured in graphs)",
     "nnodes": "nodes the DP ranks span (--dp-size must be a multiple)",
     "node_rank": "this node's index; node 0 runs the HTTP server, the others only their DP ranks",
     "dist_init_addr": "host:port of node 0 for the torch.distributed rendezvous; node 0's DP "
@@ -397,6 +423,7 @@ _HELP = {
     "reasoning_parser": "how /v1/chat/completions reads reasoning: deepseek-v4 (or deepseek_v4) returns the "
                         "text before </think> as reasoning_content; none leaves it in content",
     "watchdog_timeout": "seconds a forward may take before the server is considered hung",
+    "log_level": "logging level of the server and scheduler processes",
 }
 _CHOICES = {
     "load_format": LOAD_FORMATS, "dtype": DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS,
@@ -417,6 +444,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         if f.name == "resolved":
             continue
         flag, help_ = f"--{_flag(f.name)}", _HELP.get(f.name)
+        if help_ is not None and f.default not in (None, False) and "default" not in help_:
+            help_ += f" (default {f.default})"
         if f.type in ("bool", bool):
             parser.add_argument(flag, action="store_true", help=help_)
         elif f.name == "breakable_cuda_graph_tokens":
@@ -431,13 +460,18 @@ def from_cli_args(args: argparse.Namespace) -> ServerArgs:
     return ServerArgs(**{n: getattr(args, n) for n in names if hasattr(args, n)})
 
 
+def make_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m sglang.launch_server`."""
+    parser = argparse.ArgumentParser(prog="python -m sglang.launch_server", description="DeepSeek-V4 serving runtime")
+    add_cli_args(parser)
+    return parser
+
+
 def prepare_server_args(argv: Sequence[str]) -> ServerArgs:
     """Parse a command line into (unresolved) ServerArgs; the launcher resolves it once it
     knows whether CUDA is available."""
-    parser = argparse.ArgumentParser(description="DeepSeek-V4 serving runtime")
-    add_cli_args(parser)
-    return from_cli_args(parser.parse_args(list(argv)))
+    return from_cli_args(make_parser().parse_args(list(argv)))
 
 
-__all__: List[str] = ["ServerArgs", "add_cli_args", "from_cli_args", "prepare_server_args"]
+__all__: List[str] = ["ServerArgs", "add_cli_args", "from_cli_args", "make_parser", "prepare_server_args"]
 

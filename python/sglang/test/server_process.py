@@ -7,10 +7,10 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Optional, Sequence
-
-import requests
 
 
 def free_port() -> int:
@@ -32,11 +32,13 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            # urllib, not requests: test modules that only start servers need no client library
             try:
-                if requests.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except requests.ConnectionError:
-                pass
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass  # not listening yet, or answering 503 while it starts
             time.sleep(poll_s)
         self.stop()
         raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.log()}")

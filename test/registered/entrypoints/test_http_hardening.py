@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import requests
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from sglang.test.server_process import ServerProcess, free_port
+
+# the test extra: without it this module skips instead of failing collection
+requests = pytest.importorskip("requests", exc_type=ImportError)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MODEL = "dsv4-tiny"
@@ -197,34 +197,40 @@ def test_fuzz_1200_malformed_requests_never_get_a_5xx_and_the_server_stays_healt
     assert stats["num_running_reqs"] == 0 and stats["num_free_pages"] == stats["num_total_pages"]
 
 
-_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=12),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
-                     max_leaves=6)
-_NAME = st.text(max_size=10) | _JSON
-_FUNCTION = st.fixed_dictionaries({"name": _NAME}, optional={"parameters": _JSON, "description": st.text(max_size=16)})
-_TOOL = st.fixed_dictionaries({"type": st.just("function") | _JSON, "function": _FUNCTION | _JSON}) | _JSON
-_CALL = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
-    {"name": _NAME, "arguments": st.text(max_size=24) | st.just('{"a": [1, {"b": "c"}]}') | _JSON})}) | _JSON
-_MESSAGE = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "latest_reminder"]) | _JSON},
-    optional={"content": st.text(max_size=24) | _JSON, "tool_calls": st.lists(_CALL, max_size=2) | _JSON,
-              "reasoning_content": st.text(max_size=16) | _JSON, "tool_call_id": st.text(max_size=8), "tools": _JSON,
-              "task": st.just("action") | _JSON})
-_CHOICE = st.sampled_from(["auto", "none", "required"]) | st.fixed_dictionaries(
-    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": _NAME})}) | _JSON
-_CHAT_BODY = st.fixed_dictionaries(
-    {"messages": st.lists(_MESSAGE, max_size=4) | _JSON},
-    optional={"tools": st.lists(_TOOL, max_size=3) | _JSON, "tool_choice": _CHOICE, "parallel_tool_calls": _JSON,
-              "chat_template_kwargs": st.fixed_dictionaries({}, optional={"thinking": st.booleans() | _JSON}) | _JSON,
-              "stream": st.booleans()})
+def _chat_bodies(st):
+    """Chat bodies: messages of every role with tool calls, tools and tool_choice of every
+    shape, template kwargs; each field either well-formed or any JSON value."""
+    json_ = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=12),
+                         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                         max_leaves=6)
+    name_ = st.text(max_size=10) | json_
+    function_ = st.fixed_dictionaries({"name": name_}, optional={"parameters": json_, "description": st.text(max_size=16)})
+    tool_ = st.fixed_dictionaries({"type": st.just("function") | json_, "function": function_ | json_}) | json_
+    call_ = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": name_, "arguments": st.text(max_size=24) | st.just('{"a": [1, {"b": "c"}]}') | json_})}) | json_
+    message_ = st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "latest_reminder"]) | json_},
+        optional={"content": st.text(max_size=24) | json_, "tool_calls": st.lists(call_, max_size=2) | json_,
+                  "reasoning_content": st.text(max_size=16) | json_, "tool_call_id": st.text(max_size=8), "tools": json_,
+                  "task": st.just("action") | json_})
+    choice_ = st.sampled_from(["auto", "none", "required"]) | st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": name_})}) | json_
+    return st.fixed_dictionaries(
+        {"messages": st.lists(message_, max_size=4) | json_},
+        optional={"tools": st.lists(tool_, max_size=3) | json_, "tool_choice": choice_, "parallel_tool_calls": json_,
+                  "chat_template_kwargs": st.fixed_dictionaries({}, optional={"thinking": st.booleans() | json_}) | json_,
+                  "stream": st.booleans()})
 
 
 def test_hypothesis_chat_bodies_with_tools_never_get_a_5xx(server):
+    hypothesis = pytest.importorskip("hypothesis", exc_type=ImportError)
+    from hypothesis import strategies as st
+
     session, statuses = requests.Session(), collections.Counter()
 
-    @settings(max_examples=800, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(_CHAT_BODY)
+    @hypothesis.settings(max_examples=800, deadline=None, derandomize=True, database=None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(_chat_bodies(st))
     def check(body):
         body = dict(body, max_tokens=1)  # a body that turns out valid costs one token
         r = session.post(server.url + "/v1/chat/completions", json=body, timeout=120)

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from sglang.bench_soak import ALLOWED, soak, unexpected
 from sglang.test.server_process import ServerProcess, free_port
+
+pytest.importorskip("requests", exc_type=ImportError)  # the test extra; bench_soak's client
+from sglang.bench_soak import ALLOWED, soak, unexpected  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DURATION_S = float(os.environ.get("SGLANG_TEST_SOAK_S", "90"))

@@ -44,7 +44,7 @@ def pro_like():
 
 @pytest.fixture(params=["release_config", "built_in_code"])
 def pro(request):
-    if request.param == "release_config":  # skips when the reference data is absent
+    if request.param == "release_config":  # the repository's test/data/dsv4-reference
         return load_model_config(str(request.getfixturevalue("dsv4_reference_dir") / "DeepSeek-V4-Pro.config.json"))
     return pro_like()
 

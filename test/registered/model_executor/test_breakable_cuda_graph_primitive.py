@@ -435,23 +435,6 @@ def test_calling_the_dispatcher_op_directly_under_capture_also_splits():
     assert torch.equal(result, expected + 1)
 
 
-def test_register_split_op_falls_back_to_library_define(monkeypatch):
-    monkeypatch.delattr(torch.library, "custom_op")
-
-    def add_into(x: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(x + 1)
-
-    add_into_op = register_split_op("test_bcg_add_into_fallback", add_into, ("out",))
-    x, out = torch.zeros(2), torch.empty(2)
-    graph, result = _capture(lambda: (add_into_op(x * 3, out), out * 2)[1])
-    assert graph.num_breaks == 1
-    x.copy_(torch.tensor([1.0, 2.0]))
-    graph.replay()
-    assert result.tolist() == [8.0, 14.0]
-    assert torch.ops.sglang.test_bcg_add_into_fallback(x, out) is None
-    assert out.tolist() == [2.0, 3.0]
-
-
 def test_registering_a_split_op_twice_is_refused():
     with pytest.raises(ValueError, match="already registered"):
         register_split_op("test_bcg_attention", _attention, ("output",))

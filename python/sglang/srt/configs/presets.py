@@ -240,14 +240,19 @@ def write_config(config: DeepseekV4Config, directory: str) -> str:
     return path
 
 
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m sglang.srt.configs.presets",
+                                     description="Print a preset's size or write its config.json")
+    parser.add_argument("preset", choices=list(PRESETS), help="the preset's name")
+    parser.add_argument("--write-config", metavar="DIR", help="write DIR/config.json")
+    parser.add_argument("--num-layers", type=int, help="keep only the first N layers")
+    return parser
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from sglang.srt.configs.deepseek_v4 import estimate_num_parameters, with_num_layers
 
-    parser = argparse.ArgumentParser(description="Print a preset's size or write its config.json")
-    parser.add_argument("preset", choices=list(PRESETS))
-    parser.add_argument("--write-config", metavar="DIR", help="write DIR/config.json")
-    parser.add_argument("--num-layers", type=int, help="keep only the first N layers")
-    args = parser.parse_args(argv)
+    args = make_parser().parse_args(argv)
     config = get_preset(args.preset)
     if args.num_layers is not None:
         config = with_num_layers(config, args.num_layers)

@@ -32,10 +32,6 @@ GiB = 1024**3
 H200_USABLE_BYTES = 139 * GiB
 
 WEIGHT_FORMATS = ("bfloat16", "float32", "release")
-# Whether the loader keeps the release format quantized in memory: it does (the
-# model holds Fp8BlockLinear / Fp4RoutedExperts, the streaming loader and --load-format dummy
-# fill them without a dequantized copy).
-LOADER_KEEPS_RELEASE_FORMAT = True
 
 _ROUTED_EXPERT = re.compile(r"ffn\.experts\.w[123](_scale)?$")  # bf16 stacks, or FP4 bytes + scales
 
@@ -64,8 +60,9 @@ class WeightBytes:
 
 def loaded_weight_format(config, dtype: str) -> str:
     """The format weights take in memory once loaded: "release" when the checkpoint declares
-    FP8 linears / FP4 experts and the loader keeps them quantized, else the model dtype."""
-    return "release" if config.is_quantized and LOADER_KEEPS_RELEASE_FORMAT else dtype
+    FP8 linears / FP4 experts (the model holds Fp8BlockLinear / Fp4RoutedExperts, which the
+    loader and --load-format dummy fill without a dequantized copy), else the model dtype."""
+    return "release" if config.is_quantized else dtype
 
 
 def weight_bytes(config, weight_format: str, model_dtype: str = "bfloat16") -> WeightBytes:

@@ -1,7 +1,7 @@
 """The DeepSeek-V4 release's chat encoding (messages -> prompt text), used for checkpoints and
 presets alike (the byte tokenizer maps the markers to special ids).
 
-Inferred from the release's reference prompts (../shared/dsv4-reference/chat-encoding):
+Inferred from the release's reference prompts (test/data/dsv4-reference/chat-encoding):
     BOS  system text  [<｜latest_reminder｜>text]
     <｜User｜>user text<｜Assistant｜>M        M = <think> in thinking mode for the last user
                                               turn and every turn after it, else </think>

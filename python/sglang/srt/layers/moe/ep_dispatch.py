@@ -9,9 +9,9 @@ back into this rank's rows (summed over the top-k, routing weights already appli
   buffer padded to the same length on every rank, run the local expert shard over all of it
   (other ranks' experts are skipped), reduce-scatter the partial sums back. Uniform shapes,
   so the collectives are captured inside graphs.
-- `DeepEPDispatcher`: the all-to-all of DeepEP (send each row only to the ranks owning its
-  experts). Needs the `deep_ep` package, which is not installable on this project's GPU
-  machines; construction fails with a clear error rather than pretending.
+
+An all-to-all (send each row only to the ranks owning its experts, as DeepEP does) fits the
+same interface; it is not offered until it exists.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from sglang.srt.layers.dp_attention import DPMoEContext, dp_gather, dp_reduce_scatter
 
-MOE_DISPATCHERS = ("gather", "deepep")
+MOE_DISPATCHERS = ("gather",)
 
 
 @dataclass
@@ -66,26 +66,9 @@ class GatherScatterDispatcher(MoEDispatcher):
         return dp_reduce_scatter(expert_out, dispatched.num_local, ctx)
 
 
-class DeepEPDispatcher(MoEDispatcher):
-    name = "deepep"
-
-    def __init__(self):
-        try:
-            import deep_ep  # noqa: F401
-        except ImportError as e:
-            raise RuntimeError(
-                "--moe-dispatcher deepep: deep_ep is not installed (DeepEP, github.com/deepseek-ai/DeepEP, built "
-                "against this torch and NVSHMEM); use --moe-dispatcher gather") from e
-        raise NotImplementedError(
-            "--moe-dispatcher deepep: deep_ep is installed but the DeepEP all-to-all dispatcher is not implemented "
-            "yet; use --moe-dispatcher gather")
-
-
 def create_moe_dispatcher(name: str) -> MoEDispatcher:
     if name == "gather":
         return GatherScatterDispatcher()
-    if name == "deepep":
-        return DeepEPDispatcher()
     raise ValueError(f"--moe-dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {name!r}")
 
 

@@ -109,8 +109,7 @@ _transient_args: dict[str, frozenset] = {}
 _split_ops: dict[str, Callable] = {}
 # name -> the Python function behind the op, for recorders that must see what it dispatches.
 _split_op_impls: dict[str, Callable] = {}
-# Kept alive for the process: dropping a Library (or a CustomOpDef) deregisters its ops.
-_fallback_library: Optional[torch.library.Library] = None
+# Kept alive for the process: dropping a CustomOpDef deregisters its op.
 _custom_op_defs: dict[str, Any] = {}
 
 
@@ -145,15 +144,6 @@ def _define_with_custom_op(name: str, impl: Callable, schema: str, mutates_args)
     _custom_op_defs[name] = op
 
 
-def _define_with_library(name: str, impl: Callable, schema: str) -> None:
-    global _fallback_library
-    if _fallback_library is None:
-        _fallback_library = torch.library.Library(SPLIT_OP_NAMESPACE, "FRAGMENT")
-    _fallback_library.define(name + schema)
-    _fallback_library.impl(name, impl, "CompositeExplicitAutograd")
-    _fallback_library.impl(name, _no_output_fake, "Meta")
-
-
 def register_split_op(
     name: str,
     fn: Callable,
@@ -180,10 +170,7 @@ def register_split_op(
     def kernel(*args, **kwargs):
         _split_or_run(name, fn, args, kwargs)
 
-    if hasattr(torch.library, "custom_op"):
-        _define_with_custom_op(name, kernel, schema, mutates_args)
-    else:
-        _define_with_library(name, kernel, schema)
+    _define_with_custom_op(name, kernel, schema, mutates_args)
     overload = getattr(getattr(torch.ops, SPLIT_OP_NAMESPACE), name).default
 
     @functools.wraps(fn)

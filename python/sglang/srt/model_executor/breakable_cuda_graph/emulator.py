@@ -184,11 +184,6 @@ class EmulatedBreakableGraph(BreakableGraph):
         # touched stays alive (and keeps its storage) until release().
         self._segments: list[list[RecordedOp]] = []
 
-    @property
-    def num_recorded_ops(self) -> int:
-        """Ops that replay re-executes, all segments together."""
-        return sum(len(ops) for ops in self._segments)
-
     def segment_op_names(self, index: int) -> list[str]:
         """What segment `index` re-executes at replay, e.g. ['aten.mul.Tensor', ...]."""
         return [str(op.func) for op in self._segments[index]]
