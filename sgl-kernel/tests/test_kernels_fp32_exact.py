@@ -185,3 +185,23 @@ def test_hc_pre_on_fp32_x(device, tf32_dots):
     for g, w in zip(got, want):
         assert_fp32_close(g, w.double())
     assert_fp32_dots_were_ieee(tf32_dots)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_sparse_attention_on_fp32_q(device, tf32_dots, num_splits):
+    """q . k and p . v in fp32 (against the torch reference's fp32: ~1e-7 normwise)."""
+    require_triton()
+    from dsv4_kernels import reference
+    from dsv4_kernels.sparse_attention import SparseAttnConfig, sparse_attn_with_sink
+    from kernel_test_utils import random_index_lists
+    T, H, D, S = 4, 16, 128, 90
+    q, kv = torch.randn(T, H, D), torch.randn(S, D)
+    idx, lens = random_index_lists(T, 48, S, [48, 20, 33, 1])
+    sink = torch.randn(H)
+    want = reference.sparse_attn_with_sink(q, kv, idx, lens, None, None, None, sink, D ** -0.5,
+                                           torch.empty_like(q))
+    out = torch.empty(T, H, D, device=device)
+    sparse_attn_with_sink(q.to(device), kv.to(device), idx.to(device), lens.to(device), None, None,
+                          None, sink.to(device), D ** -0.5, out, SparseAttnConfig(num_splits=num_splits))
+    assert_fp32_close(out, want.double())
+    assert_fp32_dots_were_ieee(tf32_dots)
