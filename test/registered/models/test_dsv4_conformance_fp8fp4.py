@@ -210,6 +210,10 @@ def test_cuda_float32_weight_only_modules_match_the_cpu(fixture_dir, expected, w
     prefill of the prompt, CUDA against the CPU run, in call order. fp32 kernels agree with the
     CPU's fp32 torch to ~1e-6 normwise; a TF32 / bf16 rounding anywhere shows as ~1e-4 at its
     module first (the report names it)."""
+    # cuBLAS's fp32 GEMMs (wo_a's einsum, the LM head, the router) follow these process-wide
+    # switches: TF32 left on by anything earlier in the process would show up below
+    print("TF32 switches: matmul", torch.backends.cuda.matmul.allow_tf32, "precision",
+          torch.get_float32_matmul_precision())
     cuda = _runner(fixture_dir, "weight_only", device="cuda")
     ids = expected["input_ids"].tolist()[:int(expected["n_prompt"][0])]
     cpu_out, cuda_out = _module_outputs(weight_only, ids), _module_outputs(cuda, ids)
