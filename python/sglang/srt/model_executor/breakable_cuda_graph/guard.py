@@ -67,31 +67,38 @@ _HOST_DATA_FACTORIES = {
     torch.asarray: "torch.asarray",
 }
 # Moves to a named device: on CUDA a host-to-device copy whenever the source is a host tensor.
-# On the CPU emulator every tensor is a host tensor, so any such move in a segment is caught
-# here, where the same line on a GPU may only fail for the model's device.
+# On the CPU emulator every tensor is a host tensor on the graph's device, so any such move in a
+# segment is caught, where the same line on a GPU fails for a host source.
 _DEVICE_MOVES = {
     torch.Tensor.to: "torch.Tensor.to",
     torch.Tensor.cuda: "torch.Tensor.cuda",
 }
 
 
-def _names_a_device(args: tuple, kwargs: dict) -> bool:
+def _named_device(args: tuple, kwargs: dict) -> Optional[torch.device]:
     if kwargs.get("device") is not None:
-        return True
-    return any(isinstance(a, (torch.device, str, int)) and not isinstance(a, bool) for a in args)
+        return torch.device(kwargs["device"])
+    for a in args:
+        if isinstance(a, torch.device) or isinstance(a, str):
+            return torch.device(a)
+        if isinstance(a, int) and not isinstance(a, bool):
+            return torch.device("cuda", a)
+    return None
 
 
-def host_to_device_reason(func, args: tuple, kwargs: dict) -> Optional[str]:
-    """Why a torch-level call would copy host data to the device inside a capture, or None.
-    Pinned sources are allowed (CUDA captures those copies)."""
+def host_to_device_reason(func, args: tuple, kwargs: dict, device: torch.device) -> Optional[str]:
+    """Why a torch-level call inside a segment of a graph on `device` would copy host data to
+    that device, or None: a tensor from Python data made on it, or a host tensor moved to it
+    (pinned host tensors are fine: CUDA captures those copies)."""
     if func in _HOST_DATA_FACTORIES:
-        return HOST_TO_DEVICE if kwargs.get("device") is not None else None
+        target = kwargs.get("device")
+        return HOST_TO_DEVICE if target is not None and torch.device(target).type == device.type else None
     if func in _DEVICE_MOVES:
         src = args[0] if args else None
-        if isinstance(src, torch.Tensor) and src.is_pinned():
+        if not isinstance(src, torch.Tensor) or src.device.type != "cpu" or src.is_pinned():
             return None
-        if func is torch.Tensor.cuda or _names_a_device(args[1:], kwargs):
-            return HOST_TO_DEVICE
+        target = torch.device("cuda") if func is torch.Tensor.cuda else _named_device(args[1:], kwargs)
+        return HOST_TO_DEVICE if target is not None and target.type == device.type else None
     return None
 
 
@@ -170,7 +177,7 @@ class SegmentHostReadGuard(TorchFunctionMode):
             name = _HOST_READ_METHODS.get(func)
             if name is not None:
                 raise capture_error(name, HOST_SYNC)
-            reason = host_to_device_reason(func, args, kwargs)
+            reason = host_to_device_reason(func, args, kwargs, self._graph.device)
             if reason is not None:
                 raise capture_error(_HOST_DATA_FACTORIES.get(func) or _DEVICE_MOVES[func], reason)
         return func(*args, **kwargs)
