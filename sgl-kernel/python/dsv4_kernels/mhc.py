@@ -7,9 +7,10 @@ skinny GEMM (MIX = 24 columns, K = hc * d = 16384 at Flash) that needs the whole
 while the rest is per token:
   1. _hc_mixes_kernel, grid (cdiv(T, BLOCK_T), SPLIT): split-K tl.dot of x tiles by fn^T tiles,
      plus the sums of squares, as fp32 partials in a per-call [SPLIT, T, BLOCK_M] workspace.
-     fp32 products stay exact on tensor cores: fn is split into three bf16-valued pieces and
-     bf16 x is used as is (fp32 x is split too), and a bf16 x bf16 product is exact in fp32.
-     An fp32 FMA dot (input_precision="ieee") made this kernel ~10x slower at T = 4096.
+     For bf16 x the fp32 products stay exact on tensor cores: fn is split into three
+     bf16-valued pieces, and a bf16 x bf16 product is exact in fp32 (an fp32 FMA dot,
+     input_precision="ieee", made this kernel ~10x slower at T = 4096; fp16 x is split too).
+     fp32 x (fp32 models) takes that fp32 FMA dot: exact products, fp32 sums.
   2. _hc_finish_kernel, grid (T, cdiv(d, BLOCK_D)): sums the partials in a fixed order
      (deterministic, no atomics), then the gates and the y columns of its block; the token's
      first program also does the Sinkhorn and stores post / comb. Splitting y over d keeps a
@@ -63,7 +64,7 @@ def _hc_mixes_kernel(
     x_ptr, stride_xt, stride_xh, fn_ptr, stride_fn, ws_ptr, stride_ws, sq_ptr, stride_sq,
     T, D, k_blocks, tiles_per_split,
     MIX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    HC: tl.constexpr, X_BF16: tl.constexpr, DOT_BF16: tl.constexpr,
+    HC: tl.constexpr, X_BF16: tl.constexpr, X_FP32: tl.constexpr, DOT_BF16: tl.constexpr,
 ):
     toks = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
@@ -89,19 +90,25 @@ def _hc_mixes_kernel(
         xv = xr.to(tl.float32)
         sq += xv * xv
         w = tl.load(fn_cols + (h * D + cols)[:, None], mask=c_mask[:, None] & m_mask, other=0.0)
-        # Exact fp32 products on tensor cores: fn as three bf16-valued pieces, x as it is (bf16)
-        # or in three pieces too; a product of two bf16 values is exact in the fp32
+        # fp32 x (fp32 models: conformance, tests): the fp32 FMA dot, the reference's products
+        # and fp32 sums up to order (a split of x too would drop the terms below 2^-24 and sum
+        # on tensor cores).
+        # 16-bit x: exact fp32 products on tensor cores: fn as three bf16-valued pieces, x as it
+        # is (bf16) or in three pieces too; a product of two bf16 values is exact in the fp32
         # accumulator. The fp32 FMA dot (input_precision="ieee") ran ~10x slower.
         # Each tile's dots start from zero and are added to acc in registers: the tensor
         # cores' accumulation truncates, and chaining a whole K slice through it lost ~1e-4
         # relative at prefill.
-        w_hi, w_mid, w_lo = _split3(w.to(tl.float32))
-        if X_BF16:
+        if X_FP32:
+            part = tl.dot(xv, w.to(tl.float32), input_precision="ieee")
+        elif X_BF16:
+            w_hi, w_mid, w_lo = _split3(w.to(tl.float32))
             part = _dot(xr, w_lo, tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32), DOT_BF16)
             part = _dot(xr, w_mid, part, DOT_BF16)
             part = _dot(xr, w_hi, part, DOT_BF16)
         else:
             # Terms below 2^-24 of the leading one are dropped: fp32 rounding's size.
+            w_hi, w_mid, w_lo = _split3(w.to(tl.float32))
             x_hi, x_mid, x_lo = _split3(xv)
             part = _dot(x_mid, w_mid, tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32), DOT_BF16)
             part = _dot(x_lo, w_hi, part, DOT_BF16)
@@ -255,7 +262,7 @@ def hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out=None):
         x, x.stride(0), x.stride(1), fn, fn.stride(0), ws, ws.stride(0), sq, sq.stride(0),
         T, D, k_blocks, plan.tiles_per_split,
         MIX=mix, BLOCK_T=plan.block_t, BLOCK_M=block_m, BLOCK_K=plan.block_k, HC=hc,
-        X_BF16=x.dtype == torch.bfloat16, DOT_BF16=_compiled(),
+        X_BF16=x.dtype == torch.bfloat16, X_FP32=x.dtype == torch.float32, DOT_BF16=_compiled(),
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     # BLOCK_S covers a decode step's splits in one pass: a loop over small chunks would pay a

@@ -14,6 +14,8 @@ block gets a finite scale and maps to zeros, no NaN), multiplied by the fp32 rec
 format's max, then rounded up to a power of two by its exponent bits (exact, no log2).
 """
 
+import struct
+
 import torch
 
 E4M3_MAX = 448.0
@@ -34,10 +36,17 @@ def _check_blocks(x: torch.Tensor, block: int, what: str) -> None:
                          f"block size {block}")
 
 
+def _fp32_reciprocal(q: float) -> float:
+    """1/q rounded to fp32, as a Python float (plain host math: no tensor, no device read)."""
+    return struct.unpack("f", struct.pack("f", 1.0 / q))[0]
+
+
 def pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     """fp32 scale per amax: the smallest power of two >= max(amax, AMAX_FLOOR) * fp32(1/qmax)
     (the release's ue8m0 rounding; exact powers of two stay as they are)."""
-    s = amax.float().clamp(min=AMAX_FLOOR) * torch.tensor(1.0 / qmax, dtype=torch.float32)
+    # fp32(1/qmax) as a Python number (a float32 multiply by it rounds as by the fp32 tensor):
+    # no tensor is built per call, so this runs inside a CUDA graph capture
+    s = amax.float().clamp(min=AMAX_FLOOR) * _fp32_reciprocal(qmax)
     bits = s.view(torch.int32)
     exp = (bits >> 23) & 0xFF
     exp = exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)  # round up unless already 2^k
@@ -106,8 +115,8 @@ def e8m0_to_fp32(u8: torch.Tensor) -> torch.Tensor:
             raise TypeError(f"e8m0_to_fp32: expected uint8 exponent bytes, got {u8.dtype}")
         u8 = u8.view(torch.uint8)
     bits = u8.to(torch.int32)
-    return torch.where(bits == 0, torch.tensor(2.0 ** -127, device=u8.device),
-                       (bits << 23).view(torch.float32))
+    # a Python scalar, not a tensor copied to u8's device: capturable in a CUDA graph
+    return torch.where(bits == 0, 2.0 ** -127, (bits << 23).view(torch.float32))
 
 
 def fp32_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -122,17 +131,25 @@ def fp32_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
     return ((bits >> 23) & 0xFF).to(torch.uint8)
 
 
-_E2M1_TABLE = torch.tensor([*E2M1_VALUES, *(-v for v in E2M1_VALUES)], dtype=torch.float32)
-
-
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """int8/uint8 [..., K/2] -> fp32 [..., K]: element 2j from the low nibble, 2j+1 from the high
     one; a code's bit 3 is the sign, bits 0-2 index E2M1_VALUES."""
     if packed.dtype not in (torch.int8, torch.uint8):
         raise TypeError(f"unpack_fp4: expected int8/uint8 packed codes, got {packed.dtype}")
-    b = packed.view(torch.uint8).to(torch.int64)
+    b = packed.view(torch.uint8).to(torch.int32)
     codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
-    return _E2M1_TABLE.to(packed.device)[codes]
+    return _e2m1_values(codes)
+
+
+def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 (int) -> fp32 E2M1_VALUES[code & 7], negated when bit 3 is set (code 8 is
+    -0.0), by arithmetic on the codes' own device: no value table is copied there, so the
+    decode runs inside a CUDA graph capture. Magnitude codes 2..7 are (1 + m/2) 2^(e - 1) with
+    e = code >> 1 and m = code & 1; code 1 (e = 0) is the subnormal 0.5."""
+    mag = codes & 7
+    e, m = mag >> 1, (mag & 1).float()
+    v = torch.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * torch.exp2((e - 1).float()))
+    return torch.where((codes & 8) != 0, -v, v)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

@@ -297,6 +297,55 @@ def test_the_same_ops_inside_a_break_op_are_fine(name):
     assert ran == [name, name] and graph.num_breaks == 1
 
 
+_host = torch.tensor([1.0, 2.0])
+# name -> (call, the call the error names): on a GPU each copies pageable host memory to the
+# device, which a CUDA capture refuses; on the CPU emulator they are caught by name.
+HOST_TO_DEVICE = {
+    "tensor_on_a_device": (lambda: torch.tensor([1.0, 2.0], device="cpu"), "torch.tensor"),
+    "as_tensor_on_a_device": (lambda: torch.as_tensor([1.0], device=_x.device), "torch.as_tensor"),
+    "to_a_device": (lambda: _host.to(_x.device), "torch.Tensor.to"),
+    "to_a_device_by_name": (lambda: _host.to("cpu"), "torch.Tensor.to"),
+    "to_device_kwarg": (lambda: _host.to(device="cpu", dtype=torch.float64), "torch.Tensor.to"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOST_TO_DEVICE))
+def test_host_to_device_copies_in_a_segment_raise_naming_the_call(name):
+    fn, call = HOST_TO_DEVICE[name]
+    graph = create_breakable_graph("cpu")
+    with pytest.raises(GraphCaptureError) as info:
+        with graph.capture():
+            _x.add(0)
+            fn()
+    message = str(info.value)
+    assert message.startswith(call + " inside a breakable-graph segment: host-to-device copy"), message
+    assert not is_capturing()
+
+
+@pytest.mark.parametrize("name", sorted(HOST_TO_DEVICE))
+def test_host_to_device_copies_inside_a_break_op_are_fine(name):
+    fn, _ = HOST_TO_DEVICE[name]
+    ran = []
+
+    @eager_on_graph
+    def copies():
+        fn()
+        ran.append(name)
+
+    graph, _ = _capture(lambda: (_x + 1, copies()))
+    graph.replay()
+    assert ran == [name, name]
+
+
+def test_host_scalars_and_dtype_moves_in_a_segment_are_not_copies():
+    # A host 0-dim tensor is a kernel argument on CUDA, a dtype move stays on its device.
+    x = torch.tensor([1.0, 2.0, 3.0])
+    graph, out = _capture(lambda: (x * torch.tensor(2.0)).to(torch.float64) + x.to(x))
+    x.copy_(torch.tensor([4.0, 5.0, 6.0]))
+    graph.replay()
+    assert out.tolist() == [12.0, 15.0, 18.0]
+
+
 def test_repeat_interleave_with_output_size_is_allowed_and_replays():
     repeats = torch.tensor([1, 2, 1])
     values = torch.tensor([5.0, 6.0, 7.0])

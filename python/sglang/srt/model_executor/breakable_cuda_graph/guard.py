@@ -1,4 +1,4 @@
-"""Rejects host syncs and data-dependent shapes inside breakable-graph segments.
+"""Rejects host syncs, data-dependent shapes and host-to-device copies in graph segments.
 
 A real CUDA capture fails on these (or would freeze a value read at capture time), so the
 CPU emulator must fail the same way for CPU tests to catch what the GPU would. In debug mode
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.breakable_cuda_graph.base import BreakableGraph
 
 HOST_SYNC = "host sync (a tensor value is read back into Python)"
+HOST_TO_DEVICE = ("host-to-device copy (a CUDA capture refuses copies from pageable host memory: "
+                  "build the tensor on the device once, outside the graph)")
 DATA_DEPENDENT_SHAPE = "data-dependent output shape (host sync)"
 
 # Keyed by schema name so every overload (default, out, ...) is covered.
@@ -58,6 +60,46 @@ _HOST_READ_METHODS = {
     torch.Tensor.tolist: "torch.Tensor.tolist",
     torch.Tensor.numpy: "torch.Tensor.numpy",
 }
+# Tensors made from Python data on a named device: on CUDA a copy from pageable host memory.
+_HOST_DATA_FACTORIES = {
+    torch.tensor: "torch.tensor",
+    torch.as_tensor: "torch.as_tensor",
+    torch.asarray: "torch.asarray",
+}
+# Moves to a named device: on CUDA a host-to-device copy whenever the source is a host tensor.
+# On the CPU emulator every tensor is a host tensor on the graph's device, so any such move in a
+# segment is caught, where the same line on a GPU fails for a host source.
+_DEVICE_MOVES = {
+    torch.Tensor.to: "torch.Tensor.to",
+    torch.Tensor.cuda: "torch.Tensor.cuda",
+}
+
+
+def _named_device(args: tuple, kwargs: dict) -> Optional[torch.device]:
+    if kwargs.get("device") is not None:
+        return torch.device(kwargs["device"])
+    for a in args:
+        if isinstance(a, torch.device) or isinstance(a, str):
+            return torch.device(a)
+        if isinstance(a, int) and not isinstance(a, bool):
+            return torch.device("cuda", a)
+    return None
+
+
+def host_to_device_reason(func, args: tuple, kwargs: dict, device: torch.device) -> Optional[str]:
+    """Why a torch-level call inside a segment of a graph on `device` would copy host data to
+    that device, or None: a tensor from Python data made on it, or a host tensor moved to it
+    (pinned host tensors are fine: CUDA captures those copies)."""
+    if func in _HOST_DATA_FACTORIES:
+        target = kwargs.get("device")
+        return HOST_TO_DEVICE if target is not None and torch.device(target).type == device.type else None
+    if func in _DEVICE_MOVES:
+        src = args[0] if args else None
+        if not isinstance(src, torch.Tensor) or src.device.type != "cpu" or src.is_pinned():
+            return None
+        target = torch.device("cuda") if func is torch.Tensor.cuda else _named_device(args[1:], kwargs)
+        return HOST_TO_DEVICE if target is not None and target.type == device.type else None
+    return None
 
 
 def capture_error(op_name: str, reason: str) -> GraphCaptureError:
@@ -121,7 +163,9 @@ class SegmentDispatchGuard(TorchDispatchMode):
 
 
 class SegmentHostReadGuard(TorchFunctionMode):
-    """Catches host reads that never reach the dispatcher on CPU (`tolist`, `numpy`)."""
+    """Catches host reads that never reach the dispatcher on CPU (`tolist`, `numpy`), and
+    host-to-device copies (tensors from Python data on a named device, `.to(device)` /
+    `.cuda()` of unpinned tensors), which a CPU run performs as no-op copies."""
 
     def __init__(self, graph: "BreakableGraph"):
         super().__init__()
@@ -129,7 +173,11 @@ class SegmentHostReadGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = _HOST_READ_METHODS.get(func)
-        if name is not None and not self._graph.in_break_op:
-            raise capture_error(name, HOST_SYNC)
+        if not self._graph.in_break_op:
+            name = _HOST_READ_METHODS.get(func)
+            if name is not None:
+                raise capture_error(name, HOST_SYNC)
+            reason = host_to_device_reason(func, args, kwargs, self._graph.device)
+            if reason is not None:
+                raise capture_error(_HOST_DATA_FACTORIES.get(func) or _DEVICE_MOVES[func], reason)
         return func(*args, **kwargs)
