@@ -25,29 +25,15 @@ from pathlib import Path
 
 import requests
 
+from sglang.test.server_process import descendant_pids
+
 CHAT = "/v1/chat/completions"
-
-
-def _tree_pids(root: int) -> list[int]:
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    found, frontier = [root], [root]
-    while frontier:
-        kids = [c for c, p in parents.items() if p == frontier.pop()]
-        found += kids
-        frontier += kids
-    return found
 
 
 def process_tree_usage(root_pid: int) -> dict:
     """RSS (MiB), threads and open file descriptors summed over `root_pid` and its descendants."""
     rss_kib = threads = fds = 0
-    for pid in _tree_pids(root_pid):
+    for pid in [root_pid, *descendant_pids(root_pid)]:
         try:
             status = Path(f"/proc/{pid}/status").read_text()
             fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
