@@ -9,7 +9,7 @@ captured for that exact batch, attention included (GPU work only, the no-break b
 Reports ms per step, eager/bcg and bcg/ideal, breaks per step, capture time, graph memory.
 In decode mode (`--num-tokens` = batch sizes, one token per request) the bcg column is the
 decode graph's replay, which holds the whole step; there is no separate ideal.
-The limit column is the physical bound of the step on one H200 (configs/step_cost.py): HBM
+The limit column is the physical bound of the step on one H200 (planning/step_cost.py): HBM
 bytes / bandwidth (the weights the step's tokens touch, the KV they read), and for extend and
 mixed the larger of that and FLOPs / peak (the FP8 peak for a release-format model, bf16
 otherwise); "% limit" is limit / (ideal, or the decode graph).
@@ -45,8 +45,8 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.configs import step_cost
-from sglang.srt.configs.deepseek_v4 import load_model_config
+from sglang.srt.planning import step_cost
+from sglang.srt.configs.loader import load_model_config
 from sglang.srt.model_executor.breakable_cuda_graph import break_ops_inline, create_breakable_graph
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
 from sglang.srt.model_executor.forward_context import forward_context

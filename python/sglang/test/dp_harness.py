@@ -400,7 +400,7 @@ def ep_inputs(seed: int, rank: int, world: int, dim: int, vocab: int):
 
 def ep_moe_layers(seed: int):
     """Seeded dsv4-tiny MoE blocks, identical in every process."""
-    from sglang.srt.configs import get_preset
+    from sglang.srt.configs.presets import get_preset
     from sglang.srt.layers.moe.experts import DeepseekV4MoE
 
     config = get_preset("dsv4-tiny")

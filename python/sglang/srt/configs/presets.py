@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
-from sglang.srt.configs.deepseek_v4 import DeepseekV4Config
+from sglang.srt.configs.deepseek_v4 import DeepseekV4Config, estimate_num_parameters, with_num_layers
 
 
 def _preset(**dims) -> DeepseekV4Config:
@@ -241,8 +241,6 @@ def write_config(config: DeepseekV4Config, directory: str) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from sglang.srt.configs.deepseek_v4 import estimate_num_parameters, with_num_layers
-
     parser = argparse.ArgumentParser(description="Print a preset's size or write its config.json")
     parser.add_argument("preset", choices=list(PRESETS))
     parser.add_argument("--write-config", metavar="DIR", help="write DIR/config.json")

@@ -78,7 +78,7 @@ def dp_size_of(server_args) -> int:
 def check_dp_model(server_args) -> None:
     """Checks that need the model config, run before any rank starts (the runner would raise
     the same error in every rank, after the rendezvous)."""
-    from sglang.srt.configs.deepseek_v4 import load_model_config
+    from sglang.srt.configs.loader import load_model_config
     from sglang.srt.layers.dp_attention import expert_shard
 
     config = load_model_config(server_args.model_path, server_args.num_layers)

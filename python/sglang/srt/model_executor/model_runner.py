@@ -12,12 +12,12 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.configs.deepseek_v4 import load_model_config
+from sglang.srt.configs.loader import load_model_config
 from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
 from sglang.srt.layers.dp_attention import DPMoEContext, expert_shard
 from sglang.srt.layers.logits_processor import LogitsOutput, compute_logits
 from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
-from sglang.srt.mem_cache.memory_planner import capture_oom_error, log_memory_before_capture, report_startup_memory
+from sglang.srt.model_executor.memory_report import capture_oom_error, log_memory_before_capture, report_startup_memory
 from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.forward_context import forward_context
