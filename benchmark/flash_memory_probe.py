@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from sglang.bench_one_batch import make_batch
+from sglang.bench_one_batch_steps import make_batch
 from sglang.srt.configs.loader import load_model_config
 from sglang.srt.planning.memory_planner import GiB, attention_break_bytes, segment_activation_bytes
 from sglang.srt.model_executor.graph_dispatch import eager_path

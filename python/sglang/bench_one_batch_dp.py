@@ -31,7 +31,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from sglang.bench_one_batch import Steps, ideal_graph, median, run_bench, server_args_for, timed
+from sglang.bench_one_batch_steps import Steps, ideal_graph, median, run_bench, server_args_for, timed
 
 # A rank that fails leaves the others waiting in a collective until --dp-timeout; after this
 # long they are stopped instead.

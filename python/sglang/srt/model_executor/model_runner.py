@@ -16,6 +16,7 @@ from sglang.srt.configs.loader import load_model_config
 from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
 from sglang.srt.layers.dp_attention import DPMoEContext, expert_shard
 from sglang.srt.layers.logits_processor import LogitsOutput, compute_logits
+from sglang.srt.layers.moe.ep_dispatch import create_moe_dispatcher
 from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
 from sglang.srt.model_executor.memory_report import capture_oom_error, log_memory_before_capture, report_startup_memory
 from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -112,8 +113,6 @@ class ModelRunner:
         """This DP rank's routed experts [start, end): the model is built at that size and the
         loader reads only those experts' tensors."""
         from sglang.srt.distributed.parallel_state import get_dp_groups
-
-        from sglang.srt.layers.moe.ep_dispatch import create_moe_dispatcher
 
         self.moe_dispatcher = create_moe_dispatcher(args.moe_dispatcher)  # fails first if it cannot run
         self.dp_groups = get_dp_groups()
