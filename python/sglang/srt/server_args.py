@@ -313,7 +313,7 @@ def _validate(a: ServerArgs) -> None:
 
 def _check_dist_init_addr(addr: str) -> None:
     host, sep, port = addr.rpartition(":")
-    # port + 1 is node 0's DP controller (managers/dp_supervisor.py)
+    # port + 1 is node 0's DP controller (managers/dp/supervisor.py)
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65534:
         raise ValueError(f"--dist-init-addr must be host:port with a port in [1, 65534], got {addr!r}")
 

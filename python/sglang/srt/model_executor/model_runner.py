@@ -148,7 +148,7 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch, path: Optional[StepPath] = None) -> LogitsOutput:
         """Run the batch on `path` (graph kind + bucket, or eager). Without one, the runner
         decides for itself as a world of one; under DP attention every rank passes the path
-        the ranks agreed on (managers/dp_sync.dp_step), idle ranks with an empty batch."""
+        the ranks agreed on (model_executor/dp_sync.dp_step), idle ranks with an empty batch."""
         fb = forward_batch
         if path is None:
             path = decide_step_path((describe(fb),), self.graph_tables)
