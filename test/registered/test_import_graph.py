@@ -200,3 +200,13 @@ def test_sglang_has_no_import_circles():
 
 def test_dsv4_kernels_have_no_import_circles():
     _assert_acyclic(REPO_ROOT / "sgl-kernel" / "python", "dsv4_kernels")
+
+
+def test_configs_are_a_leaf():
+    """Config dataclasses, presets and their loading import nothing of the runtime: the model,
+    the pools and the planners all depend on configs, never the other way."""
+    graph = import_graph(REPO_ROOT / "python", "sglang")
+    configs = {m: deps for m, deps in graph.items() if m.startswith("sglang.srt.configs")}
+    assert {"sglang.srt.configs.deepseek_v4", "sglang.srt.configs.presets", "sglang.srt.configs.loader"} <= set(configs)
+    outside = {m: sorted(d for d in deps if not d.startswith("sglang.srt.configs")) for m, deps in configs.items()}
+    assert all(not deps for deps in outside.values()), outside
