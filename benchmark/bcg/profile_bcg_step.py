@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from sglang.bench_one_batch import make_batch
+from sglang.bench_one_batch_steps import make_batch
 from sglang.srt.layers.logits_processor import compute_logits
 from sglang.srt.model_executor.forward_context import forward_context
 from sglang.srt.model_executor.model_runner import ModelRunner

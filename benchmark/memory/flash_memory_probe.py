@@ -5,7 +5,7 @@
 Builds Flash with a few layers, release format, dummy weights and a small KV pool, then runs
 one eager mixed step per token count and reports, per module of the first layers, the peak
 bytes allocated above what was allocated when the module was entered. The memory planner's
-activation reserve (mem_cache/memory_planner.py) is checked against these numbers. Then the
+activation reserve (planning/memory_planner.py) is checked against these numbers. Then the
 breakable graphs are captured for the same buckets and their pool size is reported.
 Prints one JSON line per result.
 """
@@ -17,9 +17,9 @@ import json
 
 import torch
 
-from sglang.bench_one_batch import make_batch
-from sglang.srt.configs import load_model_config
-from sglang.srt.mem_cache.memory_planner import GiB, attention_break_bytes, segment_activation_bytes
+from sglang.bench_one_batch_steps import make_batch
+from sglang.srt.configs.loader import load_model_config
+from sglang.srt.planning.memory_planner import GiB, attention_break_bytes, segment_activation_bytes
 from sglang.srt.model_executor.graph_dispatch import eager_path
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs

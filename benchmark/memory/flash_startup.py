@@ -18,9 +18,9 @@ import json
 import logging
 import time
 
-from sglang.srt.configs import load_model_config
+from sglang.srt.configs.loader import load_model_config
 from sglang.srt.configs.deepseek_v4 import estimate_num_parameters
-from sglang.srt.mem_cache.memory_planner import (
+from sglang.srt.planning.memory_planner import (
     GiB,
     H200_USABLE_BYTES,
     MemoryPlanError,

@@ -21,7 +21,9 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from sglang.bench_one_batch import _sync, eager_path, make_batch, parse_args, server_args_for
+from sglang.bench_one_batch import parse_args
+from sglang.bench_one_batch_steps import _sync, make_batch, server_args_for
+from sglang.srt.model_executor.graph_dispatch import eager_path
 from sglang.srt.model_executor.model_runner import ModelRunner
 
 MOD = "module:"

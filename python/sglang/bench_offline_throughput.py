@@ -176,7 +176,7 @@ def run_benchmark(server_args: ServerArgs, bench_args: BenchArgs) -> dict:
 
 def _stats(sched) -> dict:
     if hasattr(sched, "get_rank_stats"):
-        from sglang.srt.managers.dp_stats import aggregate_stats
+        from sglang.srt.managers.dp.stats import aggregate_stats
 
         return aggregate_stats(sched.get_rank_stats())
     return sched.get_stats()

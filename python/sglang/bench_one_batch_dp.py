@@ -3,7 +3,7 @@
 Rank r runs on cuda:r (NCCL) or on the CPU (gloo), joins the DP groups, builds the same
 model with 1/N of the routed experts (parallel_state / ModelRunner, as a server's rank), and
 runs bench_one_batch's rows on its own batch of `--num-tokens` tokens. Every timed step is a
-real DP step (`managers/dp_sync.dp_step`: the consensus exchange, then the forward with the
+real DP step (`model_executor/dp_sync.dp_step`: the consensus exchange, then the forward with the
 MoE's collectives), so all ranks step together: eager by request (`requested_eager_path`),
 BCG as the consensus decides (a step that does not replay a graph is an error). The ideal
 graph is captured on every rank at once with the MoE collectives inside it (NCCL in CUDA
@@ -31,7 +31,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from sglang.bench_one_batch import Steps, ideal_graph, median, run_bench, server_args_for, timed
+from sglang.bench_one_batch_steps import Steps, ideal_graph, median, run_bench, server_args_for, timed
 
 # A rank that fails leaves the others waiting in a collective until --dp-timeout; after this
 # long they are stopped instead.
@@ -82,7 +82,7 @@ class DPSteps(Steps):
     """bench_one_batch's steps on one DP rank: every step through `dp_step` with the others."""
 
     def __init__(self, runner, groups):
-        from sglang.srt.managers.dp_sync import DPStepSync
+        from sglang.srt.model_executor.dp_sync import DPStepSync
 
         super().__init__(runner)
         self.rank, self.dp_size = groups.dp_rank, groups.dp_size
@@ -90,13 +90,13 @@ class DPSteps(Steps):
         self.sync = DPStepSync(groups.cpu_group, self.rank, self.dp_size, runner.graph_tables)
 
     def eager(self, fb):
-        from sglang.srt.managers.dp_sync import dp_step
+        from sglang.srt.model_executor.dp_sync import dp_step
         from sglang.srt.model_executor.graph_dispatch import requested_eager_path
 
         return lambda: dp_step(self.runner, fb, self.sync, requested_eager_path)
 
     def graph(self, fb, want):
-        from sglang.srt.managers.dp_sync import dp_step
+        from sglang.srt.model_executor.dp_sync import dp_step
 
         def step():
             path, _ = dp_step(self.runner, fb, self.sync)
@@ -110,7 +110,7 @@ class DPSteps(Steps):
         return ideal_graph(self.runner, fb, self.runner.dp_moe(fb.num_tokens))
 
     def comm_ms(self, fb) -> Optional[float]:
-        from sglang.srt.managers.dp_sync import dp_step
+        from sglang.srt.model_executor.dp_sync import dp_step
         from sglang.srt.model_executor.graph_dispatch import requested_eager_path
 
         profiled = _ProfiledForward(self.runner)

@@ -16,7 +16,7 @@ import socket
 import sys
 
 from sglang.srt.entrypoints.http_server import serve
-from sglang.srt.managers.dp_supervisor import run_headless_node
+from sglang.srt.managers.dp.supervisor import run_headless_node
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 

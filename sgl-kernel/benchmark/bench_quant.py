@@ -286,14 +286,15 @@ def _sm90_report(name, fn, types, constexprs, num_warps, num_stages, not_aligned
 def compile_report(only=None):
     """Every kernel of bench_quant at each config the shape tables pick, compiled for sm_90
     (only: "gemm" or "moe" for one half)."""
+    from dsv4_kernels import fp8_act_quant
     from dsv4_kernels import fp8_gemm as G
 
     if only == "moe":
         return _moe_compile_report()
-    _sm90_report("act_quant (8 blocks of 128)", G._act_quant_kernel,
+    _sm90_report("act_quant (8 blocks of 128)", fp8_act_quant._act_quant_kernel,
                  dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"),
                  dict(BLOCKS=8, QB=128, ROUND_ONLY=False), 4, 2, ("M", "K"))
-    _sm90_report("act_round fp32 (8 blocks of 128)", G._act_quant_kernel,
+    _sm90_report("act_round fp32 (8 blocks of 128)", fp8_act_quant._act_quant_kernel,
                  dict(x_ptr="*fp32", q_ptr="*fp32", s_ptr="*fp32"),
                  dict(BLOCKS=8, QB=128, ROUND_ONLY=True), 4, 2, ("M", "K"))
     _sm90_report("split_sum", G._split_sum_kernel, dict(ws_ptr="*fp32", out_ptr="*bf16"),
@@ -325,7 +326,7 @@ def compile_report(only=None):
 def _moe_compile_report():
     import triton.language as tl
 
-    from dsv4_kernels import fp4_gemv_moe, fp4_moe
+    from dsv4_kernels import fp4_gemv_moe, fp4_moe, fp4_words
     from dsv4_kernels import moe
 
     _sm90_report("moe_align one kernel (E 256)", moe._align_one_kernel,
@@ -367,13 +368,13 @@ def _moe_compile_report():
                           w3s_ptr="*u8", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
                           weights_ptr="*fp32", h_ptr="*bf16", limit="fp32"),
                      dict(kw, HAS_LIMIT=True, BLOCK_N=c["block_n_up"], X_DTYPE=tl.bfloat16,
-                          CHUNKS=fp4_moe._chunks(MOE_D, c["chunks"])),
+                          CHUNKS=fp4_words.chunks(MOE_D, c["chunks"])),
                      c["num_warps"], c["num_stages"], ("M", "topk"))
         _sm90_report(f"moe down {tag}", fp4_gemv_moe._gemv_down_kernel,
                      dict(h_ptr="*bf16", w2_ptr="*i32", w2s_ptr="*u8", sorted_ids_ptr="*i32",
                           block_expert_ptr="*i32", partial_ptr="*fp32"),
                      dict(kw, BLOCK_N=c["block_n_down"],
-                          CHUNKS=fp4_moe._chunks(MOE_I, c["chunks"])),
+                          CHUNKS=fp4_words.chunks(MOE_I, c["chunks"])),
                      c["num_warps"], c["num_stages"], ("M",))
 
 

@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from dsv4_kernels.fp8_gemm import _tile_ids, quantize_act
+from dsv4_kernels.fp8_act_quant import quantize_act
+from dsv4_kernels.fp8_gemm import _tile_ids
 
 
 @triton.jit

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_kernels.fp8_gemm import fp8_block_linear, quantize_act
+from dsv4_kernels.fp8_act_quant import quantize_act
+from dsv4_kernels.fp8_gemm import fp8_block_linear
 
 
 def timed(fn, iters=20):

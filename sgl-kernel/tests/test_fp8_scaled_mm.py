@@ -135,9 +135,9 @@ def test_probe_verdict_is_cached_per_key(monkeypatch):
 
 def test_quantize_act_pads_rows_with_zeros(device):
     require_triton()
-    from dsv4_kernels import fp8_gemm
+    from dsv4_kernels import fp8_act_quant
     x = torch.randn(5, 384) * 3
-    q, s = fp8_gemm.quantize_act(x.to(device), rows=8)
+    q, s = fp8_act_quant.quantize_act(x.to(device), rows=8)
     q, s = q.cpu(), s.cpu()
     q_ref, s_ref = Q.quantize_fp8_blocks(x)
     assert q.shape == (8, 384) and s.shape == (8, 3) and s.stride() == (1, 8)
@@ -146,7 +146,7 @@ def test_quantize_act_pads_rows_with_zeros(device):
     assert not q[5:].view(torch.uint8).any()  # e4m3 +0
     assert torch.isfinite(s[5:]).all() and (s[5:] > 0).all()
     with pytest.raises(ValueError, match="rows=4 is fewer than x's 5"):
-        fp8_gemm.quantize_act(x.to(device), rows=4)
+        fp8_act_quant.quantize_act(x.to(device), rows=4)
 
 
 @pytest.mark.parametrize("K", [384, 512])  # K/128 = 3 (padded scales) and 4 (the view)

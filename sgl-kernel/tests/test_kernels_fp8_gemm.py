@@ -28,22 +28,22 @@ def _weight(N, K, device):
 
 def test_act_round_kernel_is_bit_exact(device):
     require_triton()
-    from dsv4_kernels import fp8_gemm
+    from dsv4_kernels import fp8_act_quant
     x = torch.randn(3, 384) * torch.logspace(-6, 2, 384)
     x[0, 128:256] = 0
-    assert torch.equal(fp8_gemm.round_act(x.to(device)).cpu(), Q.fp8_round_blocks(x))
+    assert torch.equal(fp8_act_quant.round_act(x.to(device)).cpu(), Q.fp8_round_blocks(x))
 
 
 def test_act_quant_kernel_is_bit_exact(device):
     require_triton()
-    from dsv4_kernels import fp8_gemm
+    from dsv4_kernels import fp8_act_quant
     # Blocks of very different magnitudes (incl. all-zero, tiny, subnormal-e4m3 values, exact
     # ties at the scale's grid and values that saturate the pow2 rounding).
     x = torch.randn(6, 512) * torch.logspace(-7, 3, 512)
     x[1, :128] = 0
     x[2, 128:256] = torch.arange(128) * 2.0 ** -9 + 2.0 ** -10  # midpoints of the subnormals
     x[3, :128] = 448.0 * torch.linspace(-1, 1, 128)
-    q, s = fp8_gemm.quantize_act(x.to(device))
+    q, s = fp8_act_quant.quantize_act(x.to(device))
     q_ref, s_ref = Q.quantize_fp8_blocks(x)
     assert torch.equal(s.cpu(), s_ref)
     assert torch.equal(q.view(torch.uint8).cpu(), q_ref.view(torch.uint8))

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from sglang.srt.configs import get_preset
+from sglang.srt.configs.presets import get_preset
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 
 GiB = 2**30

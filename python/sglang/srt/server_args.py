@@ -121,7 +121,7 @@ class ServerArgs:
         # Triton kernels for the attention core on CUDA, the plain-torch reference elsewhere
         attention_backend, segment_kernels = resolve_kernels(self.attention_backend, self.segment_kernels, device)
         if model_config is None:
-            from sglang.srt.configs.deepseek_v4 import load_model_config
+            from sglang.srt.configs.loader import load_model_config
 
             model_config = load_model_config(self.model_path, self.num_layers)
         elif self.num_layers is not None:
@@ -198,9 +198,9 @@ class ServerArgs:
         )
 
     def _memory_plan(self, model_config, dtype: str, free: int, context_length: int, max_running: int, pick: int):
-        """This GPU's memory plan (mem_cache/memory_planner.py); raises MemoryPlanError, which
+        """This GPU's memory plan (planning/memory_planner.py); raises MemoryPlanError, which
         names the shortfall and the flag to change, when the model or the KV cache does not fit."""
-        from sglang.srt.mem_cache.memory_planner import PlanSettings, loaded_weight_format, plan_memory
+        from sglang.srt.planning.memory_planner import PlanSettings, loaded_weight_format, plan_memory
 
         settings = PlanSettings(
             weight_format=loaded_weight_format(model_config, dtype), model_dtype=dtype,
@@ -320,7 +320,7 @@ def _validate(a: ServerArgs) -> None:
 
 def _check_dist_init_addr(addr: str) -> None:
     host, sep, port = addr.rpartition(":")
-    # port + 1 is node 0's DP controller (managers/dp_supervisor.py)
+    # port + 1 is node 0's DP controller (managers/dp/supervisor.py)
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65534:
         raise ValueError(f"--dist-init-addr must be host:port with a port in [1, 65534], got {addr!r}")
 

@@ -144,7 +144,7 @@ def dp_rank_main(rank: int, world: int, port: int, steps: int, seed: int, idle_p
     torch.set_num_threads(1)
     with _errors_to(os.path.join(out_dir, f"rank{rank}.err")):
         from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
-        from sglang.srt.managers.dp_sync import DPStepSync, dp_step
+        from sglang.srt.model_executor.dp_sync import DPStepSync, dp_step
         from sglang.srt.model_executor.graph_dispatch import PathKind, decide_step_path
         from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.test.runner_args import cpu_server_args
@@ -211,7 +211,7 @@ def dp_scheduler_rank_main(rank: int, world: int, port: int, out_dir: str, stop_
         import torch.distributed as dist
 
         from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
-        from sglang.srt.managers.dp_sync import DPStepSync
+        from sglang.srt.model_executor.dp_sync import DPStepSync
         from sglang.srt.managers.scheduler import Scheduler
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
         from sglang.srt.model_executor.model_runner import ModelRunner
@@ -298,7 +298,8 @@ def dp_scripted_rank_main(rank: int, world: int, port: int, out_dir: str, script
         import torch.distributed as dist
 
         from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
-        from sglang.srt.managers.dp_sync import DPConsensusError, DPStepSync, dp_step
+        from sglang.srt.model_executor.dp_sync import DPStepSync, dp_step
+        from sglang.srt.model_executor.graph_tables_check import DPConsensusError
         from sglang.srt.model_executor.graph_dispatch import decide_step_path, describe
         from sglang.srt.model_executor.model_runner import ModelRunner
         from sglang.test.runner_args import cpu_server_args
@@ -400,7 +401,7 @@ def ep_inputs(seed: int, rank: int, world: int, dim: int, vocab: int):
 
 def ep_moe_layers(seed: int):
     """Seeded dsv4-tiny MoE blocks, identical in every process."""
-    from sglang.srt.configs import get_preset
+    from sglang.srt.configs.presets import get_preset
     from sglang.srt.layers.moe.experts import DeepseekV4MoE
 
     config = get_preset("dsv4-tiny")

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp4_moe import _TL_DTYPE, _chunks, _decode_words, _load_words
-from .fp8_gemm import round_act
+from .fp4_words import TL_DTYPE, chunks, decode_words, load_words
+from .fp8_act_quant import round_act
 from .host_math import cdiv
 from .moe import moe_align, sum_topk
 from .tile_tables import CONFIGS, load_tiers, pick
@@ -77,31 +77,31 @@ def _gemv_rows(a_ptr, a_rows, stride_a, w_ptr, s_ptr, w3_ptr, s3_ptr, e, offs_n,
     # hand: these loads feed no tl.dot, so the pipeliner leaves them alone), doubling the bytes
     # in flight for 4-8 registers; the last step reloads itself rather than masking.
     STEP: tl.constexpr = 32 * CHUNKS
-    nb, ns = _load_words(w_ptr, s_ptr, e, offs_n, n_mask, 0, stride_we, stride_wn, stride_se,
+    nb, ns = load_words(w_ptr, s_ptr, e, offs_n, n_mask, 0, stride_we, stride_wn, stride_se,
                          stride_sn, CHUNKS)
     nb3, ns3 = nb, ns
     if PAIR:
-        nb3, ns3 = _load_words(w3_ptr, s3_ptr, e, offs_n, n_mask, 0, stride_we, stride_wn,
+        nb3, ns3 = load_words(w3_ptr, s3_ptr, e, offs_n, n_mask, 0, stride_we, stride_wn,
                                stride_se, stride_sn, CHUNKS)
     for k0 in range(0, K, STEP):
         k_next = tl.minimum(k0 + STEP, K - STEP)
         cb, cs, cb3, cs3 = nb, ns, nb3, ns3
-        nb, ns = _load_words(w_ptr, s_ptr, e, offs_n, n_mask, k_next, stride_we, stride_wn,
+        nb, ns = load_words(w_ptr, s_ptr, e, offs_n, n_mask, k_next, stride_we, stride_wn,
                              stride_se, stride_sn, CHUNKS)
         if PAIR:
-            nb3, ns3 = _load_words(w3_ptr, s3_ptr, e, offs_n, n_mask, k_next, stride_we,
+            nb3, ns3 = load_words(w3_ptr, s3_ptr, e, offs_n, n_mask, k_next, stride_we,
                                    stride_wn, stride_se, stride_sn, CHUNKS)
-        w, s = _decode_words(cb, cs)
+        w, s = decode_words(cb, cs)
         w3, s3 = w, s
         if PAIR:
-            w3, s3 = _decode_words(cb3, cs3)
+            w3, s3 = decode_words(cb3, cs3)
         g0, u0 = _gemv_row(g0, u0, w, s, w3, s3, a_ptr, r0, k0, stride_a, PAIR, CHUNKS)
         if BLOCK_M > 1:
             g1, u1 = _gemv_row(g1, u1, w, s, w3, s3, a_ptr, r1, k0, stride_a, PAIR, CHUNKS)
         if BLOCK_M > 2:
             g2, u2 = _gemv_row(g2, u2, w, s, w3, s3, a_ptr, r2, k0, stride_a, PAIR, CHUNKS)
             g3, u3 = _gemv_row(g3, u3, w, s, w3, s3, a_ptr, r3, k0, stride_a, PAIR, CHUNKS)
-    # The weights were decoded x 2^-14 (_nibbles_x2m14): undo it once per output (exact).
+    # The weights were decoded x 2^-14 (fp4_words.nibbles_x2m14): undo it once per output (exact).
     return (tl.sum(g0, axis=1) * 16384.0, tl.sum(g1, axis=1) * 16384.0,
             tl.sum(g2, axis=1) * 16384.0, tl.sum(g3, axis=1) * 16384.0,
             tl.sum(u0, axis=1) * 16384.0, tl.sum(u1, axis=1) * 16384.0,
@@ -256,13 +256,13 @@ def gemv_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit, o
         w3_scale.view(torch.uint8), sorted_ids, block_expert, weights_flat, h,
         M, d, I, topk, a.stride(0), w1.stride(0) // 4, w1.stride(1) // 4, w1_scale.stride(0),
         w1_scale.stride(1), h.stride(0), float(limit), HAS_LIMIT=limit > 0, BLOCK_N=bn,
-        X_DTYPE=_TL_DTYPE[x.dtype], CHUNKS=_chunks(d, cfg["chunks"]), **kw)
+        X_DTYPE=TL_DTYPE[x.dtype], CHUNKS=chunks(d, cfg["chunks"]), **kw)
     if act_quant:  # padding rows are rounded too, never read
         h = round_act(h)
     bn = cfg["block_n_down"]
     _gemv_down_kernel[(max_blocks, cdiv(d, bn))](
         h, w2.view(torch.int32), w2_scale.view(torch.uint8), sorted_ids, block_expert, partial,
         M, d, I, h.stride(0), w2.stride(0) // 4, w2.stride(1) // 4, w2_scale.stride(0),
-        w2_scale.stride(1), partial.stride(0), BLOCK_N=bn, CHUNKS=_chunks(I, cfg["chunks"]),
+        w2_scale.stride(1), partial.stride(0), BLOCK_N=bn, CHUNKS=chunks(I, cfg["chunks"]),
         **kw)
     return sum_topk(partial, ids, out, E)

@@ -38,8 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fp4_gemv_moe
 from ._dot import dot_precision
-from .fp8_gemm import QBLOCK, round_act
+from .fp4_words import TL_DTYPE, chunks, decode_words, load_words
+from .fp8_act_quant import QBLOCK, round_act
 from .host_math import cdiv
 from .moe import moe_align, sum_topk
 from .tile_tables import CONFIGS, load_tiers, pick
@@ -95,69 +97,20 @@ def _e2m1_scaled(code, sbyte):
 
 
 @triton.jit
-def _load_words(w_ptr, s_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn, stride_se,
-                stride_sn, CHUNKS: tl.constexpr):
-    """Raw weight rows n of expert e at inputs k0 .. k0 + 32 * CHUNKS - 1: (packed int32 words
-    [BN, CHUNKS, 4], 16 * CHUNKS contiguous bytes per row, w_ptr and stride_* in words; e8m0
-    bytes [BN, CHUNKS])."""
-    j = k0 // 8 + tl.arange(0, CHUNKS)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
-    word = tl.load(w_ptr + e * stride_we + offs_n[:, None, None] * stride_wn + j,
-                   mask=n_mask[:, None, None], other=0)
-    c = k0 // 32 + tl.arange(0, CHUNKS)
-    sb = tl.load(s_ptr + e * stride_se + offs_n[:, None] * stride_sn + c[None, :],
-                 mask=n_mask[:, None], other=0)
-    return word, sb
-
-
-@triton.jit
-def _nibbles_x2m14(word, i: tl.constexpr):
-    """Codes i and i + 4 (bits 4i .. 4i + 3 and 16 higher) of each int32 word as their e2m1
-    values x 2^-14 in fp32, exact: a code's 3 magnitude bits placed at bits 9-11 of an fp16
-    (the two exponent bits at the bottom of fp16's exponent, the mantissa bit at the top of
-    its mantissa) and its sign at bit 15 give e2m1 x 2^-14 for every code, e2m1's own
-    subnormal 0.5 becoming an fp16 subnormal; fp16 -> fp32 is exact (no flush: subnormal only
-    on the fp16 side). The two codes sit 16 bits apart, as the halves of an fp16 pair do, so
-    one shift-and-merge builds both patterns; each half then converts alone."""
-    x = word >> (4 * i)  # arithmetic shift: the masks below drop the sign fill
-    pair = ((x << 9) & 0x0E000E00) | ((x << 12) & -0x7FFF8000)  # 0x80008000 as an int32
-    lo = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = ((pair >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
-def _decode_words(word, sb):
-    """_load_words' words -> (fp32 e2m1 values x 2^-14 [BN, CHUNKS, 32], fp32 chunk scales
-    [BN, CHUNKS] = 2^(byte - 127), byte 0 -> 0). Code i of a word (little-endian, element 2j
-    in byte j's low nibble) is input 8 * word + i: three rounds of interleaving put them in
-    order (interleave(a, b)[2j + t] = (a, b)[t][j]; in-thread, no data moves)."""
-    n0, n4 = _nibbles_x2m14(word, 0)
-    n1, n5 = _nibbles_x2m14(word, 1)
-    n2, n6 = _nibbles_x2m14(word, 2)
-    n3, n7 = _nibbles_x2m14(word, 3)
-    c0 = tl.interleave(n0, n4)
-    c1 = tl.interleave(n1, n5)
-    c2 = tl.interleave(n2, n6)
-    c3 = tl.interleave(n3, n7)
-    w = tl.interleave(tl.interleave(c0, c2), tl.interleave(c1, c3))
-    return w, ((sb.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _decode_step(w_ptr, s_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn, stride_se, stride_sn,
                  CHUNKS: tl.constexpr, DTYPE: tl.constexpr, PAIR_DECODE: tl.constexpr):
     """[BN, 32 * CHUNKS] weights of expert e, rows n, inputs k0 .. k0 + 32 * CHUNKS - 1, decoded
     exactly to DTYPE with each chunk's scale folded in (e2m1 x a power of two): one wide code load
     and one scale load per row, one decode, for a single dot over the whole step.
     PAIR_DECODE (w_ptr and its strides in int32 words): the gemv variant's decode, two codes per
-    shift-and-merge as fp16 bits (_decode_words: e2m1 x 2^-14 in fp32), times the chunk's scale
+    shift-and-merge as fp16 bits (decode_words: e2m1 x 2^-14 in fp32), times the chunk's scale
     x 2^14 (a power of two: exact), about 6 instructions per code against _e2m1_scaled's ~14
     (the decode bounds the large-batch MoE); an e8m0 byte 1 is kept, 0 gives 0. Otherwise
     (bytes): _e2m1_scaled."""
     if PAIR_DECODE:
-        word, sb = _load_words(w_ptr, s_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn,
+        word, sb = load_words(w_ptr, s_ptr, e, offs_n, n_mask, k0, stride_we, stride_wn,
                                stride_se, stride_sn, CHUNKS)
-        x, s = _decode_words(word, sb)
+        x, s = decode_words(word, sb)
         w = (x * (s * 16384.0)[:, :, None]).to(DTYPE)
     else:
         j = k0 // 2 + tl.arange(0, CHUNKS)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
@@ -285,9 +238,6 @@ def _fp4_down_kernel(
              mask=row_mask[:, None] & n_mask[None, :])
 
 
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
 @functools.lru_cache(maxsize=None)
 def _tile_tiers() -> tuple:
     return load_tiers(TILES_FILE)
@@ -323,10 +273,6 @@ def moe_config(T: int, topk: int, x_dtype: torch.dtype = torch.bfloat16) -> dict
     bf16_release_bitdecode)."""
     return pick(_tile_tiers(), T * topk, fp32=x_dtype == torch.float32)
 
-
-def _chunks(K: int, most: int = 4) -> int:
-    """32-input chunks per K step: the largest power of two <= most whose step divides K."""
-    return next(c for c in (16, 8, 4, 2, 1) if c <= most and K % (32 * c) == 0)
 
 
 def default_variant(T: int, topk: int) -> str:
@@ -374,8 +320,6 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
     if T == 0:
         return out
     if variant == "gemv":
-        from . import fp4_gemv_moe  # it imports this module's helpers
-
         return fp4_gemv_moe.gemv_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, limit,
                                      out, act_quant, config or fp4_gemv_moe.gemv_config(T, ids.shape[1]))
     cfg = config or moe_config(T, ids.shape[1], x.dtype)
@@ -393,7 +337,7 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
     h = torch.empty(rows, I, dtype=x.dtype, device=dev)
     partial = torch.empty(M, d, dtype=torch.float32, device=dev)
     weights_flat = weights.reshape(-1).float().contiguous()
-    xdt = _TL_DTYPE[x.dtype]
+    xdt = TL_DTYPE[x.dtype]
     prec = dot_precision(x.dtype)
     step = bool(cfg.get("step_dot"))
     # The pair decode reads the packed codes as int32 words: views and strides in words.
@@ -408,7 +352,7 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
         w3_scale.view(torch.uint8), sorted_ids, block_expert, weights_flat, h,
         M, d, I, topk, a.stride(0), w1.stride(0) // unit, w1.stride(1) // unit,
         w1_scale.stride(0), w1_scale.stride(1), h.stride(0), float(limit),
-        HAS_LIMIT=limit > 0, X_DTYPE=xdt, BLOCK_N=bn, CHUNKS=_chunks(d), **kw)
+        HAS_LIMIT=limit > 0, X_DTYPE=xdt, BLOCK_N=bn, CHUNKS=chunks(d), **kw)
     # The down GEMM's input: with act_quant, h rounded to FP8 per 128 as the dequantized values
     # in x's dtype (padding rows are rounded too, never read).
     if act_quant:
@@ -418,5 +362,5 @@ def fp4_fused_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, ids, weights, lim
         h, w2.view(wview), w2_scale.view(torch.uint8), sorted_ids, block_expert,
         partial, M, d, I, h.stride(0), w2.stride(0) // unit, w2.stride(1) // unit,
         w2_scale.stride(0), w2_scale.stride(1), partial.stride(0), BLOCK_N=bn,
-        CHUNKS=_chunks(I), **kw)
+        CHUNKS=chunks(I), **kw)
     return sum_topk(partial, ids, out, E)

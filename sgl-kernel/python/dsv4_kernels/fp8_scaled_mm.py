@@ -7,7 +7,7 @@ with the same error against the fp32 product (M <= 16 is not measured yet).
 
 Layout contract of cuBLASLt for a [M, K] (e4m3, row-major) times b = weight.t() [K, N]
 (PyTorch PR 166752 states it; L = K/128, L4 = L rounded up to a multiple of 4):
-- scale_a [M, L], strides (1, M): fp8_gemm.quantize_act's scales as they are;
+- scale_a [M, L], strides (1, M): fp8_act_quant.quantize_act's scales as they are;
 - scale_b [L4, N/128], strides (1, L4): the weight's [N/128, L] scales transposed, each row of
   them padded with zeros to L4 (pad blocks multiply nothing: K ends at L). With L % 4 == 0 that
   is weight_scale.t() itself, which torch._scaled_mm takes (the layout timed on the H200).
@@ -34,6 +34,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from .fp8_act_quant import quantize_act
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +99,6 @@ def block_scaled_mm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor,
 def block_linear(x2: torch.Tensor, weight: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
     """x [M, K] bf16/fp16 -> x.dtype [M, N] = quantize_act(x) @ dequant(weight)^T on cuBLAS.
     scale_b: weight_scale_layout(weight_scale), checked against the contract here."""
-    from .fp8_gemm import quantize_act
-
     M, K = x2.shape
     N = weight.shape[0]
     L = K // BLOCK

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_gemm import INV_E4M3_MAX, e4m3_bits, pow2_recip, pow2_scale
+from .fp8_act_quant import INV_E4M3_MAX, e4m3_bits, pow2_recip, pow2_scale
 from .host_math import cdiv, next_power_of_2
 
 QBLOCK = 128  # FP8 activation scale block

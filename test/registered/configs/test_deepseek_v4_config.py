@@ -5,14 +5,9 @@ import json
 
 import pytest
 
-from sglang.srt.configs import (
-    PRESETS,
-    ConfigError,
-    DeepseekV4Config,
-    estimate_num_parameters,
-    get_preset,
-    load_model_config,
-)
+from sglang.srt.configs.deepseek_v4 import ConfigError, DeepseekV4Config, estimate_num_parameters
+from sglang.srt.configs.loader import load_model_config
+from sglang.srt.configs.presets import PRESETS, get_preset
 
 
 def test_real_pro_config_loads_with_its_values(dsv4_reference_dir):

@@ -3,9 +3,9 @@ controller's choice of rank (round-robin, least-loaded, wake-ups), stats aggrega
 
 import pytest
 
-from sglang.srt.managers.dp_controller import DataParallelController
-from sglang.srt.managers.dp_stats import aggregate_stats
-from sglang.srt.managers.dp_supervisor import controller_address, node_ranks
+from sglang.srt.managers.dp.controller import DataParallelController
+from sglang.srt.managers.dp.stats import aggregate_stats
+from sglang.srt.managers.dp.supervisor import controller_address, node_ranks
 from sglang.srt.managers.io_struct import GenerateReqInput, TokenOut
 from sglang.srt.managers.scheduler_process import WAKE, check_same_args
 from sglang.srt.sampling.sampling_params import SamplingParams

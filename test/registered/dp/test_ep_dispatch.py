@@ -54,11 +54,14 @@ def test_expert_shards_equal_one_process(ep_run, dp):
                     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
-def test_gather_is_the_default_dispatcher():
+def test_the_dp_context_carries_the_dispatcher_it_is_given():
     from sglang.srt.layers.dp_attention import DPMoEContext
 
-    assert isinstance(DPMoEContext(None, 0, 2, 4).dispatcher, GatherScatterDispatcher)
-    assert isinstance(create_moe_dispatcher("gather"), GatherScatterDispatcher)
+    gather = create_moe_dispatcher("gather")
+    assert isinstance(gather, GatherScatterDispatcher)
+    assert DPMoEContext(None, 0, 2, 4, gather).dispatcher is gather
+    with pytest.raises(TypeError, match="dispatcher"):
+        DPMoEContext(None, 0, 2, 4)  # no silent default: --moe-dispatcher chooses it
     for name in ("nccl", "deepep"):  # deepep: no all-to-all dispatcher exists, so none is offered
         with pytest.raises(ValueError, match=f"--moe-dispatcher must be one of gather, got '{name}'"):
             create_moe_dispatcher(name)

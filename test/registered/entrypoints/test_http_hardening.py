@@ -200,7 +200,7 @@ def test_fuzz_1200_malformed_requests_never_get_a_5xx_and_the_server_stays_healt
 def _chat_bodies(st):
     """Chat bodies: messages of every role with tool calls, tools and tool_choice of every
     shape, template kwargs; each field either well-formed or any JSON value."""
-    json_ = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=12),
+    json_ = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
                          lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
                          max_leaves=6)
     name_ = st.text(max_size=10) | json_

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from dsv4_harness import Session, run_step  # noqa: E402
 
-from sglang.srt.configs import get_preset  # noqa: E402
+from sglang.srt.configs.presets import get_preset  # noqa: E402
 from dsv4_kernels import reference  # noqa: E402
 from sglang.srt.layers.mhc import sinkhorn_split  # noqa: E402
 from sglang.srt.layers.moe.experts import RoutedExperts  # noqa: E402

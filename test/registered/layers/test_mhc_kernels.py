@@ -9,7 +9,7 @@ import torch
 
 from dsv4_kernels import ops
 
-from sglang.srt.configs import get_preset
+from sglang.srt.configs.presets import get_preset
 from sglang.srt.layers.mhc import HyperConnection
 from sglang.srt.model_executor.forward_context import forward_context
 

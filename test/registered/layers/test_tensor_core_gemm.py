@@ -17,12 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from dsv4_harness import Session, prefill_in_chunks, run_step  # noqa: E402
 
 from dsv4_kernels import quant_reference as Q  # noqa: E402
-from sglang.srt.configs import get_preset  # noqa: E402
+from sglang.srt.configs.presets import get_preset  # noqa: E402
 from sglang.srt.configs.presets import write_config  # noqa: E402
 from sglang.srt.layers import tensor_core_gemm as tc  # noqa: E402
 from sglang.srt.layers.attention.dsv4.compressor import SPLIT_TERMS, Compressor  # noqa: E402
 from sglang.srt.layers.quantization.fp8_linear import Fp8BlockLinear  # noqa: E402
-from sglang.srt.mem_cache.memory_planner import tensor_core_copy_bytes  # noqa: E402
+from sglang.srt.planning.memory_planner import tensor_core_copy_bytes  # noqa: E402
 from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.test.runner_args import cpu_server_args  # noqa: E402
 

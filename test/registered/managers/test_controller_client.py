@@ -8,9 +8,9 @@ import types
 
 import pytest
 
-from sglang.srt.managers.controller_client import ControllerClient
-from sglang.srt.managers.dp_controller import DataParallelController
-from sglang.srt.managers.dp_supervisor import RankChannel
+from sglang.srt.managers.dp.controller_client import ControllerClient
+from sglang.srt.managers.dp.controller import DataParallelController
+from sglang.srt.managers.dp.supervisor import RankChannel
 from sglang.srt.managers.io_struct import WAKE, AbortReq, GenerateReqInput, ServerInfo, ServerInfoReq, TokenOut
 from sglang.srt.server_args import ServerArgs
 

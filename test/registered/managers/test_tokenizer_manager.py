@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from sglang.srt.managers.controller_client import ControllerClient
-from sglang.srt.managers.dp_controller import DataParallelController
+from sglang.srt.managers.dp.controller_client import ControllerClient
+from sglang.srt.managers.dp.controller import DataParallelController
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.tokenizer_manager import RequestError, TokenizerManager
 from sglang.srt.server_args import ServerArgs

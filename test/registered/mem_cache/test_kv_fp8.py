@@ -10,7 +10,7 @@ from sglang.srt.configs.presets import get_preset
 from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool, kv_bytes_per_token
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
 from sglang.srt.model_executor.model_runner import ModelRunner
-from sglang.srt.mem_cache.memory_planner import kv_bytes_per_token as planner_kv_bytes_per_token
+from sglang.srt.planning.memory_planner import kv_bytes_per_token as planner_kv_bytes_per_token
 from sglang.test.runner_args import cpu_server_args
 
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dsv4_harness import prefill_in_chunks  # noqa: E402
 
-from sglang.srt.configs import load_model_config  # noqa: E402
+from sglang.srt.configs.loader import load_model_config  # noqa: E402
 from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.srt.model_loader.random_init import init_random_weights  # noqa: E402
 from sglang.srt.model_loader.safetensors_io import save_checkpoint  # noqa: E402

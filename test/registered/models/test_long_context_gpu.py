@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dsv4_harness import Session, run_step  # noqa: E402
 
-from sglang.srt.configs import get_preset  # noqa: E402
+from sglang.srt.configs.presets import get_preset  # noqa: E402
 from sglang.srt.configs.presets import write_config  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch  # noqa: E402
 from sglang.srt.model_executor.graph_dispatch import eager_path  # noqa: E402

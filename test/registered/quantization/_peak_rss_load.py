@@ -20,7 +20,7 @@ def rss_anon() -> int:
 
 def main(ckpt: str) -> None:
     import dsv4_kernels.quant_reference  # noqa: F401  (imported before the baseline)
-    from sglang.srt.configs.deepseek_v4 import load_model_config
+    from sglang.srt.configs.loader import load_model_config
     from sglang.srt.model_loader.safetensors_io import load_checkpoint
     from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from sglang.srt.configs import load_model_config
+from sglang.srt.configs.loader import load_model_config
 from sglang.srt.configs.deepseek_v4 import ConfigError, DeepseekV4Config
 from sglang.srt.configs.presets import release_format, dsv4_tiny_fp8_dims
 from sglang.srt.layers.moe.experts import Fp4RoutedExperts

@@ -8,7 +8,7 @@ formats and are 45% of the bf16 model (docs/architecture.md has the numbers)."""
 import pytest
 import torch
 
-from sglang.srt.configs import load_model_config
+from sglang.srt.configs.loader import load_model_config
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 
 
@@ -35,7 +35,7 @@ def test_release_format_weight_bytes(preset, layer_bound):
 def test_weight_byte_estimate_matches_the_model(preset):
     """estimate_weight_bytes (the memory planner's count, which sizes the KV cache on CUDA) is
     exactly the bytes of the model built in that dtype, quantized tensors at their stored size."""
-    from sglang.srt.configs import estimate_weight_bytes
+    from sglang.srt.planning.memory_planner import estimate_weight_bytes
 
     config = load_model_config(preset)
     for dtype, dtype_bytes in ((torch.bfloat16, 2), (torch.float32, 4)):

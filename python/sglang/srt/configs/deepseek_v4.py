@@ -342,7 +342,7 @@ def _validate_quantization(c: DeepseekV4Config) -> None:
             raise ConfigError(f"{name}: must be a multiple of {FP8_BLOCK} for release-format weights, got {v}")
 
 
-# ---- loading and size -----------------------------------------------------------------------
+# ---- layer slices and size ------------------------------------------------------------------
 
 
 def with_num_layers(c: DeepseekV4Config, num_layers: int) -> DeepseekV4Config:
@@ -356,28 +356,6 @@ def with_num_layers(c: DeepseekV4Config, num_layers: int) -> DeepseekV4Config:
     mtp = c.compress_ratios[c.num_hidden_layers:]
     return dataclasses.replace(c, num_hidden_layers=num_layers, compress_ratios=c.compress_ratios[:num_layers] + mtp,
                                num_hash_layers=min(c.num_hash_layers, num_layers), extra=dict(c.extra))
-
-
-def load_model_config(model_path: str, num_layers: int | None = None) -> DeepseekV4Config:
-    """A preset name, a checkpoint directory holding config.json, or a path to a .json file;
-    `num_layers` keeps only the first layers (`with_num_layers`)."""
-    c = _load_model_config(model_path)
-    return c if num_layers is None else with_num_layers(c, num_layers)
-
-
-def _load_model_config(model_path: str) -> DeepseekV4Config:
-    from sglang.srt.configs.presets import PRESETS  # presets build configs from this module
-
-    if model_path in PRESETS:
-        return PRESETS[model_path]()
-    if os.path.isdir(model_path) and os.path.isfile(os.path.join(model_path, "config.json")):
-        return DeepseekV4Config.from_json_file(os.path.join(model_path, "config.json"))
-    if model_path.endswith(".json") and os.path.isfile(model_path):
-        return DeepseekV4Config.from_json_file(model_path)
-    raise ValueError(
-        f"model path {model_path!r} is neither a preset ({', '.join(PRESETS)}),"
-        " a directory with config.json, nor a .json file"
-    )
 
 
 def estimate_num_parameters(c: DeepseekV4Config) -> int:
@@ -408,17 +386,3 @@ def estimate_num_parameters(c: DeepseekV4Config) -> int:
         total += c.vocab_size * c.num_experts_per_tok if c.is_hash_layer(layer_id) else E  # tid2eid | bias
         total += (E + c.n_shared_experts) * 3 * inter * d
     return total
-
-
-def estimate_weight_bytes(c: DeepseekV4Config, dtype_bytes: int) -> int:
-    """Weight bytes of the model as it holds them in a model dtype of `dtype_bytes` (2: bf16,
-    4: fp32): release-format weights at their quantized size (the loader keeps them so), MTP
-    layers and every routed expert included. The memory planner's count, so the two never
-    disagree (mem_cache/memory_planner.weight_bytes: the model built on the meta device)."""
-    from sglang.srt.mem_cache.memory_planner import loaded_weight_format, weight_bytes
-
-    dtypes = {2: "bfloat16", 4: "float32"}
-    if dtype_bytes not in dtypes:
-        raise ValueError(f"dtype_bytes must be 2 (bfloat16) or 4 (float32), got {dtype_bytes!r}")
-    dtype = dtypes[dtype_bytes]
-    return weight_bytes(c, loaded_weight_format(c, dtype), dtype).total

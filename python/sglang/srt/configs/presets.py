@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
-from sglang.srt.configs.deepseek_v4 import DeepseekV4Config
+from sglang.srt.configs.deepseek_v4 import DeepseekV4Config, estimate_num_parameters, with_num_layers
 
 
 def _preset(**dims) -> DeepseekV4Config:
@@ -250,8 +250,6 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from sglang.srt.configs.deepseek_v4 import estimate_num_parameters, with_num_layers
-
     args = make_parser().parse_args(argv)
     config = get_preset(args.preset)
     if args.num_layers is not None:

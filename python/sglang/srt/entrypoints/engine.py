@@ -4,7 +4,7 @@
 scheduler until they all finish, so a list of prompts is served as one continuous batch.
 
 With `enable_dp_attention=True, dp_size=N` the schedulers run in N processes, as in the
-server (managers/dp_controller.py); `_DPSchedulerClient` stands in for the scheduler here, over
+server (managers/dp/controller.py); `_DPSchedulerClient` stands in for the scheduler here, over
 the same `ControllerClient` as the server's TokenizerManager.
 """
 
@@ -52,8 +52,8 @@ class Engine:
         self.scheduler = Scheduler(self.server_args, self.model_runner, decode_fn=self.tokenizer.decode)
 
     def _init_dp(self, args: ServerArgs) -> None:
-        from sglang.srt.managers.controller_client import ControllerClient
-        from sglang.srt.managers.dp_controller import DataParallelController
+        from sglang.srt.managers.dp.controller_client import ControllerClient
+        from sglang.srt.managers.dp.controller import DataParallelController
 
         if args.nnodes > 1:
             raise ValueError("the offline Engine runs on one node: use launch_server for --nnodes > 1")
@@ -137,7 +137,7 @@ class Engine:
         own in `dp_rank_stats`."""
         self._check_open()
         if isinstance(self.scheduler, _DPSchedulerClient):
-            from sglang.srt.managers.dp_stats import aggregate_stats
+            from sglang.srt.managers.dp.stats import aggregate_stats
 
             per_rank = self.scheduler.get_rank_stats()
             return {"server_args": dataclasses.asdict(self.server_args), **aggregate_stats(per_rank),

@@ -7,9 +7,13 @@ rank holds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    # The dispatchers are built on these collectives; the context only carries one.
+    from sglang.srt.layers.moe.ep_dispatch import MoEDispatcher
 
 
 @dataclass
@@ -18,13 +22,7 @@ class DPMoEContext:
     dp_rank: int
     dp_size: int
     pad_tokens: int  # rows every rank contributes (max local tokens, or the graph bucket)
-    dispatcher: Any = None  # an ep_dispatch.MoEDispatcher; None: the gather / reduce-scatter one
-
-    def __post_init__(self):
-        if self.dispatcher is None:
-            from sglang.srt.layers.moe.ep_dispatch import GatherScatterDispatcher
-
-            self.dispatcher = GatherScatterDispatcher()
+    dispatcher: MoEDispatcher  # chosen once by --moe-dispatcher (ep_dispatch.create_moe_dispatcher)
 
 
 def dp_gather(x: torch.Tensor, ctx: DPMoEContext) -> torch.Tensor:

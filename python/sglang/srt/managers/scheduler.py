@@ -179,7 +179,7 @@ class Scheduler:
         if dp_sync is None:
             logits = self.model_runner.forward(fb).next_token_logits
         else:
-            from sglang.srt.managers.dp_sync import dp_step
+            from sglang.srt.model_executor.dp_sync import dp_step
 
             _, out = dp_step(self.model_runner, fb, dp_sync)
             if out is None:  # no rank had work

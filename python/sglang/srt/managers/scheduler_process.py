@@ -212,7 +212,7 @@ def _init_dp(server_args, rank: RankSpec) -> None:
 
 def _run_dp_rank(scheduler, rank: RankSpec, req_conn: Connection, out_conn: Connection, parent_pid: int) -> None:
     from sglang.srt.distributed.parallel_state import destroy_dp_groups, get_dp_groups
-    from sglang.srt.managers.dp_sync import DPStepSync
+    from sglang.srt.model_executor.dp_sync import DPStepSync
 
     # --debug-cuda-graph also verifies every step's decision across ranks (one extra tiny
     # all-gather) so a disagreement fails with the step and ranks named, before any MoE

@@ -14,9 +14,9 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from sglang.srt.managers.controller_client import ControllerClient
-from sglang.srt.managers.dp_controller import DataParallelController
-from sglang.srt.managers.dp_stats import aggregate_stats
+from sglang.srt.managers.dp.controller_client import ControllerClient
+from sglang.srt.managers.dp.controller import DataParallelController
+from sglang.srt.managers.dp.stats import aggregate_stats
 from sglang.srt.managers.io_struct import (
     GenerateReqInput,
     OutputsSoFar,

@@ -3,7 +3,7 @@
 A step is described by what each rank contributes (`StepInfo`); `decide_step_path` maps the
 descriptions of all ranks to one `StepPath` (graph kind + bucket, or eager with a reason).
 A single rank is a world of one: `ModelRunner.forward` calls it with its own description,
-and DP consensus (managers/dp_sync.py) calls it with the all-gathered descriptions, so both
+and DP consensus (model_executor/dp_sync.py) calls it with the all-gathered descriptions, so both
 decide identically on the same batches. Pure: no tensors, no state, no side effects.
 """
 

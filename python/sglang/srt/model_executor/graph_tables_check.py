@@ -2,7 +2,7 @@
 
 Capture runs the MoE collectives once per bucket, so ranks started with different graph
 buckets would abort gloo (or hang NCCL) inside capture; the runner compares the tables first
-and fails on every rank with both lists named. Here, not in managers/dp_sync.py (which uses
+and fails on every rank with both lists named. Here, not in model_executor/dp_sync.py (which uses
 it too), because the model runner calls it and model_executor never imports managers.
 """
 

@@ -12,12 +12,13 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.configs.deepseek_v4 import load_model_config
+from sglang.srt.configs.loader import load_model_config
 from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
 from sglang.srt.layers.dp_attention import DPMoEContext, expert_shard
 from sglang.srt.layers.logits_processor import LogitsOutput, compute_logits
+from sglang.srt.layers.moe.ep_dispatch import create_moe_dispatcher
 from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
-from sglang.srt.mem_cache.memory_planner import capture_oom_error, log_memory_before_capture, report_startup_memory
+from sglang.srt.model_executor.memory_report import capture_oom_error, log_memory_before_capture, report_startup_memory
 from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.forward_context import forward_context
@@ -113,8 +114,6 @@ class ModelRunner:
         loader reads only those experts' tensors."""
         from sglang.srt.distributed.parallel_state import get_dp_groups
 
-        from sglang.srt.layers.moe.ep_dispatch import create_moe_dispatcher
-
         self.moe_dispatcher = create_moe_dispatcher(args.moe_dispatcher)  # fails first if it cannot run
         self.dp_groups = get_dp_groups()
         if self.dp_groups is None or self.dp_groups.dp_size != args.dp_size:
@@ -149,7 +148,7 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch, path: Optional[StepPath] = None) -> LogitsOutput:
         """Run the batch on `path` (graph kind + bucket, or eager). Without one, the runner
         decides for itself as a world of one; under DP attention every rank passes the path
-        the ranks agreed on (managers/dp_sync.dp_step), idle ranks with an empty batch."""
+        the ranks agreed on (model_executor/dp_sync.dp_step), idle ranks with an empty batch."""
         fb = forward_batch
         if path is None:
             path = decide_step_path((describe(fb),), self.graph_tables)

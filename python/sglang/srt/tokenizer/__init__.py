@@ -42,7 +42,7 @@ def get_tokenizer(model_path: str, tokenizer_path: str | None = None):
         found = _find_tokenizer_json(model_path)
         if found is not None:
             return HFTokenizer(found)
-    from sglang.srt.configs.deepseek_v4 import load_model_config
+    from sglang.srt.configs.loader import load_model_config
 
     vocab_size = load_model_config(model_path).vocab_size
     if os.path.isdir(model_path):

@@ -70,7 +70,7 @@ def test_model_torch_code_in_segments_on_dsv4_mini():
 def test_breakable_replay_never_waits_for_the_gpu():
     """Dispatch, building metadata, padding, replaying and the logits head queue work without a single
     host sync, so the host prepares step i+1 while the GPU runs step i."""
-    from sglang.bench_one_batch import make_batch
+    from sglang.bench_one_batch_steps import make_batch
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.test.runner_args import cpu_server_args
 

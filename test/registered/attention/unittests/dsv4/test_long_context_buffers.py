@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "models"))
 from dsv4_harness import Session, prefill_in_chunks, run_step  # noqa: E402
 
-from sglang.srt.configs import get_preset  # noqa: E402
+from sglang.srt.configs.presets import get_preset  # noqa: E402
 from sglang.srt.configs.presets import write_config  # noqa: E402
 from sglang.srt.layers.attention.dsv4 import widths  # noqa: E402
 from sglang.srt.layers.attention.dsv4.metadata_builder import build_dsv4_metadata  # noqa: E402

@@ -6,7 +6,7 @@ import pytest
 import torch
 from dsv4_kernels import ops
 
-from sglang.bench_one_batch import make_batch
+from sglang.bench_one_batch_steps import make_batch
 from sglang.srt.layers.attention.dsv4.metadata import DSV4Metadata
 from sglang.srt.layers.attention.dsv4.field_classes import COPY, field_classes
 from sglang.srt.model_executor.model_runner import ModelRunner

@@ -21,7 +21,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# The ceilings the issues judge against (H200 SXM, dense).
+from sglang.srt.planning.meta_model import meta_tensors
+
+# The ceilings a measured step is judged against (H200 SXM, dense).
 H200_HBM_BYTES_PER_S = 4.8e12
 H200_BF16_FLOPS = 989e12
 H200_FP8_FLOPS = 1979e12
@@ -40,26 +42,19 @@ class ModelBytes:
 
 
 def model_bytes(config, dtype: str = "bfloat16") -> ModelBytes:
-    """Sizes from the model built on the meta device (shapes and dtypes only, well under a
-    second; the release format's FP8 / FP4 modules count at their stored size)."""
-    import torch
-
-    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
-
-    with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(config, getattr(torch, dtype), max_positions=2)
+    """Sizes from the model built on the meta device (planning/meta_model.py; the release
+    format's FP8 / FP4 modules count at their stored size)."""
     dense = experts = 0
     embed_row = 0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        nbytes = t.numel() * t.element_size()
-        if name.startswith("mtp."):
+    for t in meta_tensors(config, dtype):
+        if t.name.startswith("mtp."):
             continue
-        if name.startswith("embed."):
-            embed_row = nbytes // t.shape[0]
-        elif _EXPERTS.search(name) and _LAYER.match(name):
-            experts += nbytes
-        elif name.startswith(("layers.", "head", "hc_head", "norm")):
-            dense += nbytes
+        if t.name.startswith("embed."):
+            embed_row = t.nbytes // t.shape[0]
+        elif _EXPERTS.search(t.name) and _LAYER.match(t.name):
+            experts += t.nbytes
+        elif t.name.startswith(("layers.", "head", "hc_head", "norm")):
+            dense += t.nbytes
     per_expert = experts // (config.num_hidden_layers * config.n_routed_experts)
     return ModelBytes(dense, per_expert, embed_row)
 

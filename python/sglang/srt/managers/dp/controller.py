@@ -1,7 +1,7 @@
 """DP controller: the server process's side of the scheduler processes, one per DP rank (one
 in all without DP attention). A façade over the three concerns, each in its own module:
-dp_supervisor (start ranks, accept remote ones, health, shutdown), dp_router (the rank of each
-request and the per-rank load) and dp_stats (one dict of all ranks' stats). It has no threads
+supervisor (start ranks, accept remote ones, health, shutdown), router (the rank of each
+request and the per-rank load) and stats (one dict of all ranks' stats). It has no threads
 of its own: its one client (controller_client.ControllerClient, shared by the TokenizerManager
 and the offline DP Engine) drives the channels and calls `route`/`on_outputs` from one thread."""
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from sglang.srt.managers.dp_router import DPRouter, RankLoad
-from sglang.srt.managers.dp_supervisor import RankChannel, RankSupervisor
+from sglang.srt.managers.dp.router import DPRouter, RankLoad
+from sglang.srt.managers.dp.supervisor import RankChannel, RankSupervisor
 from sglang.srt.managers.io_struct import ReadyMsg
 
 

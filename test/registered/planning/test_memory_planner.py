@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from sglang.srt.configs import get_preset, load_model_config
 from sglang.srt.configs.deepseek_v4 import estimate_num_parameters
-from sglang.srt.mem_cache.memory_planner import (
+from sglang.srt.configs.loader import load_model_config
+from sglang.srt.configs.presets import get_preset
+from sglang.srt.planning.memory_planner import (
     GiB,
     H200_USABLE_BYTES,
     MemoryPlanError,
@@ -168,58 +169,6 @@ def test_breakable_graph_pool_does_not_grow_with_the_context_length():
     from sglang.srt.layers.attention.dsv4.widths import INDEXER_WORKSPACE_BYTES
 
     assert 0 < long.activation_reserve - short.activation_reserve <= INDEXER_WORKSPACE_BYTES
-
-
-def test_startup_report_plans_from_the_runners_own_graphs(caplog):
-    """report_startup_memory (called by ModelRunner on CUDA) reads the graph runners' largest
-    buckets and measured graph memory; here on CPU with emulated graphs and a stated free size."""
-    from sglang.srt.mem_cache.memory_planner import loaded_weight_format, report_startup_memory
-    from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.test.runner_args import cpu_server_args
-
-    runner = ModelRunner(cpu_server_args(
-        model_path="dsv4-tiny", context_length=256, max_running_requests=4, max_total_tokens=1024,
-        enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[8, 32], cuda_graph_max_bs=4,
-        chunked_prefill_size=64), cuda_graph_on_cpu=True)
-    try:
-        with caplog.at_level("INFO", logger="sglang.srt.mem_cache.memory_planner"):
-            plan = report_startup_memory(runner, free_before=8 * GiB)
-        assert plan is not None and plan.free_memory == 8 * GiB
-        expected = plan_memory(runner.config, dataclasses.replace(
-            SERVING, weight_format=loaded_weight_format(runner.config, "float32"), model_dtype="float32",
-            context_length=runner.max_context_len, max_running_requests=4, chunked_prefill_size=64, bcg_max_tokens=32,
-            decode_graph_max_bs=4, max_total_tokens=1024), 8 * GiB)
-        assert plan.graph_pool == expected.graph_pool and plan.activation_reserve == expected.activation_reserve
-        assert "memory measured" in caplog.text and "graph_pool" in caplog.text
-    finally:
-        runner.shutdown()
-
-
-def test_a_capture_out_of_memory_names_the_graph_and_the_flags(monkeypatch, caplog):
-    """Start-up, never mid-serving: a graph capture that runs out of device memory fails with
-    the bucket that did not fit, how memory was divided, and the flags that leave more room."""
-    from sglang.srt.model_executor.graph_runner import GraphRunner
-    from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.test.runner_args import cpu_server_args
-
-    real = GraphRunner._capture_one
-
-    def capture_one(self, bucket, pool):
-        if self.spec.buckets_are_tokens and bucket == 32:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 448.00 MiB.")
-        return real(self, bucket, pool)
-
-    monkeypatch.setattr(GraphRunner, "_capture_one", capture_one)
-    cfg = cpu_server_args(model_path="dsv4-tiny", context_length=256, max_running_requests=4, max_total_tokens=1024,
-                          enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[8, 32])
-    with caplog.at_level("INFO", logger="sglang.srt.mem_cache.memory_planner"):
-        with pytest.raises(MemoryPlanError) as err:
-            ModelRunner(cfg)
-    msg = str(err.value)
-    assert "the 32-token breakable graph" in msg and "KV pool" in msg
-    assert "--mem-fraction-static (now 0.8)" in msg and "--breakable-cuda-graph-max-tokens (largest bucket now 32)" in msg
-    assert isinstance(err.value.__cause__, torch.OutOfMemoryError)
-    assert "memory before graph capture: weights" in caplog.text
 
 
 def test_moe_working_set_counts_the_fp32_partial_of_every_pair():

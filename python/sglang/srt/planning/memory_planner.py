@@ -8,23 +8,33 @@ raises `MemoryPlanError` naming the shortfall in GiB and the flag to change, so 
 refuses at start-up instead of running out of memory mid-serving. `min_gpus_to_fit` answers
 "how many GPUs does this model need" (tests: DeepSeek-V4-Flash 2 x H200, Pro 8).
 
-Weight bytes come from the model itself built on the meta device: every tensor's shape and
-the dtype it is held in. A release-format config builds the quantized modules the loader fills
-(layers/quantization: FP8 linears 1 B per element + an fp32 scale per 128 x 128 block; FP4
-routed experts 0.5 B per element + 1 B per 32), so their storage is counted as held, not
-re-derived. KV bytes per token are the pool's own count (dsv4_kv_pool.kv_bytes_per_token).
+Weight bytes come from the model itself built on the meta device (planning/meta_model.py):
+every tensor's shape and the dtype it is held in. A release-format config builds the quantized
+modules the loader fills (layers/quantization: FP8 linears 1 B per element + an fp32 scale per
+128 x 128 block; FP4 routed experts 0.5 B per element + 1 B per 32), so their storage is
+counted as held, not re-derived. KV bytes per token are the pool's own count (dsv4_kv_pool.kv_bytes_per_token).
 Activations and graph pools are estimates (the largest tensors of one step), to be checked
-against the measured numbers start-up logs.
+against the measured numbers start-up logs (model_executor/memory_report.py).
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import re
 from dataclasses import dataclass, fields
 from typing import Dict, Optional
 
+import torch
+
+from sglang.srt.layers.attention.dsv4.compressor import SPLIT_TERMS
+from sglang.srt.layers.attention.dsv4.widths import (
+    candidate_widths,
+    indexer_bytes_per_candidate,
+    indexer_chunk_tokens,
+)
 from sglang.srt.mem_cache.dsv4_kv_pool import KV_CACHE_DTYPES  # what the pool can hold (auto: model dtype)
+from sglang.srt.mem_cache.dsv4_kv_pool import kv_bytes_per_token as pool_kv_bytes_per_token
+from sglang.srt.planning.meta_model import meta_tensors
 
 GiB = 1024**3
 # An H200 has 141 GB of HBM; CUDA reports about 139.8 GiB total, of which about 139 GiB can
@@ -34,8 +44,6 @@ H200_USABLE_BYTES = 139 * GiB
 WEIGHT_FORMATS = ("bfloat16", "float32", "release")
 
 _ROUTED_EXPERT = re.compile(r"ffn\.experts\.w[123](_scale)?$")  # bf16 stacks, or FP4 bytes + scales
-
-logger = logging.getLogger(__name__)
 
 
 class MemoryPlanError(ValueError):
@@ -71,26 +79,29 @@ def weight_bytes(config, weight_format: str, model_dtype: str = "bfloat16") -> W
     the MTP layers too: DP ranks build every layer's experts at their shard). "release": the
     config's quantized modules, the rest in model_dtype; "bfloat16" / "float32": every weight
     in that dtype (a release-format config dequantized)."""
-    import dataclasses
-
-    import torch
-
-    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
-
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
     if weight_format != "release":
         model_dtype = weight_format
         config = dataclasses.replace(config, quantization_config=None, expert_dtype=None, extra=dict(config.extra))
-    with torch.device("meta"):  # shapes and dtypes only: no memory, well under a second for Pro
-        model = DeepseekV4ForCausalLM(config, getattr(torch, model_dtype), max_positions=2)
     replicated = routed = 0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if _ROUTED_EXPERT.search(name):
-            routed += t.numel() * t.element_size()
+    for t in meta_tensors(config, model_dtype):
+        if _ROUTED_EXPERT.search(t.name):
+            routed += t.nbytes
         else:
-            replicated += t.numel() * t.element_size()
+            replicated += t.nbytes
     return WeightBytes(replicated, routed)
+
+
+def estimate_weight_bytes(config, dtype_bytes: int) -> int:
+    """Weight bytes of the model as it holds them in a model dtype of `dtype_bytes` (2: bf16,
+    4: fp32): release-format weights at their quantized size (the loader keeps them so), MTP
+    layers and every routed expert included."""
+    dtypes = {2: "bfloat16", 4: "float32"}
+    if dtype_bytes not in dtypes:
+        raise ValueError(f"dtype_bytes must be 2 (bfloat16) or 4 (float32), got {dtype_bytes!r}")
+    dtype = dtypes[dtype_bytes]
+    return weight_bytes(config, loaded_weight_format(config, dtype), dtype).total
 
 
 def tensor_core_copy_bytes(config, model_dtype: str) -> int:
@@ -99,8 +110,6 @@ def tensor_core_copy_bytes(config, model_dtype: str) -> int:
     bf16 terms instead of fp32 (`Compressor.use_tensor_core_gemms` releases the fp32 weights
     when the terms hold them exactly): 2 bytes per element. MTP layers are never run and keep
     theirs; an fp32 model adds nothing. dsv4-flash: 0.57 GiB per GPU."""
-    from sglang.srt.layers.attention.dsv4.compressor import SPLIT_TERMS
-
     if model_dtype != "bfloat16":
         return 0
     outputs = 0  # wkv's output width summed over compressors (wgate's is the same)
@@ -125,10 +134,6 @@ def kv_bytes_per_token(config, kv_cache_dtype: str = "auto", model_dtype: str = 
     (mem_cache/dsv4_kv_pool.kv_bytes_per_token: a raw row every layer, 1/r of a compressed row
     on ratio-r layers, 1/4 of an indexer key in the model dtype on ratio-4 layers; FP8 rows in
     dsv4_kernels.kv_fp8's layout, 584 B at head_dim 512 in bf16)."""
-    import torch
-
-    from sglang.srt.mem_cache.dsv4_kv_pool import kv_bytes_per_token as pool_kv_bytes_per_token
-
     return int(pool_kv_bytes_per_token(config, getattr(torch, model_dtype), kv_cache_dtype)) + 1
 
 
@@ -181,12 +186,6 @@ def attention_break_bytes(config, num_tokens: int, max_seq_len: int) -> int:
     (layers/attention/dsv4/widths.py). The c4 / c128 candidates are read through the page
     table, so no per-token list counts here. Under breakable graphs this is eager, outside
     the graph pool; full decode graphs capture it. GPU plans: the Triton top-k."""
-    from sglang.srt.layers.attention.dsv4.widths import (
-        candidate_widths,
-        indexer_bytes_per_candidate,
-        indexer_chunk_tokens,
-    )
-
     c4_width, _ = candidate_widths(max_seq_len)
     chunk = min(num_tokens, indexer_chunk_tokens(config, c4_width, kernels=True))
     return chunk * c4_width * indexer_bytes_per_candidate(config, True)
@@ -338,99 +337,8 @@ def min_gpus_to_fit(config, s: PlanSettings, gpu_memory: int = H200_USABLE_BYTES
         if config.n_routed_experts % n:
             continue
         try:
-            plan_memory(config, _replace(s, dp_size=n), gpu_memory, w)
+            plan_memory(config, dataclasses.replace(s, dp_size=n), gpu_memory, w)
             return n
         except MemoryPlanError:
             continue
     raise MemoryPlanError(f"does not fit on {max(candidates)} GPUs of {gpu_memory / GiB:.0f} GiB")
-
-
-def _replace(s: PlanSettings, **kw) -> PlanSettings:
-    import dataclasses
-
-    return dataclasses.replace(s, **kw)
-
-
-def log_memory_plan(plan: MemoryPlan, rank: int = 0, measured: Optional[Dict[str, int]] = None) -> None:
-    """Start-up log line per GPU: the plan, then what was actually allocated where known."""
-    logger.info("memory plan (GPU of DP rank %d): %s", rank, plan.describe())
-    if measured:
-        logger.info("memory measured (GPU of DP rank %d): %s", rank,
-                    ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in measured.items()))
-
-
-def _resident_bytes(runner) -> tuple[int, int]:
-    tensors = list(runner.model.parameters()) + list(runner.model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors), runner.kv_pool.nbytes()
-
-
-def report_startup_memory(runner, free_before: Optional[int]) -> Optional[MemoryPlan]:
-    """Log this GPU's plan (from the free memory measured before the model was loaded) beside
-    what the runner actually allocated. A plan that does not fit is logged as a warning here:
-    ServerArgs.resolve() is where start-up refuses, before any rank loads weights."""
-    cfg = runner.server_args
-    weights, kv = _resident_bytes(runner)
-    measured = {"weights": weights, "kv_pool": kv,
-                "graph_pool": sum(r.graph_memory_bytes for r in runner.graph_runners.values())}
-    rank = runner.dp_groups.dp_rank if runner.dp_groups is not None else 0
-    if free_before is None:  # no GPU: nothing to divide
-        logger.info("memory (DP rank %d, %s): %s", rank, runner.device,
-                    ", ".join(f"{k} {v / GiB:.3f} GiB" for k, v in measured.items()))
-        return None
-    dtype = str(runner.dtype).removeprefix("torch.")
-    settings = PlanSettings(
-        weight_format=loaded_weight_format(runner.config, dtype), model_dtype=dtype,
-        kv_cache_dtype=cfg.kv_cache_dtype, dp_size=cfg.dp_size, page_size=cfg.page_size,
-        context_length=runner.max_context_len, max_running_requests=cfg.max_running_requests,
-        # no chunking (-1): a whole prompt, up to the context length, is one step
-        chunked_prefill_size=cfg.chunked_prefill_size if (cfg.chunked_prefill_size or 0) > 0 else runner.max_context_len,
-        bcg_max_tokens=runner.bcg_runner.buckets[-1] if runner.bcg_runner else 0,
-        decode_graph_max_bs=runner.decode_graph_runner.buckets[-1] if runner.decode_graph_runner else 0,
-        mem_fraction_static=cfg.mem_fraction_static, max_total_tokens=cfg.max_total_tokens,
-    )
-    try:
-        plan = plan_memory(runner.config, settings, free_before)
-    except MemoryPlanError as e:
-        logger.warning("memory plan (GPU of DP rank %d) does not fit: %s", rank, e)
-        return None
-    if runner.device.type == "cuda":
-        import torch
-
-        measured["free_now"] = torch.cuda.mem_get_info(runner.device)[0]
-    log_memory_plan(plan, rank, measured)
-    return plan
-
-
-def log_memory_before_capture(runner) -> None:
-    """What is resident before any graph is captured: if a capture then runs out of memory,
-    this line says how the device was already divided (the plan's numbers are estimates)."""
-    weights, kv = _resident_bytes(runner)
-    free = ""
-    if runner.device.type == "cuda":
-        import torch
-
-        free = f", free {torch.cuda.mem_get_info(runner.device)[0] / GiB:.2f} GiB"
-    logger.info("memory before graph capture: weights %.2f GiB, KV pool %.2f GiB%s", weights / GiB, kv / GiB, free)
-
-
-def capture_oom_error(runner, graph_runner) -> MemoryPlanError:
-    """The start-up error for a graph capture that ran out of device memory: which graph, how the
-    memory was divided, and the flags that leave more room for activations and graphs."""
-    weights, kv = _resident_bytes(runner)
-    cfg = runner.server_args
-    breakable = graph_runner.spec.buckets_are_tokens
-    what = (f"the {graph_runner.capturing}-token breakable graph" if breakable
-            else f"the batch-size-{graph_runner.capturing} decode graph")
-    flag = (f"--breakable-cuda-graph-max-tokens (largest bucket now {graph_runner.buckets[-1]})" if breakable
-            else f"--cuda-graph-max-bs (now {graph_runner.buckets[-1]})")
-    used = ""
-    if runner.device.type == "cuda":
-        import torch
-
-        used = (f", {torch.cuda.memory_allocated(runner.device) / GiB:.2f} GiB allocated, "
-                f"{torch.cuda.mem_get_info(runner.device)[0] / GiB:.2f} GiB free")
-    return MemoryPlanError(
-        f"out of device memory while capturing {what} (weights {weights / GiB:.2f} GiB, KV pool "
-        f"{kv / GiB:.2f} GiB{used}): the step's activations did not fit beside the KV pool. Lower "
-        f"--mem-fraction-static (now {cfg.mem_fraction_static}) or --max-total-tokens to shrink the KV "
-        f"pool, or lower {flag}.")

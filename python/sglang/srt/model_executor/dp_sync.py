@@ -27,11 +27,7 @@ from sglang.srt.model_executor.graph_dispatch import (
     decide_step_path,
     describe,
 )
-from sglang.srt.model_executor.graph_tables_check import (  # noqa: F401 (re-exported)
-    DPConsensusError,
-    gather_graph_tables,
-    require_same_capture_tables,
-)
+from sglang.srt.model_executor.graph_tables_check import DPConsensusError, gather_graph_tables
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Supervisor of the scheduler processes, one per DP rank (one in all without DP attention):
 starts this node's ranks, accepts the ranks of other nodes, waits until every rank is ready,
 reports a rank's death and shuts them all down. It owns the channels; it has no say in which
-rank serves a request (dp_router.py).
+rank serves a request (router.py).
 
 Multi-node (--nnodes M): ranks are split evenly, node k runs ranks [k*N/M, (k+1)*N/M).
 torch.distributed meets at --dist-init-addr host:port; node 0 runs the HTTP server and this
@@ -78,7 +78,7 @@ def dp_size_of(server_args) -> int:
 def check_dp_model(server_args) -> None:
     """Checks that need the model config, run before any rank starts (the runner would raise
     the same error in every rank, after the rendezvous)."""
-    from sglang.srt.configs.deepseek_v4 import load_model_config
+    from sglang.srt.configs.loader import load_model_config
     from sglang.srt.layers.dp_attention import expert_shard
 
     config = load_model_config(server_args.model_path, server_args.num_layers)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from sglang.srt.configs import step_cost as sc
-from sglang.srt.configs.deepseek_v4 import load_model_config
+from sglang.srt.configs.loader import load_model_config
+from sglang.srt.planning import step_cost as sc
 
 
 @pytest.fixture(scope="module")
