@@ -245,7 +245,7 @@ class PlanSettings:
     context_length: int
     max_running_requests: int
     chunked_prefill_size: int  # tokens per prefill step (no chunking: the context length)
-    bcg_max_tokens: int = 0  # largest breakable-graph bucket; 0: breakable graphs off
+    breakable_max_tokens: int = 0  # largest breakable-graph bucket; 0: breakable graphs off
     decode_graph_max_bs: int = 0  # largest decode-graph batch; 0: decode graphs off
     mem_fraction_static: float
     max_total_tokens: Optional[int]  # the user's KV size; None: what the fraction leaves
@@ -273,12 +273,12 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
     seg = lambda n, reqs: segment_activation_bytes(config, n, s.dp_size, reqs, s.model_dtype)  # noqa: E731
     # A graph pool is as large as its largest capture (buckets share it, captured largest first).
     # Breakable graphs hold segments only; decode graphs hold the attention break too.
-    graph = (seg(s.bcg_max_tokens, s.max_running_requests) if s.bcg_max_tokens else 0) + (
+    graph = (seg(s.breakable_max_tokens, s.max_running_requests) if s.breakable_max_tokens else 0) + (
         seg(s.decode_graph_max_bs, s.decode_graph_max_bs)
         + attention_break_bytes(config, s.decode_graph_max_bs, s.context_length) if s.decode_graph_max_bs else 0)
     # Eager steps and the eager breaks of replays: segments of the largest step (when not
     # replayed from the pool) and the break at the full context length.
-    step_tokens = max(s.chunked_prefill_size, s.bcg_max_tokens, 1)
+    step_tokens = max(s.chunked_prefill_size, s.breakable_max_tokens, 1)
     reserve = seg(step_tokens, s.max_running_requests) + attention_break_bytes(config, step_tokens, s.context_length)
 
     static_budget = int(free_memory * s.mem_fraction_static)
@@ -387,7 +387,7 @@ def report_startup_memory(runner, free_before: Optional[int]) -> Optional[Memory
         context_length=runner.max_context_len, max_running_requests=cfg.max_running_requests,
         # no chunking (-1): a whole prompt, up to the context length, is one step
         chunked_prefill_size=cfg.chunked_prefill_size if (cfg.chunked_prefill_size or 0) > 0 else runner.max_context_len,
-        bcg_max_tokens=runner.bcg_runner.buckets[-1] if runner.bcg_runner else 0,
+        breakable_max_tokens=runner.breakable_runner.buckets[-1] if runner.breakable_runner else 0,
         decode_graph_max_bs=runner.decode_graph_runner.buckets[-1] if runner.decode_graph_runner else 0,
         mem_fraction_static=cfg.mem_fraction_static, max_total_tokens=cfg.max_total_tokens,
     )
@@ -421,7 +421,7 @@ def capture_oom_error(runner, graph_runner) -> MemoryPlanError:
     memory was divided, and the flags that leave more room for activations and graphs."""
     weights, kv = _resident_bytes(runner)
     cfg = runner.server_args
-    breakable = graph_runner.spec.buckets_are_tokens
+    breakable = graph_runner.buckets_are_tokens
     what = (f"the {graph_runner.capturing}-token breakable graph" if breakable
             else f"the batch-size-{graph_runner.capturing} decode graph")
     flag = (f"--breakable-cuda-graph-max-tokens (largest bucket now {graph_runner.buckets[-1]})" if breakable
