@@ -179,3 +179,26 @@ def test_forward_refuses_a_path_it_cannot_run(runner):
         eager_only.forward(fb, StepPath(PathKind.BREAKABLE, 4, (2,), True))
     assert describe(fb) == StepInfo(2, int(ForwardMode.EXTEND), 1, False)
     assert torch.isfinite(eager_only.forward(_batch(eager_only, [[5, 6]])).next_token_logits).all()
+
+
+def test_metrics_label_the_graph_kinds_breakable_and_decode_graph(runner):
+    """/metrics derives the `kind` label from the runners' stats prefixes."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sglang.srt.metrics import ServerMetrics
+
+    runner.forward(_batch(runner, [[5, 6, 7]]))  # breakable bucket 4
+    runner.forward(_batch(runner, [[5] * 9]))  # padding_waste: eager, counted against breakable
+    runner.forward(_batch(runner, [[5]], ForwardMode.DECODE, prefixes=[4]))  # decode graph bs 1
+    stats = runner.get_stats()
+    metrics = ServerMetrics()
+    metrics.observe_schedulers([stats])
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(metrics.render()[0].decode())
+               for s in family.samples}
+    replays = {dict(labels)["kind"] for name, labels in samples if name == "sglang:graph_replays_total"}
+    assert replays == {"breakable", "decode_graph"}
+    key = ("sglang:graph_fallbacks_total", (("dp_rank", "0"), ("kind", "breakable"), ("reason", "padding_waste")))
+    assert samples[key] == stats["breakable_fallbacks"]["padding_waste"] >= 1
+    key = ("sglang:graph_replays_total", (("bucket", "4"), ("dp_rank", "0"), ("kind", "breakable")))
+    assert samples[key] == stats["breakable_replays_by_bucket"]["4"] >= 1

@@ -101,6 +101,28 @@ class TestDSV4BreakableCudaGraphMetadataContract:
         assert captured.indexer.topk_slots is topk_before  # produced: untouched
         assert bool((topk_before == 123).all())
 
+    def test_decode_refresh_copies_every_tensor_in_place(self, tiny_runner):
+        """A full decode graph reads the break's inputs inside the graph too: its refresh
+        replaces nothing, copies assign tensors like copy ones, and holds host widths equal."""
+        backend = tiny_runner.attn_backend
+        captured = backend._build(_batch(tiny_runner, [list(range(3, 40)), list(range(5, 20))]), static=True,
+                                  full_graph=True)
+        fresh = backend._build(_batch(tiny_runner, [list(range(7, 30)), list(range(9, 38))], prefixes=[0, 0]),
+                               static=True, full_graph=True)
+        held = {name: getattr(captured.attn, name) for name in ("window_slots", "window_len", "c128_len")}
+        token_rows = captured.token_rows
+        assert not torch.equal(held["window_len"], fresh.attn.window_len)
+
+        captured.refresh_for_decode_cuda_graph_replay_(fresh)
+
+        for name, t in held.items():
+            assert getattr(captured.attn, name) is t and torch.equal(t, getattr(fresh.attn, name))
+        assert captured.token_rows is token_rows and torch.equal(token_rows, fresh.token_rows)
+        wider = dataclasses.replace(fresh, indexer=dataclasses.replace(fresh.indexer,
+                                                                       cand_width=fresh.indexer.cand_width + 1))
+        with pytest.raises(fc.MetadataContractError, match=r"DSV4IndexerMetadata\.cand_width"):
+            captured.refresh_for_decode_cuda_graph_replay_(wider)
+
     def test_static_mismatch_raises(self, tiny_runner):
         backend = tiny_runner.attn_backend
         captured = backend._build(_batch(tiny_runner, [list(range(3, 20))]), static=True)
