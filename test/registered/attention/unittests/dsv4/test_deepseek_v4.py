@@ -120,7 +120,8 @@ class TestDSV4BreakableCudaGraphMetadataContract:
         assert captured.token_rows is token_rows and torch.equal(token_rows, fresh.token_rows)
         wider = dataclasses.replace(fresh, indexer=dataclasses.replace(fresh.indexer,
                                                                        cand_width=fresh.indexer.cand_width + 1))
-        with pytest.raises(fc.MetadataContractError, match=r"DSV4IndexerMetadata\.cand_width"):
+        with pytest.raises(fc.MetadataContractError,
+                           match=r"DSV4IndexerMetadata\.cand_width: host value read inside the full graph differs"):
             captured.refresh_for_decode_cuda_graph_replay_(wider)
 
     def test_static_mismatch_raises(self, tiny_runner):

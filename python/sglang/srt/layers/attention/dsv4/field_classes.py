@@ -94,8 +94,9 @@ def refresh_(captured: Any, fresh: Any, path: str = "", full_graph: bool = False
             setattr(captured, fname, new)
         elif cls in (STATIC, ASSIGN):
             if not _static_equal(old, new):
+                what = "static field" if cls == STATIC else "host value read inside the full graph"
                 raise MetadataContractError(
-                    f"{_name(captured, fname, path)}: static field differs (captured {old!r}, replay {new!r})")
+                    f"{_name(captured, fname, path)}: {what} differs (captured {old!r}, replay {new!r})")
         elif cls == PRODUCED:
             continue
         else:
