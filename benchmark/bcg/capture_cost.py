@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     out = dict(what="capture_cost", model=a.model_path, num_layers=runner.config.num_hidden_layers,
                context_length=a.context_length, startup_s=round(startup, 1))
     for kind, graphs in runner.graph_runners.items():
-        name = graphs.spec.name
+        name = graphs.name
         out[name] = dict(
             buckets=list(graphs.buckets), capture_s=round(graphs.capture_seconds, 2),
             graph_pool_mib=round(graphs.graph_memory_bytes / MiB, 1),

@@ -26,11 +26,11 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
 
 
-def phases(bcg, fb, sync: bool):
+def phases(breakable, fb, sync: bool):
     """Host seconds per replay phase (sync=True: each phase waits for the GPU)."""
     t = {}
     n = fb.num_tokens
-    bucket = bcg.bucket_for(n)
+    bucket = breakable.bucket_for(n)
 
     def mark(name, start):
         if sync:
@@ -39,30 +39,30 @@ def phases(bcg, fb, sync: bool):
         return time.perf_counter()
 
     s = time.perf_counter()
-    static_fb = bcg._fill(fb, bucket)
+    static_fb = breakable._fill(fb, bucket)
     s = mark("fill", s)
-    bcg.spec.replay_metadata(bcg.attn_backend, bcg.captured_metadata[bucket], fb, static_fb)
+    breakable.replay_metadata(breakable.captured_metadata[bucket], fb, static_fb)
     s = mark("metadata", s)
-    with forward_context(static_fb, bcg.attn_backend, n, bcg.model_runner.dp_moe(bucket)):
-        bcg.graphs[bucket].replay()
+    with forward_context(static_fb, breakable.attn_backend, n, breakable.model_runner.dp_moe(bucket)):
+        breakable.graphs[bucket].replay()
     s = mark("replay", s)
-    compute_logits(bcg.model, bcg.outputs[bucket], fb)
+    compute_logits(breakable.model, breakable.outputs[bucket], fb)
     mark("logits", s)
     torch.cuda.synchronize()
     return t
 
 
-def break_host_times(bcg, fb, iters: int = 20) -> list:
+def break_host_times(breakable, fb, iters: int = 20) -> list:
     """Host µs per segment launch and per break (the break op's own enqueueing, attention
     kernel launch included), averaged over `iters` replays without syncs."""
     n = fb.num_tokens
-    bucket = bcg.bucket_for(n)
-    graph = bcg.graphs[bucket]
+    bucket = breakable.bucket_for(n)
+    graph = breakable.graphs[bucket]
     seg_sum, brk_sum = None, None
     for _ in range(iters):
-        static_fb = bcg._fill(fb, bucket)
-        bcg.spec.replay_metadata(bcg.attn_backend, bcg.captured_metadata[bucket], fb, static_fb)
-        with forward_context(static_fb, bcg.attn_backend, n, bcg.model_runner.dp_moe(bucket)):
+        static_fb = breakable._fill(fb, bucket)
+        breakable.replay_metadata(breakable.captured_metadata[bucket], fb, static_fb)
+        with forward_context(static_fb, breakable.attn_backend, n, breakable.model_runner.dp_moe(bucket)):
             segs, brks = [], []
             graph.replay(host_seconds=(segs, brks))
         seg_sum = segs if seg_sum is None else [a + b for a, b in zip(seg_sum, segs)]
@@ -80,18 +80,18 @@ def break_host_times(bcg, fb, iters: int = 20) -> list:
     return out
 
 
-def metadata_host_profile(bcg, fb, iters: int = 50) -> list:
+def metadata_host_profile(breakable, fb, iters: int = 50) -> list:
     """cProfile of the metadata refresh (host functions by own time), `iters` builds."""
     import cProfile
     import io
     import pstats
     n = fb.num_tokens
-    bucket = bcg.bucket_for(n)
-    static_fb = bcg._fill(fb, bucket)
+    bucket = breakable.bucket_for(n)
+    static_fb = breakable._fill(fb, bucket)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(iters):
-        bcg.spec.replay_metadata(bcg.attn_backend, bcg.captured_metadata[bucket], fb, static_fb)
+        breakable.replay_metadata(breakable.captured_metadata[bucket], fb, static_fb)
     prof.disable()
     torch.cuda.synchronize()
     buf = io.StringIO()
@@ -134,32 +134,32 @@ def main():
         breakable_cuda_graph_max_tokens=max(a.num_tokens), disable_cuda_graph=True, segment_kernels=a.segment_kernels,
     ).resolve(cuda_available=True)
     runner = ModelRunner(args)
-    bcg = runner.bcg_runner
+    breakable = runner.breakable_runner
     report = []
     for mode, n in [(m, n) for m in a.modes for n in a.num_tokens]:
         fb, slots = make_batch(runner, mode, n, 1024, 1024, min(32, n // 2) if mode == "mixed" else 0)
         with torch.inference_mode():
             for _ in range(3):
-                phases(bcg, fb, sync=False)
+                phases(breakable, fb, sync=False)
             iters = 20
             acc_async, acc_sync = {}, {}
             for _ in range(iters):
-                for k, v in phases(bcg, fb, sync=False).items():
+                for k, v in phases(breakable, fb, sync=False).items():
                     acc_async[k] = acc_async.get(k, 0.0) + v / iters
-                for k, v in phases(bcg, fb, sync=True).items():
+                for k, v in phases(breakable, fb, sync=True).items():
                     acc_sync[k] = acc_sync.get(k, 0.0) + v / iters
             report.append(f"== {mode} {n} tokens: host ms per phase (no sync) / (sync after each)")
             for k in acc_async:
                 report.append(f"  {k:10s} {acc_async[k] * 1e3:8.3f} {acc_sync[k] * 1e3:8.3f}")
             report.append(f"  {'total':10s} {sum(acc_async.values()) * 1e3:8.3f} {sum(acc_sync.values()) * 1e3:8.3f}")
 
-            report += break_host_times(bcg, fb)
-            report += metadata_host_profile(bcg, fb)
+            report += break_host_times(breakable, fb)
+            report += metadata_host_profile(breakable, fb)
             report += host_syncs_of_one_replay(runner, fb)
 
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                bcg.forward_padded_eager(fb)
+                breakable.forward_padded_eager(fb)
                 torch.cuda.synchronize()
             report.append(f"== {mode} {n}: GPU kernels of one padded eager step")
             report.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))

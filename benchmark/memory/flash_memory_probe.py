@@ -79,8 +79,8 @@ def main(argv=None) -> None:
     print(json.dumps(dict(what="resident", num_layers=a.num_layers, allocated_gib=round(base / GiB, 3),
                           build_peak_gib=round(torch.cuda.max_memory_allocated() / GiB, 3),
                           kv_pool_gib=round(runner.kv_pool.nbytes() / GiB, 3),
-                          bcg_graph_memory_gib=round(runner.bcg_runner.graph_memory_bytes / GiB, 3)
-                          if runner.bcg_runner else None)), flush=True)
+                          bcg_graph_memory_gib=round(runner.breakable_runner.graph_memory_bytes / GiB, 3)
+                          if runner.breakable_runner else None)), flush=True)
     config = load_model_config("dsv4-flash", a.num_layers)
     for n in a.num_tokens:
         fb, slots = make_batch(runner, "mixed", n, a.prefix, 1024, min(32, n // 2))

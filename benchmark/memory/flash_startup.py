@@ -60,7 +60,7 @@ def main(argv=None) -> None:
     settings = PlanSettings(
         weight_format="release", model_dtype="bfloat16", kv_cache_dtype=a.kv_cache_dtype,
         context_length=a.context_length, max_running_requests=a.max_running_requests,
-        chunked_prefill_size=a.chunked_prefill_size, bcg_max_tokens=a.breakable_cuda_graph_max_tokens,
+        chunked_prefill_size=a.chunked_prefill_size, breakable_max_tokens=a.breakable_cuda_graph_max_tokens,
         decode_graph_max_bs=a.cuda_graph_max_bs, mem_fraction_static=a.mem_fraction_static,
         dp_size=1, page_size=ServerArgs.page_size, max_total_tokens=None)  # the server's page size; KV sized by the plan
     config = load_model_config("dsv4-flash", a.num_layers)
@@ -99,10 +99,10 @@ def main(argv=None) -> None:
     plan = runner.memory_plan
     print(json.dumps(dict(
         what="startup_h200", num_layers=a.num_layers, startup_s=round(startup, 1),
-        bcg_capture_s=stats.get("bcg_capture_seconds"), bcg_graph_memory_gib=round(stats.get("bcg_graph_memory_bytes", 0) / GiB, 2),
-        bcg_capture_memory_gib=round(stats.get("bcg_capture_memory_bytes", 0) / GiB, 2),
-        bcg_graph_mib_by_bucket={b: round(n / 2**20, 1) for b, n in stats.get("bcg_graph_memory_by_bucket", {}).items()},
-        bcg_capture_s_by_bucket=stats.get("bcg_capture_seconds_by_bucket"),
+        bcg_capture_s=stats.get("breakable_capture_seconds"), bcg_graph_memory_gib=round(stats.get("breakable_graph_memory_bytes", 0) / GiB, 2),
+        bcg_capture_memory_gib=round(stats.get("breakable_capture_memory_bytes", 0) / GiB, 2),
+        bcg_graph_mib_by_bucket={b: round(n / 2**20, 1) for b, n in stats.get("breakable_graph_memory_by_bucket", {}).items()},
+        bcg_capture_s_by_bucket=stats.get("breakable_capture_seconds_by_bucket"),
         decode_capture_s=round(runner.decode_graph_runner.capture_seconds, 1) if runner.decode_graph_runner else None,
         max_total_tokens=args.max_total_tokens, weights_gib=round(sum(
             t.numel() * t.element_size() for t in runner.model.parameters()) / GiB, 2),

@@ -53,10 +53,10 @@ for mode in ("bcg", "eager"):
     except Exception as e:  # the server did not come up
         print(mode, "no server info:", e); continue
     st = info["scheduler_stats"]
-    keys = {k: v for k, v in st.items() if k.startswith(("dp_", "num_forwards", "bcg_replays", "bcg_fallbacks",
+    keys = {k: v for k, v in st.items() if k.startswith(("dp_", "num_forwards", "breakable_replays", "breakable_fallbacks",
                                                           "decode_graph_replays", "num_overlap"))}
     print(mode, json.dumps(keys, default=str)[:1500])
     if st.get("dp_extend_steps"):
         print(f"{mode}: extend/mixed DP steps replayed from breakable graphs "
-              f"{st.get('dp_bcg_steps', 0) / st['dp_extend_steps']:.1%}")
+              f"{st.get('dp_breakable_steps', 0) / st['dp_extend_steps']:.1%}")
 PY

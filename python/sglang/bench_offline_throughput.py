@@ -151,10 +151,10 @@ def run_benchmark(server_args: ServerArgs, bench_args: BenchArgs) -> dict:
                                if k.startswith("num_forwards_")}
             for key in ("num_retracted_reqs", "num_overlap_steps", "num_dropped_tokens", "num_forced_resolves"):
                 run[key] = after.get(key, 0) - before.get(key, 0)
-            if dp:  # share of extend/mixed DP steps (idle-rank steps included) that replayed BCG
-                bcg = after.get("dp_bcg_steps", 0) - before.get("dp_bcg_steps", 0)
+            if dp:  # share of extend/mixed DP steps (idle-rank steps included) that replayed a breakable graph
+                breakable = after.get("dp_breakable_steps", 0) - before.get("dp_breakable_steps", 0)
                 ext = after.get("dp_extend_steps", 0) - before.get("dp_extend_steps", 0)
-                run["dp_bcg_replayed_fraction"] = bcg / max(1, ext)
+                run["dp_breakable_replayed_fraction"] = breakable / max(1, ext)
             runs.append(run)
         result = dict(sorted(runs, key=lambda r: r["request_throughput"])[len(runs) // 2])
         result["runs"] = [{k: r[k] for k in ("request_throughput", "output_throughput", "duration_s", "ttft_ms",
@@ -199,8 +199,8 @@ def format_result(r: dict) -> str:
         f"{r['num_dropped_tokens']} tokens dropped after a stop, {r['num_forced_resolves']} forced resolves)",
         f"runner stats:             {json.dumps(r['runner_stats'])}",
     ]
-    if "dp_bcg_replayed_fraction" in r:
-        lines.append(f"DP extend/mixed steps replayed from breakable graphs: {r['dp_bcg_replayed_fraction']:.1%}")
+    if "dp_breakable_replayed_fraction" in r:
+        lines.append(f"DP extend/mixed steps replayed from breakable graphs: {r['dp_breakable_replayed_fraction']:.1%}")
     return "\n".join(lines)
 
 

@@ -143,14 +143,14 @@ def limit_ms(config, mode: str, n: int, prefix: int, fp8_kv: bool, ep_size: int 
     return max(hbm, n * step_cost.flops_per_token(config, prefix) / peak) * 1e3
 
 
-def print_capture_table(bcg) -> None:
+def print_capture_table(breakable) -> None:
     """Graph pool growth and capture seconds of each bucket, in capture order (largest first:
     the first allocates the pool, the later ones mostly reuse it)."""
     print(f"{'bucket':>6} {'pool MiB':>9} {'capture s':>9}")
-    for bucket, nbytes in bcg.graph_memory_by_bucket.items():
-        print(f"{bucket:6d} {nbytes / 2**20:9.1f} {bcg.capture_seconds_by_bucket[bucket]:9.2f}")
-    print(f"{'total':>6} {bcg.graph_memory_bytes / 2**20:9.1f} {bcg.capture_seconds:9.2f}  "
-          f"(device memory taken by the capture: {bcg.capture_memory_bytes / 2**20:.1f} MiB)")
+    for bucket, nbytes in breakable.graph_memory_by_bucket.items():
+        print(f"{bucket:6d} {nbytes / 2**20:9.1f} {breakable.capture_seconds_by_bucket[bucket]:9.2f}")
+    print(f"{'total':>6} {breakable.graph_memory_bytes / 2**20:9.1f} {breakable.capture_seconds:9.2f}  "
+          f"(device memory taken by the capture: {breakable.capture_memory_bytes / 2**20:.1f} MiB)")
 
 
 def server_args_for(a: argparse.Namespace, dp_size: int = 1) -> ServerArgs:
@@ -219,7 +219,7 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
     """Every (mode, tokens) row timed eager / graph / ideal on `steps`; rank 0 prints the table.
     Returns the result (what --result-file holds)."""
-    bcg = runner.bcg_runner
+    breakable = runner.breakable_runner
     dev = runner.device
     dp = steps.dp_size > 1
     say = print if steps.rank == 0 else (lambda *_, **__: None)
@@ -228,14 +228,14 @@ def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
               f"{'bcg/ideal':>9} {'breaks':>6} {'spread e/b/i':>17} {'limit ms':>9} {'% limit':>7}")
     if dp:
         header += f" {'comm ms':>8} {'comm %':>6} {'xfer ms':>8} {'xfer %':>6}"
-    say(f"model {a.model_path} on {dev} ({runner.server_args.dtype}); BCG capture {bcg.capture_seconds:.1f}s for "
-        f"{len(bcg.buckets)} buckets, graph memory {bcg.graph_memory_bytes / 2**20:.0f} MiB"
+    say(f"model {a.model_path} on {dev} ({runner.server_args.dtype}); BCG capture {breakable.capture_seconds:.1f}s for "
+        f"{len(breakable.buckets)} buckets, graph memory {breakable.graph_memory_bytes / 2**20:.0f} MiB"
         + (f"; DP attention {steps.dp_size} ranks, experts split {steps.dp_size} ways (rank 0 shown)" if dp else ""))
     if steps.rank == 0:
-        print_capture_table(bcg)
+        print_capture_table(breakable)
     say(header)
     for mode in a.modes:
-        want = PathKind.DECODE_GRAPH if mode == "decode" else PathKind.BCG
+        want = PathKind.DECODE_GRAPH if mode == "decode" else PathKind.BREAKABLE
         graphs = runner.graph_runners[want]
         for n in a.num_tokens:
             n_dec = min(a.decode_rows, n // 2) if mode == "mixed" else 0
@@ -246,32 +246,32 @@ def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
                 comm = steps.comm_ms(fb)
                 xfer = steps.comm_transfer_ms(fb, **t)
                 replays_before = graphs.num_replays
-                bcg_runs = timed(steps.graph(fb, want), dev, **t)
+                breakable_runs = timed(steps.graph(fb, want), dev, **t)
                 replays = graphs.num_replays - replays_before
                 if mode == "decode":  # the decode graph is the whole step already
-                    ideal_runs = bcg_runs
+                    ideal_runs = breakable_runs
                 elif a.skip_ideal:
                     ideal_runs = None
                 else:
                     graph, replay_ideal = steps.ideal(fb)
                     ideal_runs = timed(replay_ideal, dev, **t)
                     graph.release()
-            eager, replay = median(eager_runs), median(bcg_runs)
+            eager, replay = median(eager_runs), median(breakable_runs)
             ideal = median(ideal_runs) if ideal_runs else None
-            breaks = 0 if mode == "decode" else bcg.graphs[bcg.bucket_for(n)].num_breaks
+            breaks = 0 if mode == "decode" else breakable.graphs[breakable.bucket_for(n)].num_breaks
             bound = limit_ms(runner.config, mode, n, a.prefix, a.kv_cache_dtype == "fp8_e4m3", steps.dp_size)
             per_rank = steps.gather(dict(graph_replays=replays, comm_ms=comm, comm_transfer_ms=xfer))
             row = dict(mode=mode, tokens=n, eager_ms=eager, bcg_ms=replay, ideal_ms=ideal,
                        eager_over_bcg=eager / replay, bcg_over_ideal=_ratio(replay, ideal), breaks=breaks,
                        limit_ms=bound, ideal_over_limit=_ratio(ideal, bound),
-                       eager_runs_ms=eager_runs, bcg_runs_ms=bcg_runs, ideal_runs_ms=ideal_runs,
+                       eager_runs_ms=eager_runs, bcg_runs_ms=breakable_runs, ideal_runs_ms=ideal_runs,
                        graph_replays_by_rank=[r["graph_replays"] for r in per_rank])
             if dp:
                 row.update(comm_ms=comm, comm_share=comm / eager, comm_ms_by_rank=[r["comm_ms"] for r in per_rank],
                            comm_transfer_ms=xfer, comm_transfer_share=xfer / eager,
                            comm_transfer_ms_by_rank=[r["comm_transfer_ms"] for r in per_rank])
             rows.append(row)
-            noise = "/".join(f"{spread(r):.0%}" if r else "-" for r in (eager_runs, bcg_runs, ideal_runs))
+            noise = "/".join(f"{spread(r):.0%}" if r else "-" for r in (eager_runs, breakable_runs, ideal_runs))
             line = (f"{mode:6} {n:6d} {eager:9.2f} {replay:8.2f} {_fmt(ideal, '.2f', 9)} {eager / replay:9.2f} "
                     f"{_fmt(_ratio(replay, ideal), '.2f', 9)} {breaks:6d} {noise:>17} {bound:9.3g} "
                     f"{_fmt(_ratio(bound, ideal), '.1%', 7)}")
@@ -286,10 +286,10 @@ def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
             for s in slots:
                 runner.req_to_token_pool.free_req(s)
     result = dict(model=a.model_path, device=str(dev), dtype=runner.server_args.dtype, dp_size=steps.dp_size, rows=rows,
-                  capture_seconds=bcg.capture_seconds, graph_memory_bytes=bcg.graph_memory_bytes,
-                  capture_memory_bytes=bcg.capture_memory_bytes,
-                  graph_memory_by_bucket=bcg.graph_memory_by_bucket,
-                  capture_seconds_by_bucket=bcg.capture_seconds_by_bucket)
+                  capture_seconds=breakable.capture_seconds, graph_memory_bytes=breakable.graph_memory_bytes,
+                  capture_memory_bytes=breakable.capture_memory_bytes,
+                  graph_memory_by_bucket=breakable.graph_memory_by_bucket,
+                  capture_seconds_by_bucket=breakable.capture_seconds_by_bucket)
     if a.result_file and steps.rank == 0:
         with open(a.result_file, "w") as f:
             json.dump(result, f, indent=1)

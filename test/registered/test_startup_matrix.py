@@ -50,7 +50,7 @@ def _greedy(args: ServerArgs, graphs: bool) -> tuple[list[int], ModelRunner]:
     then NEW_TOKENS - 1 decode steps (decode graph bucket 1), each taking the argmax."""
     runner = ModelRunner(args, cuda_graph_on_cpu=graphs)
     if graphs:
-        assert runner.decode_graph_runner is not None and runner.bcg_runner is not None
+        assert runner.decode_graph_runner is not None and runner.breakable_runner is not None
     s = Session(runner)
     out, tokens = run_step(runner, [s], [PROMPT]), []
     for _ in range(NEW_TOKENS):

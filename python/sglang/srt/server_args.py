@@ -34,7 +34,7 @@ REASONING_PARSERS = ("deepseek-v4", "deepseek_v4", "none")
 # Device-dependent defaults: (cpu, cuda).
 _DEFAULT_MAX_RUNNING_REQUESTS = (64, 256)
 _DEFAULT_CHUNKED_PREFILL_SIZE = (256, 2048)
-_DEFAULT_BCG_MAX_TOKENS = (512, 4096)
+_DEFAULT_BREAKABLE_MAX_TOKENS = (512, 4096)
 _DEFAULT_CUDA_GRAPH_MAX_BS = (16, 256)
 _DEFAULT_MAX_CONTEXT_LENGTH = 4096
 # CPU serving is for tests and demos and shares host memory with everything else.
@@ -163,11 +163,11 @@ class ServerArgs:
                     f"({self.page_size}); use a smaller model or raise --mem-fraction-static"
                 )
         max_total_tokens = max_total_tokens // self.page_size * self.page_size  # whole pages
-        bcg_max = self.breakable_cuda_graph_max_tokens or _DEFAULT_BCG_MAX_TOKENS[pick]
-        if self.breakable_cuda_graph_tokens and max(self.breakable_cuda_graph_tokens) > bcg_max:
+        breakable_max = self.breakable_cuda_graph_max_tokens or _DEFAULT_BREAKABLE_MAX_TOKENS[pick]
+        if self.breakable_cuda_graph_tokens and max(self.breakable_cuda_graph_tokens) > breakable_max:
             raise ValueError(
                 f"--breakable-cuda-graph-tokens has {max(self.breakable_cuda_graph_tokens)}, "
-                f"above --breakable-cuda-graph-max-tokens {bcg_max}"
+                f"above --breakable-cuda-graph-max-tokens {breakable_max}"
             )
         import torch
 
@@ -192,7 +192,7 @@ class ServerArgs:
             attention_backend=attention_backend,
             segment_kernels="on" if segment_kernels else "off",
             moe_backend=moe_backend,
-            breakable_cuda_graph_max_tokens=bcg_max,
+            breakable_cuda_graph_max_tokens=breakable_max,
             cuda_graph_max_bs=self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick],
             resolved=True,
         )
@@ -208,7 +208,7 @@ class ServerArgs:
             dp_size=self.dp_size if self.enable_dp_attention else 1, page_size=self.page_size,
             context_length=context_length, max_running_requests=max_running,
             chunked_prefill_size=max(self.chunked_prefill_size or _DEFAULT_CHUNKED_PREFILL_SIZE[pick], 1),
-            bcg_max_tokens=(self.breakable_cuda_graph_max_tokens or _DEFAULT_BCG_MAX_TOKENS[pick])
+            breakable_max_tokens=(self.breakable_cuda_graph_max_tokens or _DEFAULT_BREAKABLE_MAX_TOKENS[pick])
             if self.enable_breakable_cuda_graph else 0,
             decode_graph_max_bs=0 if self.disable_cuda_graph else min(
                 self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick], max_running),

@@ -353,7 +353,7 @@ def _contrary_decision(infos, tables):
     true = decide_step_path(infos, tables)
     tokens = tuple(i.num_tokens for i in infos)
     if true.kind == PathKind.EAGER:
-        return StepPath(PathKind.BCG, tables.bcg_buckets[-1], tokens)
+        return StepPath(PathKind.BREAKABLE, tables.breakable_buckets[-1], tokens)
     return StepPath(PathKind.EAGER, max(tokens), tokens)
 
 

@@ -47,7 +47,7 @@ def test_1000_steps_no_hang_and_equal_to_one_eager_process(replay_policy_run):
         assert not isinstance(result, str), result
         paths = result["paths"]
         assert sum(paths.values()) == STEPS
-        assert paths.get("BCG", 0) > 200 and paths.get("EAGER", 0) > 20 and paths.get("DECODE_GRAPH", 0) > 0
+        assert paths.get("BREAKABLE", 0) > 200 and paths.get("EAGER", 0) > 20 and paths.get("DECODE_GRAPH", 0) > 0
         worst = eager_reference(SEED, rank, STEPS, result["records"])
         assert worst < 1e-4, f"rank {rank}: max |logit diff| vs one eager process = {worst}"
 
@@ -65,7 +65,7 @@ def test_idle_policies_give_the_same_live_outputs(tmp_path, replay_policy_run):
             compared += 1
         assert compared > 100
     # With the eager policy, no step that had an idle rank replayed a graph.
-    assert eager_run[0]["paths"].get("BCG", 0) < replay_policy_run[0]["paths"]["BCG"]
+    assert eager_run[0]["paths"].get("BREAKABLE", 0) < replay_policy_run[0]["paths"]["BREAKABLE"]
 
 
 def test_a_rank_that_disagrees_fails_with_a_clear_error(tmp_path):
@@ -82,7 +82,7 @@ def test_a_rank_that_disagrees_fails_with_a_clear_error(tmp_path):
 
 # ---- the consensus function --------------------------------------------------------------
 
-CFG = GraphTables(bcg_buckets=(8, 16, 32, 48), decode_bs_buckets=(1, 2, 4, 8), idle_policy="replay")
+CFG = GraphTables(breakable_buckets=(8, 16, 32, 48), decode_bs_buckets=(1, 2, 4, 8), idle_policy="replay")
 MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE]
 
 
@@ -98,7 +98,7 @@ def test_consensus_is_the_same_on_every_rank_for_any_vector():
     rng = random.Random(0)
     for _ in range(3000):
         infos = [_random_info(rng) for _ in range(rng.randint(1, 8))]
-        for cfg in (CFG, GraphTables(CFG.bcg_buckets, CFG.decode_bs_buckets, "eager")):
+        for cfg in (CFG, GraphTables(CFG.breakable_buckets, CFG.decode_bs_buckets, "eager")):
             decisions = set()
             for rank in range(len(infos)):
                 # one answer from N calls on the same vector: no hidden state, no mutation of
@@ -109,7 +109,7 @@ def test_consensus_is_the_same_on_every_rank_for_any_vector():
             live = [i for i in infos if not i.idle]
             if not live:
                 assert path.kind == PathKind.IDLE
-            elif path.kind == PathKind.BCG:
+            elif path.kind == PathKind.BREAKABLE:
                 n = max(i.num_tokens for i in infos)
                 assert n <= path.size <= 3 * n  # the padding-waste rule holds under DP too
                 assert not (cfg.idle_policy == "eager" and len(live) < len(infos))
@@ -127,9 +127,9 @@ def test_consensus_examples():
     assert decide_step_path([e(10), e(30)], CFG).size == 32  # bucket from the largest rank
     assert decide_step_path([d(3), d(5, embeds=True)], CFG).reason == "input_embeds"
     assert decide_step_path([e(49), e(3)], CFG).kind == PathKind.EAGER  # beyond the largest bucket
-    assert decide_step_path([e(20), idle], CFG).kind == PathKind.BCG  # idle rank replays
-    assert decide_step_path([e(20), idle], GraphTables(CFG.bcg_buckets, (), "eager")).reason == "inactive_dp_rank"
+    assert decide_step_path([e(20), idle], CFG).kind == PathKind.BREAKABLE  # idle rank replays
+    assert decide_step_path([e(20), idle], GraphTables(CFG.breakable_buckets, (), "eager")).reason == "inactive_dp_rank"
     assert decide_step_path([d(3), d(5)], CFG) .kind == PathKind.DECODE_GRAPH
     assert decide_step_path([d(3), d(5)], CFG).size == 8
-    assert decide_step_path([d(3), e(20)], CFG).kind == PathKind.BCG  # decode rows ride along
+    assert decide_step_path([d(3), e(20)], CFG).kind == PathKind.BREAKABLE  # decode rows ride along
     assert decide_step_path([idle, idle], CFG).kind == PathKind.IDLE

@@ -35,7 +35,7 @@ def test_dp2_nccl_real_graphs_equal_one_eager_process(tmp_path, idle_policy):
         res = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         by_path = {}
         worst = eager_reference(11, r, steps, res["records"], by_path, device="cuda")
-        replayed = res["paths"].get("BCG", 0) + res["paths"].get("DECODE_GRAPH", 0)
+        replayed = res["paths"].get("BREAKABLE", 0) + res["paths"].get("DECODE_GRAPH", 0)
         live = sum(v for k, v in res["paths"].items() if k != "IDLE")
         print(f"\nrank {r} policy {idle_policy}: paths {res['paths']} replayed {replayed / live:.1%} "
               f"max|diff| {worst:.2e} by path {by_path}")

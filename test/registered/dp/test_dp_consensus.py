@@ -16,21 +16,21 @@ from sglang.srt.model_executor.graph_dispatch import GraphTables, PathKind, Step
 from sglang.test.dp_harness import BUCKETS, dp_scripted_rank_main, script_infos
 from sglang.test.server_process import free_port
 
-TABLES = GraphTables(bcg_buckets=BUCKETS, decode_bs_buckets=(1, 2, 4, 8), idle_policy="replay")
+TABLES = GraphTables(breakable_buckets=BUCKETS, decode_bs_buckets=(1, 2, 4, 8), idle_policy="replay")
 IDLE = ([], False)
 
 # Per step: (rank 0, rank 1), each (rows [(request, new tokens)], input embeds). The comment
 # says what the step needs to agree on, and what rank 0 or 1 would pick from its own batch.
 SCRIPT = [
-    (([(0, 10)], False), ([(0, 30)], False)),  # bcg/32: largest rank's bucket (r0 alone: bcg/16)
-    (([(0, 1)], False), ([(1, 20)], False)),  # bcg/32: decode rides along (r0 alone: decode/1)
-    (([(1, 20)], False), IDLE),  # bcg/32: the idle rank replays (r1 alone: idle)
+    (([(0, 10)], False), ([(0, 30)], False)),  # breakable/32: largest rank's bucket (r0 alone: breakable/16)
+    (([(0, 1)], False), ([(1, 20)], False)),  # breakable/32: decode rides along (r0 alone: decode/1)
+    (([(1, 20)], False), IDLE),  # breakable/32: the idle rank replays (r1 alone: idle)
     (([(0, 1), (1, 1)], False), ([(0, 1), (1, 1)], True)),  # eager: r1 has embeddings (r0 alone: decode/2)
-    (([(2, 5)], False), ([(2, 60)], False)),  # eager: r1 has too many tokens (r0 alone: bcg/8)
+    (([(2, 5)], False), ([(2, 60)], False)),  # eager: r1 has too many tokens (r0 alone: breakable/8)
     (IDLE, IDLE),  # idle: nobody runs a forward
-    (([(0, 1), (3, 6)], False), ([(0, 1), (1, 1)], False)),  # bcg/8: r0 mixed (r1 alone: decode/2)
+    (([(0, 1), (3, 6)], False), ([(0, 1), (1, 1)], False)),  # breakable/8: r0 mixed (r1 alone: decode/2)
     (([(0, 1)], False), ([(0, 1), (1, 1), (2, 1)], False)),  # decode/4 (r0 alone: decode/1)
-    (([(4, 3)], False), ([(3, 3)], False)),  # bcg/8 on both, alone too
+    (([(4, 3)], False), ([(3, 3)], False)),  # breakable/8 on both, alone too
 ]
 
 
@@ -81,7 +81,7 @@ def test_ranks_with_different_batches_take_the_path_of_all_ranks(tmp_path):
             assert got["path"] == want, f"step {i} rank {r}: {got['path']} != {want}"
             assert got["logits_ok"]
         kinds.add((want.kind, want.reason))
-    assert {(PathKind.BCG, ""), (PathKind.DECODE_GRAPH, ""), (PathKind.IDLE, ""),
+    assert {(PathKind.BREAKABLE, ""), (PathKind.DECODE_GRAPH, ""), (PathKind.IDLE, ""),
             (PathKind.EAGER, "input_embeds"), (PathKind.EAGER, "too_many_tokens")} <= kinds
     # every step but the all-idle one ran a forward on both ranks (idle ranks included)
     assert result[0]["forwards"] == result[1]["forwards"] == len(SCRIPT) - 1
@@ -94,13 +94,13 @@ def test_a_rank_dependent_decision_is_caught_before_the_forward(tmp_path):
         err = result[r]["error"]
         assert err is not None, f"rank {r} ran the script although its decision was rank-dependent"
         assert err["step"] == 0 and err["forwards"] == 0, err
-        assert err["text"].startswith("DP ranks disagree on the step path at step 0: rank 0 -> bcg/16, "
-                                      "rank 1 -> bcg/32; the decision depends on the rank"), err["text"]
+        assert err["text"].startswith("DP ranks disagree on the step path at step 0: rank 0 -> breakable/16, "
+                                      "rank 1 -> breakable/32; the decision depends on the rank"), err["text"]
 
 
 def test_different_idle_policies_fail_at_the_step_they_split_with_both_paths_named(tmp_path):
     # Rank 1 runs the eager idle policy. Step 0 has no idle rank and runs; at step 1 rank 1 is
-    # idle: rank 0's tables say bcg/16, rank 1's say eager. No verify: this check is always on.
+    # idle: rank 0's tables say breakable/16, rank 1's say eager. No verify: this check is always on.
     script = [(([(0, 10)], False), ([(0, 12)], False)),
               (([(1, 10)], False), IDLE),
               (([(2, 4)], False), ([(2, 4)], False))]
@@ -109,10 +109,10 @@ def test_different_idle_policies_fail_at_the_step_they_split_with_both_paths_nam
         err = result[r]["error"]
         assert err is not None, f"rank {r} ran on although the idle policies differ"
         assert err["step"] == 1 and err["forwards"] == 1, err  # step 0 ran; step 1 entered no collective
-        assert err["text"].startswith("DP ranks disagree on the step path at step 1: rank 0 -> bcg/16, "
+        assert err["text"].startswith("DP ranks disagree on the step path at step 1: rank 0 -> breakable/16, "
                                       "rank 1 -> eager/10 (inactive_dp_rank); the ranks' graph tables differ"), err["text"]
         assert "idle policy replay" in err["text"] and "idle policy eager" in err["text"]
-        assert [s["path"].code() for s in result[r]["steps"]] == [PathKind.BCG * 1_000_000 + 16]
+        assert [s["path"].code() for s in result[r]["steps"]] == [PathKind.BREAKABLE * 1_000_000 + 16]
 
 
 def test_different_graph_buckets_fail_at_start_up_naming_both_ranks(tmp_path):
@@ -122,8 +122,8 @@ def test_different_graph_buckets_fail_at_start_up_naming_both_ranks(tmp_path):
     for r in range(2):
         err = result[r]["error"]
         assert err is not None and err["step"] is None and not result[r]["steps"], err
-        assert err["text"].startswith("DP ranks have different graph buckets (rank 0: bcg (8, 16, 32, 48), "
-                                      "decode (1, 2, 4, 8); rank 1: bcg (8, 16, 32), decode (1, 2, 4, 8))"), err["text"]
+        assert err["text"].startswith("DP ranks have different graph buckets (rank 0: breakable (8, 16, 32, 48), "
+                                      "decode (1, 2, 4, 8); rank 1: breakable (8, 16, 32), decode (1, 2, 4, 8))"), err["text"]
 
 
 def test_different_idle_policies_disagree_only_on_steps_with_an_idle_rank():
@@ -132,5 +132,5 @@ def test_different_idle_policies_disagree_only_on_steps_with_an_idle_rank():
     busy = [StepInfo(20, int(ForwardMode.EXTEND), 1), StepInfo(9, int(ForwardMode.EXTEND), 2)]
     one_idle = [StepInfo(20, int(ForwardMode.EXTEND), 1), StepInfo(0, int(ForwardMode.IDLE), 0)]
     assert decide_step_path(busy, t0) == decide_step_path(busy, t1)
-    assert decide_step_path(one_idle, t0).kind == PathKind.BCG
+    assert decide_step_path(one_idle, t0).kind == PathKind.BREAKABLE
     assert decide_step_path(one_idle, t1).reason == "inactive_dp_rank"

@@ -122,11 +122,11 @@ def test_server_info_shows_both_ranks_replaying_and_round_robin_splits_requests_
     pids = info["scheduler_pids"]
     assert len(set(pids)) == 2 and set(pids) <= set(descendant_pids(dp2.proc.pid))
     total = info["scheduler_stats"]
-    for key in ("bcg_replays", "dp_bcg_steps", "dp_eager_steps", "num_finished_reqs", "num_generated_tokens"):
+    for key in ("breakable_replays", "dp_breakable_steps", "dp_eager_steps", "num_finished_reqs", "num_generated_tokens"):
         assert total[key] == ranks[0][key] + ranks[1][key], key
-    assert all(r["bcg_replays"] > 0 for r in ranks)
+    assert all(r["breakable_replays"] > 0 for r in ranks)
     # lockstep: every step is taken by both ranks (idle ones run a dummy forward)
-    assert ranks[0]["dp_bcg_steps"] == ranks[1]["dp_bcg_steps"] > 0
+    assert ranks[0]["dp_breakable_steps"] == ranks[1]["dp_breakable_steps"] > 0
     assert ranks[0]["dp_eager_steps"] == ranks[1]["dp_eager_steps"]
 
 
@@ -169,7 +169,7 @@ def test_offline_engine_with_dp_size_2_generates_the_dp1_greedy_ids(dp1_greedy):
         info = engine.get_server_info()
         finished = [r["num_finished_reqs"] for r in info["dp_rank_stats"]]
         assert sum(finished) == 8 and min(finished) >= 3
-        assert info["bcg_replays"] > 0
+        assert info["breakable_replays"] > 0
         pids = [p for p in engine.scheduler.controller.pids]
     finally:
         engine.shutdown()

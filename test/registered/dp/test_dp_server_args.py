@@ -129,23 +129,23 @@ def test_unfinished_outputs_keep_the_request_outstanding_and_late_outputs_are_ig
 
 
 def test_stats_sum_counters_merge_fallbacks_and_keep_shared_settings():
-    r0 = {"bcg_replays": 5, "bcg_fallbacks": {"too_many_tokens": 1}, "dp_bcg_steps": 7, "dp_eager_steps": 3,
-          "page_size": 128, "bcg_buckets": [16, 64], "bcg_capture_seconds": 1.5, "num_finished_reqs": 4}
-    r1 = {"bcg_replays": 6, "bcg_fallbacks": {"too_many_tokens": 2, "padding_waste": 1}, "dp_bcg_steps": 7,
-          "dp_eager_steps": 3, "page_size": 128, "bcg_buckets": [16, 64], "bcg_capture_seconds": 2.0,
+    r0 = {"breakable_replays": 5, "breakable_fallbacks": {"too_many_tokens": 1}, "dp_breakable_steps": 7, "dp_eager_steps": 3,
+          "page_size": 128, "breakable_buckets": [16, 64], "breakable_capture_seconds": 1.5, "num_finished_reqs": 4}
+    r1 = {"breakable_replays": 6, "breakable_fallbacks": {"too_many_tokens": 2, "padding_waste": 1}, "dp_breakable_steps": 7,
+          "dp_eager_steps": 3, "page_size": 128, "breakable_buckets": [16, 64], "breakable_capture_seconds": 2.0,
           "num_finished_reqs": 5}
     assert aggregate_stats([r0, r1]) == {
-        "bcg_replays": 11, "bcg_fallbacks": {"too_many_tokens": 3, "padding_waste": 1}, "dp_bcg_steps": 14,
-        "dp_eager_steps": 6, "page_size": 128, "bcg_buckets": [16, 64], "bcg_capture_seconds": 2.0,
+        "breakable_replays": 11, "breakable_fallbacks": {"too_many_tokens": 3, "padding_waste": 1}, "dp_breakable_steps": 14,
+        "dp_eager_steps": 6, "page_size": 128, "breakable_buckets": [16, 64], "breakable_capture_seconds": 2.0,
         "num_finished_reqs": 9,
     }
     assert aggregate_stats([r0]) == r0
 
 
 def test_stats_per_bucket_graph_memory_sums_and_capture_seconds_take_the_slowest_rank():
-    r0 = {"bcg_graph_memory_by_bucket": {"64": 300, "16": 20}, "bcg_capture_seconds_by_bucket": {"64": 1.0, "16": 0.5}}
-    r1 = {"bcg_graph_memory_by_bucket": {"64": 310, "16": 0}, "bcg_capture_seconds_by_bucket": {"64": 1.5, "16": 0.25}}
+    r0 = {"breakable_graph_memory_by_bucket": {"64": 300, "16": 20}, "breakable_capture_seconds_by_bucket": {"64": 1.0, "16": 0.5}}
+    r1 = {"breakable_graph_memory_by_bucket": {"64": 310, "16": 0}, "breakable_capture_seconds_by_bucket": {"64": 1.5, "16": 0.25}}
     merged = aggregate_stats([r0, r1])
-    assert merged == {"bcg_graph_memory_by_bucket": {"64": 610, "16": 20},
-                      "bcg_capture_seconds_by_bucket": {"64": 1.5, "16": 0.5}}
-    assert list(merged["bcg_graph_memory_by_bucket"]) == ["64", "16"]  # capture order kept
+    assert merged == {"breakable_graph_memory_by_bucket": {"64": 610, "16": 20},
+                      "breakable_capture_seconds_by_bucket": {"64": 1.5, "16": 0.5}}
+    assert list(merged["breakable_graph_memory_by_bucket"]) == ["64", "16"]  # capture order kept

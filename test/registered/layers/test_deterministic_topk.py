@@ -134,7 +134,7 @@ def test_tied_request_alone_in_a_batch_and_replayed_gives_the_same_logits(tied_r
     alone = _run(tied_runner, [mine], [0], eager_path)[0]
     in_batch = _run(tied_runner, [mine, other], [0, 0], eager_path)[0]
     replayed = _run(tied_runner, [mine], [0])[0]  # 40 tokens -> the 64-token graph (context-wide lists)
-    assert tied_runner.bcg_runner.num_replays == 1
+    assert tied_runner.breakable_runner.num_replays == 1
     torch.testing.assert_close(in_batch, alone, rtol=0, atol=1e-5)
     torch.testing.assert_close(replayed, alone, rtol=0, atol=1e-5)
 
@@ -181,7 +181,7 @@ def test_tied_request_on_cuda_alone_in_a_batch_replayed_and_on_cpu():
 
     want = run(cpu, [mine], eager_path)
     got = [run(cuda, [mine], eager_path), run(cuda, [mine, other], eager_path), run(cuda, [mine])]
-    assert cuda.bcg_runner.num_replays == 1
+    assert cuda.breakable_runner.num_replays == 1
     for g_ in got:
         assert g_.argmax() == want.argmax()
         torch.testing.assert_close(g_, want, rtol=0, atol=1e-3)

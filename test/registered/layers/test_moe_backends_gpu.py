@@ -135,20 +135,20 @@ def test_conformance_model_through_humming_eager_and_bcg(dsv4_reference_dir):
     prompt = expected["input_ids"].tolist()[:int(expected["n_prompt"][0])]
     ref = expected["logits"][0]
 
-    def runner(backend, bcg):
+    def runner(backend, breakable):
         return ModelRunner(cpu_server_args(model_path=str(fixture), dtype="bfloat16", device="cuda",
                                            context_length=512, max_total_tokens=2048, quant_numerics="release",
-                                           moe_backend=backend, enable_breakable_cuda_graph=bcg,
-                                           breakable_cuda_graph_tokens=[128] if bcg else None))
+                                           moe_backend=backend, enable_breakable_cuda_graph=breakable,
+                                           breakable_cuda_graph_tokens=[128] if breakable else None))
 
     rows = {}
-    for backend, bcg in (("triton", False), ("humming", False), ("humming", True)):
-        r = runner(backend, bcg)
+    for backend, breakable in (("triton", False), ("humming", False), ("humming", True)):
+        r = runner(backend, breakable)
         assert r.server_args.moe_backend == backend
         assert r.model.layers[1].ffn.experts.backend.name == backend
-        rows[backend, bcg] = torch.stack(prefill_in_chunks(r, prompt, [128, 128, 26])).float().cpu()
-        if bcg:  # the two 128-token chunks at least (a short last chunk may run eagerly)
-            assert r.get_stats()["bcg_replays"] >= 2
+        rows[backend, breakable] = torch.stack(prefill_in_chunks(r, prompt, [128, 128, 26])).float().cpu()
+        if breakable:  # the two 128-token chunks at least (a short last chunk may run eagerly)
+            assert r.get_stats()["breakable_replays"] >= 2
         del r
         torch.cuda.empty_cache()
     for key, got in rows.items():
@@ -158,5 +158,5 @@ def test_conformance_model_through_humming_eager_and_bcg(dsv4_reference_dir):
     hm_cos = F.cosine_similarity(rows["humming", False][-1], ref, dim=0).item()
     assert hm_cos > min(0.97, tri_cos - 0.01)
     # the two full 128-token chunks run the same kernels at the same shapes in both
-    bcg_vs_eager = F.cosine_similarity(rows["humming", True][:2], rows["humming", False][:2], dim=-1)
-    assert bcg_vs_eager.min().item() > 0.999999
+    breakable_vs_eager = F.cosine_similarity(rows["humming", True][:2], rows["humming", False][:2], dim=-1)
+    assert breakable_vs_eager.min().item() > 0.999999

@@ -68,7 +68,7 @@ def test_submit_sends_to_the_routed_rank_and_wakes_the_idle_one_then_abort_goes_
 def test_read_returns_each_ranks_messages_and_names_a_dead_rank():
     client, ranks = _client()
     ranks.out[1].send([_done("x")])
-    ranks.out[0].send(ServerInfo(stats={"bcg_replays": 2}))
+    ranks.out[0].send(ServerInfo(stats={"breakable_replays": 2}))
     got = []
     while len(got) < 2:
         got += client.read(timeout_s=5)

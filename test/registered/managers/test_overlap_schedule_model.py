@@ -87,7 +87,7 @@ def test_greedy_outputs_with_graphs_are_identical_with_and_without_overlap(graph
     assert stats["num_overlap_steps"] > 0
     # both graph kinds replayed (so the resolve fed their static buffers), eager ran too
     assert after["decode_graph_replays"] > before["decode_graph_replays"]
-    assert after["bcg_replays"] > before["bcg_replays"] or chunk == 512
+    assert after["breakable_replays"] > before["breakable_replays"] or chunk == 512
 
 
 def test_seeded_sampling_with_graphs_is_the_same_with_and_without_overlap(graph_runner):
@@ -133,7 +133,7 @@ def mini_requests(runner):
 
 
 @pytest.mark.gpu
-def test_gpu_dsv4_mini_greedy_with_bcg_and_decode_graphs_is_the_same_with_and_without_overlap(mini_cuda_runner):
+def test_gpu_dsv4_mini_greedy_with_breakable_and_decode_graphs_is_the_same_with_and_without_overlap(mini_cuda_runner):
     runner = mini_cuda_runner
     before = runner.get_stats()
     on, stats = serve(runner, mini_requests(runner), overlap=True, device="cuda", **MINI_ARGS)
@@ -146,7 +146,7 @@ def test_gpu_dsv4_mini_greedy_with_bcg_and_decode_graphs_is_the_same_with_and_wi
     assert again == off, "the GPU path is not deterministic run to run: overlap equivalence cannot be judged"
     assert on == off and all(len(ids) == 24 for ids, _ in on.values())
     assert stats["num_overlap_steps"] > 0
-    assert after["bcg_replays"] > before["bcg_replays"]
+    assert after["breakable_replays"] > before["breakable_replays"]
     assert after["decode_graph_replays"] > before["decode_graph_replays"]
 
 

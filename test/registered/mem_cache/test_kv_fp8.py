@@ -125,7 +125,7 @@ def test_gpu_fp8_cache_replays_and_matches_the_torch_reference_path():
     path on the same FP8 cache; and the FP8 cache stays close to a bf16 cache."""
     _harness("attention/unittests/dsv4")
     _harness("models")
-    from bcg_equivalence import make_runners, run_equivalence
+    from breakable_equivalence import make_runners, run_equivalence
     from dsv4_harness import prefill_in_chunks
 
     buckets = (64, 256)

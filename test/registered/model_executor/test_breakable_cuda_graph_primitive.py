@@ -23,7 +23,7 @@ from sglang.srt.model_executor.breakable_cuda_graph import (
 # ---- a small model with three break ops ---------------------------------------------
 
 
-@eager_on_graph(name="test_bcg_gather_positive_rows")
+@eager_on_graph(name="test_breakable_gather_positive_rows")
 def gather_positive_rows(scores: torch.Tensor, out: torch.Tensor) -> None:
     # Data-dependent work (nonzero, .item()) is legal here: break ops run eagerly.
     out.zero_()
@@ -36,7 +36,7 @@ def _attention(q: torch.Tensor, kv: torch.Tensor, output: torch.Tensor, scale: f
     output.copy_(torch.softmax(q @ kv.T * scale, dim=-1) @ kv)
 
 
-attention = register_split_op("test_bcg_attention", _attention, mutates_args=("output",))
+attention = register_split_op("test_breakable_attention", _attention, mutates_args=("output",))
 
 
 @eager_on_graph
@@ -459,24 +459,24 @@ def test_error_in_a_break_op_aborts_the_capture_cleanly():
 
 def test_split_op_is_a_dispatcher_op_callable_outside_capture():
     q, kv, out = torch.randn(3, 4), torch.randn(5, 4), torch.empty(3, 4)
-    torch.ops.sglang.test_bcg_attention(q, kv, out, 0.5)
+    torch.ops.sglang.test_breakable_attention(q, kv, out, 0.5)
     expected = torch.empty(3, 4)
     _attention(q, kv, expected, 0.5)
     assert torch.equal(out, expected)
-    assert get_split_ops()["test_bcg_attention"] is attention
-    schema = str(torch.ops.sglang.test_bcg_attention.default._schema)
+    assert get_split_ops()["test_breakable_attention"] is attention
+    schema = str(torch.ops.sglang.test_breakable_attention.default._schema)
     assert "Tensor(a2!) output" in schema and schema.endswith("-> ()")
     # The fake kernel makes it traceable on meta tensors.
     meta = [t.to("meta") for t in (q, kv, out)]
-    assert torch.ops.sglang.test_bcg_attention(*meta, 0.5) is None
+    assert torch.ops.sglang.test_breakable_attention(*meta, 0.5) is None
 
 
 def test_calling_the_dispatcher_op_directly_under_capture_also_splits():
     q, kv, out = torch.zeros(2, 4), torch.randn(3, 4), torch.empty(2, 4)
     graph, result = _capture(
-        lambda: (torch.ops.sglang.test_bcg_attention(q * 2, kv, out, 1.0), out + 1)[1]
+        lambda: (torch.ops.sglang.test_breakable_attention(q * 2, kv, out, 1.0), out + 1)[1]
     )
-    assert [r.name for r in graph.break_records] == ["test_bcg_attention"]
+    assert [r.name for r in graph.break_records] == ["test_breakable_attention"]
     q.copy_(torch.randn(2, 4))
     graph.replay()
     expected = torch.empty(2, 4)
@@ -486,7 +486,7 @@ def test_calling_the_dispatcher_op_directly_under_capture_also_splits():
 
 def test_registering_a_split_op_twice_is_refused():
     with pytest.raises(ValueError, match="already registered"):
-        register_split_op("test_bcg_attention", _attention, ("output",))
+        register_split_op("test_breakable_attention", _attention, ("output",))
 
 
 # ---- debug mode ---------------------------------------------------------------------
@@ -508,7 +508,7 @@ def test_debug_detects_resize_of_a_break_argument():
     with pytest.raises(BreakableGraphStaleError) as info:
         graph.replay()
     message = str(info.value)
-    assert message.startswith("break 0 'test_bcg_attention' argument 'output': ")
+    assert message.startswith("break 0 'test_breakable_attention' argument 'output': ")
     assert "shape changed (8, 4) -> (16, 4)" in message
 
 
@@ -552,7 +552,7 @@ def _scale_by_live_state(x: torch.Tensor, output: torch.Tensor) -> None:
     output.copy_(x * _live["scale"])
 
 
-scale_by_live_state = register_split_op("test_bcg_scale_by_live_state", _scale_by_live_state, ("output",))
+scale_by_live_state = register_split_op("test_breakable_scale_by_live_state", _scale_by_live_state, ("output",))
 
 
 def test_an_inline_split_op_replays_the_tensors_it_captured_not_the_live_state():

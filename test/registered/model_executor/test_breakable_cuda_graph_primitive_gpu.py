@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 
-@eager_on_graph(name="test_bcg_gpu_gather_positive_rows")
+@eager_on_graph(name="test_breakable_gpu_gather_positive_rows")
 def gather_positive_rows(scores: torch.Tensor, out: torch.Tensor) -> None:
     # nonzero and .item() sync with the host: legal here, because break ops run eagerly.
     out.zero_()
@@ -37,7 +37,7 @@ def _attention(q: torch.Tensor, kv: torch.Tensor, output: torch.Tensor, scale: f
     output.copy_(torch.softmax(q @ kv.T * scale, dim=-1) @ kv)
 
 
-attention = register_split_op("test_bcg_gpu_attention", _attention, mutates_args=("output",))
+attention = register_split_op("test_breakable_gpu_attention", _attention, mutates_args=("output",))
 
 
 class TinyModel:
@@ -203,7 +203,7 @@ def test_debug_replay_detects_a_resized_break_argument():
     _attention(q * 2, kv, expected, 1.0)
     torch.testing.assert_close(result, expected + 1, rtol=0, atol=0)
     out.resize_(32, 16)
-    stale = "break 0 'test_bcg_gpu_attention' argument 'output': storage moved"
+    stale = "break 0 'test_breakable_gpu_attention' argument 'output': storage moved"
     with pytest.raises(BreakableGraphStaleError, match=stale):
         graph.replay()
 
@@ -245,7 +245,7 @@ def _scaled_copy(q: torch.Tensor, output: torch.Tensor, scale: float) -> None:
     output.copy_(q * scale)
 
 
-scaled_copy = register_split_op("test_bcg_gpu_scaled_copy", _scaled_copy, mutates_args=("output",),
+scaled_copy = register_split_op("test_breakable_gpu_scaled_copy", _scaled_copy, mutates_args=("output",),
                                 transient=("q", "output"))
 
 

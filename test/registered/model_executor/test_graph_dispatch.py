@@ -16,12 +16,13 @@ from sglang.srt.model_executor.graph_dispatch import (
     default_capture_bs,
     default_capture_num_tokens,
     describe,
+    has_inactive_dp_rank,
     requested_eager_path,
 )
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.test.runner_args import cpu_server_args
 
-TABLES = GraphTables(bcg_buckets=(8, 16, 64), decode_bs_buckets=(1, 2, 4, 8))
+TABLES = GraphTables(breakable_buckets=(8, 16, 64), decode_bs_buckets=(1, 2, 4, 8))
 
 
 def ext(n, mode=ForwardMode.EXTEND):
@@ -40,26 +41,51 @@ def kb(path):
 
 
 def test_one_rank_paths_and_reasons():
-    assert kb(decide_step_path([ext(7)], TABLES)) == (PathKind.BCG, 8)
-    assert kb(decide_step_path([ext(16, ForwardMode.MIXED)], TABLES)) == (PathKind.BCG, 16)
+    assert kb(decide_step_path([ext(7)], TABLES)) == (PathKind.BREAKABLE, 8)
+    assert kb(decide_step_path([ext(16, ForwardMode.MIXED)], TABLES)) == (PathKind.BREAKABLE, 16)
     assert kb(decide_step_path([dec(3)], TABLES)) == (PathKind.DECODE_GRAPH, 4)
     too_big = decide_step_path([ext(65)], TABLES)
-    assert (too_big.kind, too_big.reason, too_big.wanted) == (PathKind.EAGER, "too_many_tokens", PathKind.BCG)
+    assert (too_big.kind, too_big.reason, too_big.wanted) == (PathKind.EAGER, "too_many_tokens", PathKind.BREAKABLE)
     assert decide_step_path([dec(9)], TABLES).reason == "batch_too_large"
     assert decide_step_path([dec(2, embeds=True)], TABLES).reason == "input_embeds"
     # 17 tokens would pad to 64: 47 padding rows > 2 * 17
     assert decide_step_path([ext(17)], TABLES).reason == "padding_waste"
-    assert kb(decide_step_path([ext(22)], TABLES)) == (PathKind.BCG, 64)  # 42 <= 44
+    assert kb(decide_step_path([ext(22)], TABLES)) == (PathKind.BREAKABLE, 64)  # 42 <= 44
     # a kind with no captured graphs is no fallback: nothing is counted against it
-    none = decide_step_path([dec(2)], GraphTables(bcg_buckets=(8,)))
+    none = decide_step_path([dec(2)], GraphTables(breakable_buckets=(8,)))
     assert (none.kind, none.reason, none.wanted) == (PathKind.EAGER, "no_graphs", None)
 
 
 def test_dp_applies_the_padding_waste_rule_of_the_largest_rank():
     assert decide_step_path([ext(17), ext(3)], TABLES).reason == "padding_waste"
     assert decide_step_path([ext(3), ext(17)], TABLES).reason == "padding_waste"
-    assert kb(decide_step_path([ext(30), ext(3)], TABLES)) == (PathKind.BCG, 64)
+    assert kb(decide_step_path([ext(30), ext(3)], TABLES)) == (PathKind.BREAKABLE, 64)
     assert decide_step_path([ext(17), IDLE], TABLES).reason == "padding_waste"
+
+
+def test_has_inactive_dp_rank_truth_table():
+    """True when some rank has no tokens this step (idle, or an empty batch), whatever the
+    others do; all ranks idle counts too, though the decider returns IDLE before asking."""
+    empty_extend = StepInfo(0, int(ForwardMode.EXTEND), 0)
+    assert has_inactive_dp_rank([ext(20), IDLE]) is True
+    assert has_inactive_dp_rank([IDLE, dec(3)]) is True
+    assert has_inactive_dp_rank([ext(20), empty_extend]) is True
+    assert has_inactive_dp_rank([ext(20), dec(3)]) is False
+    assert has_inactive_dp_rank([ext(7)]) is False  # a world of one with work
+    assert has_inactive_dp_rank([IDLE, IDLE]) is True
+    assert decide_step_path([IDLE, IDLE], GraphTables((8,), (), "eager")).kind == PathKind.IDLE
+
+
+def test_the_idle_policy_decides_what_an_inactive_rank_does():
+    """The guard is asked only under idle policy "eager": then a step with an inactive rank
+    runs eager on every rank (counted against the kind it would have used); under "replay"
+    the inactive rank replays padded, and all-active steps are the same under both."""
+    eager_policy = GraphTables(TABLES.breakable_buckets, TABLES.decode_bs_buckets, "eager")
+    for infos, kind in (([ext(16), IDLE], PathKind.BREAKABLE), ([IDLE, dec(3)], PathKind.DECODE_GRAPH)):
+        fallback = decide_step_path(infos, eager_policy)
+        assert (fallback.kind, fallback.reason, fallback.wanted) == (PathKind.EAGER, "inactive_dp_rank", kind)
+        assert decide_step_path(infos, TABLES).kind == kind
+    assert kb(decide_step_path([ext(16), dec(3)], eager_policy)) == (PathKind.BREAKABLE, 16)
 
 
 def test_a_single_rank_and_dp_decide_identically_on_the_same_batches():
@@ -99,8 +125,8 @@ def test_bucket_tables():
     assert tok[:4] == [1, 2, 4, 8] and tok[-1] == 4096
     assert all(b <= 2 * a for a, b in zip(tok, tok[1:]))  # padding never exceeds the live count
     assert default_capture_bs(20) == [1, 2, 4, 8, 12, 16, 20]
-    with pytest.raises(ValueError, match="bcg_buckets"):
-        GraphTables(bcg_buckets=(16, 8))
+    with pytest.raises(ValueError, match="breakable_buckets"):
+        GraphTables(breakable_buckets=(16, 8))
     with pytest.raises(ValueError, match="idle_policy"):
         GraphTables(idle_policy="sometimes")
 
@@ -134,8 +160,8 @@ def test_model_runner_runs_what_the_dispatch_decides_and_counts_per_bucket(runne
     runner.forward(_batch(runner, [[5]], ForwardMode.DECODE, prefixes=[4]))  # decode graph bs 1
     runner.forward(_batch(runner, [[5]] * 3, ForwardMode.DECODE, prefixes=[4] * 3))  # 3 > 2: eager
     stats = runner.get_stats()
-    assert stats["bcg_replays_by_bucket"] == {"4": 1, "32": 1}
-    assert stats["bcg_fallbacks"] == {"padding_waste": 1}
+    assert stats["breakable_replays_by_bucket"] == {"4": 1, "32": 1}
+    assert stats["breakable_fallbacks"] == {"padding_waste": 1}
     assert stats["decode_graph_replays_by_bucket"] == {"1": 1}
     assert stats["decode_graph_fallbacks"] == {"batch_too_large": 1}
     assert stats["forward_eager"] - before["forward_eager"] == 2
@@ -150,6 +176,29 @@ def test_forward_refuses_a_path_it_cannot_run(runner):
     eager_only = ModelRunner(cpu_server_args(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096,
                                              max_running_requests=2))
     with pytest.raises(ValueError, match="no such graphs"):
-        eager_only.forward(fb, StepPath(PathKind.BCG, 4, (2,), True))
+        eager_only.forward(fb, StepPath(PathKind.BREAKABLE, 4, (2,), True))
     assert describe(fb) == StepInfo(2, int(ForwardMode.EXTEND), 1, False)
     assert torch.isfinite(eager_only.forward(_batch(eager_only, [[5, 6]])).next_token_logits).all()
+
+
+def test_metrics_label_the_graph_kinds_breakable_and_decode_graph(runner):
+    """/metrics derives the `kind` label from the runners' stats prefixes."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sglang.srt.metrics import ServerMetrics
+
+    runner.forward(_batch(runner, [[5, 6, 7]]))  # breakable bucket 4
+    runner.forward(_batch(runner, [[5] * 9]))  # padding_waste: eager, counted against breakable
+    runner.forward(_batch(runner, [[5]], ForwardMode.DECODE, prefixes=[4]))  # decode graph bs 1
+    stats = runner.get_stats()
+    metrics = ServerMetrics()
+    metrics.observe_schedulers([stats])
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(metrics.render()[0].decode())
+               for s in family.samples}
+    replays = {dict(labels)["kind"] for name, labels in samples if name == "sglang:graph_replays_total"}
+    assert replays == {"breakable", "decode_graph"}
+    key = ("sglang:graph_fallbacks_total", (("dp_rank", "0"), ("kind", "breakable"), ("reason", "padding_waste")))
+    assert samples[key] == stats["breakable_fallbacks"]["padding_waste"] >= 1
+    key = ("sglang:graph_replays_total", (("bucket", "4"), ("dp_rank", "0"), ("kind", "breakable")))
+    assert samples[key] == stats["breakable_replays_by_bucket"]["4"] >= 1

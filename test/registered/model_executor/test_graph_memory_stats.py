@@ -27,12 +27,12 @@ def test_per_bucket_capture_stats_on_cpu(caplog):
                              cuda_graph_on_cpu=True)
     try:
         stats = runner.get_stats()
-        _check_per_bucket(stats, "bcg", [4, 16])
+        _check_per_bucket(stats, "breakable", [4, 16])
         _check_per_bucket(stats, "decode_graph", [1, 2])
         # no graph pool on CPU: zeros, not errors
-        assert stats["bcg_graph_memory_by_bucket"] == {"16": 0, "4": 0} and stats["bcg_graph_memory_bytes"] == 0
+        assert stats["breakable_graph_memory_by_bucket"] == {"16": 0, "4": 0} and stats["breakable_graph_memory_bytes"] == 0
         assert stats["decode_graph_graph_memory_by_bucket"] == {"2": 0, "1": 0}
-        line = next(r.getMessage() for r in caplog.records if "bcg graphs" in r.getMessage())
+        line = next(r.getMessage() for r in caplog.records if "breakable graphs" in r.getMessage())
         assert "per bucket, largest first: 16: 0.0 MiB" in line and ", 4: 0.0 MiB" in line
     finally:
         runner.shutdown()
@@ -50,9 +50,9 @@ def test_the_largest_bucket_holds_most_of_the_graph_pool_on_dsv4_mini():
         breakable_cuda_graph_max_tokens=max(buckets), disable_cuda_graph=True))
     try:
         stats = runner.get_stats()
-        _check_per_bucket(stats, "bcg", buckets)
-        memory = stats["bcg_graph_memory_by_bucket"]
-        total = stats["bcg_graph_memory_bytes"]
+        _check_per_bucket(stats, "breakable", buckets)
+        memory = stats["breakable_graph_memory_by_bucket"]
+        total = stats["breakable_graph_memory_bytes"]
         print(f"[graph pool by bucket, MiB] { {b: round(n / 2**20, 1) for b, n in memory.items()} } "
               f"total {total / 2**20:.1f} MiB")
         assert total > 0

@@ -15,7 +15,7 @@ from sglang.test.runner_args import cpu_server_args
 # A CUDA server's defaults with breakable graphs on; each test replaces what its runner sets.
 SERVING = PlanSettings(weight_format="release", kv_cache_dtype="auto", dp_size=1, page_size=128,
                        context_length=65536, max_running_requests=256, chunked_prefill_size=2048,
-                       bcg_max_tokens=4096, decode_graph_max_bs=256, mem_fraction_static=0.8, max_total_tokens=None)
+                       breakable_max_tokens=4096, decode_graph_max_bs=256, mem_fraction_static=0.8, max_total_tokens=None)
 
 
 def test_startup_report_plans_from_the_runners_own_graphs(caplog):
@@ -31,7 +31,7 @@ def test_startup_report_plans_from_the_runners_own_graphs(caplog):
         assert plan is not None and plan.free_memory == 8 * GiB
         expected = plan_memory(runner.config, dataclasses.replace(
             SERVING, weight_format=loaded_weight_format(runner.config, "float32"), model_dtype="float32",
-            context_length=runner.max_context_len, max_running_requests=4, chunked_prefill_size=64, bcg_max_tokens=32,
+            context_length=runner.max_context_len, max_running_requests=4, chunked_prefill_size=64, breakable_max_tokens=32,
             decode_graph_max_bs=4, max_total_tokens=1024), 8 * GiB)
         assert plan.graph_pool == expected.graph_pool and plan.activation_reserve == expected.activation_reserve
         assert "memory measured" in caplog.text and "graph_pool" in caplog.text
@@ -45,7 +45,7 @@ def test_a_capture_out_of_memory_names_the_graph_and_the_flags(monkeypatch, capl
     real = GraphRunner._capture_one
 
     def capture_one(self, bucket, pool):
-        if self.spec.buckets_are_tokens and bucket == 32:
+        if self.buckets_are_tokens and bucket == 32:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 448.00 MiB.")
         return real(self, bucket, pool)
 

@@ -91,7 +91,7 @@ def test_128k_prompt_chunked_prefill_with_breakable_graphs(tmp_path):
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() - base
-    assert runner.bcg_runner.num_replays == PROMPT // CHUNK  # every chunk from the graph
+    assert runner.breakable_runner.num_replays == PROMPT // CHUNK  # every chunk from the graph
     # the last chunk's metadata, at positions 124K..128K
     long_meta = [tensor_bytes(runner.attn_backend.forward_metadata)]
     start = time.perf_counter()
@@ -100,8 +100,8 @@ def test_128k_prompt_chunked_prefill_with_breakable_graphs(tmp_path):
     eager_s = time.perf_counter() - start
     long_meta.append(tensor_bytes(runner.attn_backend.forward_metadata))
     cos = F.cosine_similarity(replayed, eager, dim=0).item()
-    graph_mem = runner.bcg_runner.graph_memory_bytes
-    static_mem = runner.bcg_runner.static_buffer_bytes()
+    graph_mem = runner.breakable_runner.graph_memory_bytes
+    static_mem = runner.breakable_runner.static_buffer_bytes()
     # Not a speed comparison: the replayed pass runs first, so it pays every first-time Triton
     # compile of this prompt's shapes and widths; the eager pass after it runs warm.
     print(f"[128K prefill] {model_path} {extra or ''}: BCG first pass {elapsed:.2f}s ({PROMPT / elapsed:.0f} tok/s), "
@@ -117,7 +117,7 @@ def test_128k_prompt_chunked_prefill_with_breakable_graphs(tmp_path):
     # The graphs' own buffers (static batch + captured metadata, outside the pool) must not
     # grow with the context. The pool's growth cannot be compared here: this second runner
     # captures into the process's shared pool, which the first one already grew.
-    short_static = short.bcg_runner.static_buffer_bytes()
+    short_static = short.breakable_runner.static_buffer_bytes()
     print(f"[128K prefill] static graph buffers at 8K context {short_static / 2**20:.1f} MiB vs "
           f"{static_mem / 2**20:.1f} MiB at 132K; graph pool of the 132K runner {graph_mem / GiB:.3f} GiB")
     assert static_mem <= 1.1 * short_static + 16 * 2**20

@@ -26,11 +26,11 @@ from sglang.srt.planning.memory_planner import (
 # The defaults of a CUDA server with breakable graphs on, at a 64K context.
 SERVING = PlanSettings(weight_format="release", kv_cache_dtype="auto", dp_size=1, page_size=128,
                        context_length=65536, max_running_requests=256, chunked_prefill_size=2048,
-                       bcg_max_tokens=4096, decode_graph_max_bs=256, mem_fraction_static=0.8, max_total_tokens=None)
+                       breakable_max_tokens=4096, decode_graph_max_bs=256, mem_fraction_static=0.8, max_total_tokens=None)
 # A lean serving setup: the least a model can be served with usefully. The static fraction leaves
 # the MoE's working set room: at Pro's 8 ranks a 1024-token step gathers 8192 tokens, and the
 # MoE kernels hold an fp32 partial output per (token, expert) pair (28 KiB at Pro's width).
-LEAN = dataclasses.replace(SERVING, context_length=8192, max_running_requests=32, bcg_max_tokens=1024,
+LEAN = dataclasses.replace(SERVING, context_length=8192, max_running_requests=32, breakable_max_tokens=1024,
                            chunked_prefill_size=1024, decode_graph_max_bs=32, mem_fraction_static=0.96)
 
 
@@ -144,7 +144,7 @@ def test_a_plan_that_does_not_fit_names_the_flag():
 def test_kv_pool_follows_the_static_fraction_and_is_capped_by_use():
     mini = get_preset("dsv4-mini")
     s = dataclasses.replace(SERVING, weight_format="bfloat16", context_length=8192, max_running_requests=64,
-                            bcg_max_tokens=0, decode_graph_max_bs=0)
+                            breakable_max_tokens=0, decode_graph_max_bs=0)
     small = plan_memory(mini, dataclasses.replace(s, mem_fraction_static=0.5), 4 * GiB)
     big = plan_memory(mini, dataclasses.replace(s, mem_fraction_static=0.8), 4 * GiB)
     assert 0 < small.kv_pool_tokens < big.kv_pool_tokens
@@ -158,10 +158,10 @@ def test_kv_pool_follows_the_static_fraction_and_is_capped_by_use():
 def test_breakable_graph_pool_does_not_grow_with_the_context_length():
     flash = get_preset("dsv4-flash")
     # One 1M-token request: with bf16 KV (every raw token kept) it alone needs ~50 GiB; FP8 fits.
-    bcg_only = dataclasses.replace(SERVING, dp_size=2, decode_graph_max_bs=0, max_running_requests=8,
+    breakable_only = dataclasses.replace(SERVING, dp_size=2, decode_graph_max_bs=0, max_running_requests=8,
                                    kv_cache_dtype="fp8_e4m3", mem_fraction_static=0.9)
-    short = plan_memory(flash, dataclasses.replace(bcg_only, context_length=8192), H200_USABLE_BYTES)
-    long = plan_memory(flash, dataclasses.replace(bcg_only, context_length=1048576), H200_USABLE_BYTES)
+    short = plan_memory(flash, dataclasses.replace(breakable_only, context_length=8192), H200_USABLE_BYTES)
+    long = plan_memory(flash, dataclasses.replace(breakable_only, context_length=1048576), H200_USABLE_BYTES)
     assert short.graph_pool == long.graph_pool < 4 * GiB
     # The eager break reads its candidates through the page table: what grows with the context
     # is only the indexer's top-k chunk, bounded by its workspace (before: 4096 x 1M/4 int32

@@ -21,11 +21,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 TOKENS = torch.randint(2, 32768, (600,), generator=torch.Generator().manual_seed(7)).tolist()
 
 
-def _runner(preset, bcg, numerics="release", kv="auto"):
+def _runner(preset, breakable, numerics="release", kv="auto"):
     return ModelRunner(cpu_server_args(model_path=preset, dtype="bfloat16", device="cuda", context_length=2048,
                                        max_total_tokens=8192, max_running_requests=4, quant_numerics=numerics,
-                                       kv_cache_dtype=kv, enable_breakable_cuda_graph=bcg,
-                                       breakable_cuda_graph_tokens=[256] if bcg else None))
+                                       kv_cache_dtype=kv, enable_breakable_cuda_graph=breakable,
+                                       breakable_cuda_graph_tokens=[256] if breakable else None))
 
 
 def _weight_bytes(model) -> int:
@@ -33,22 +33,22 @@ def _weight_bytes(model) -> int:
 
 
 @pytest.mark.parametrize("numerics, kv", [("release", "auto"), ("release", "fp8_e4m3"), ("weight_only", "auto")])
-def test_dummy_release_format_bcg_equals_eager(numerics, kv):
+def test_dummy_release_format_breakable_equals_eager(numerics, kv):
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    eager = _runner("dsv4-mini-fp8", bcg=False, numerics=numerics, kv=kv)
+    eager = _runner("dsv4-mini-fp8", breakable=False, numerics=numerics, kv=kv)
     assert eager.model.layers[0].attn.wq_b.weight.dtype == torch.float8_e4m3fn
     assert eager.model.layers[0].attn.wq_b.weight.device.type == "cuda"
     got_eager = torch.stack(prefill_in_chunks(eager, TOKENS, [256, 256, 88]))
     del eager
     torch.cuda.empty_cache()
-    graphs = _runner("dsv4-mini-fp8", bcg=True, numerics=numerics, kv=kv)
-    got_bcg = torch.stack(prefill_in_chunks(graphs, TOKENS, [256, 256, 88]))
-    assert graphs.get_stats()["bcg_replays"] == 3  # every chunk replayed the 256-token graph
-    cos = F.cosine_similarity(got_bcg.float(), got_eager.float(), dim=-1)
+    graphs = _runner("dsv4-mini-fp8", breakable=True, numerics=numerics, kv=kv)
+    got_breakable = torch.stack(prefill_in_chunks(graphs, TOKENS, [256, 256, 88]))
+    assert graphs.get_stats()["breakable_replays"] == 3  # every chunk replayed the 256-token graph
+    cos = F.cosine_similarity(got_breakable.float(), got_eager.float(), dim=-1)
     print(f"dsv4-mini-fp8 {numerics} kv {kv}: BCG vs eager min cos {cos.min().item():.6f}, logit std "
           f"{got_eager.float().std(-1).tolist()}, peak GPU memory {(torch.cuda.max_memory_allocated() - before) / 2**30:.2f} GiB")
-    assert torch.isfinite(got_bcg).all() and (got_eager.float().std(-1) > 0.5).all()
+    assert torch.isfinite(got_breakable).all() and (got_eager.float().std(-1) > 0.5).all()
     # The 256-token chunks run the same kernels at the same shapes in both: equal. The 88-token
     # chunk runs eagerly at 88 rows and padded to 256 in the graph, so the GEMMs pick other
     # tilings (another fp32 summation order); release numerics re-round every projection's
@@ -61,11 +61,11 @@ def test_dummy_release_format_bcg_equals_eager(numerics, kv):
 
 
 def test_weight_memory_on_the_gpu():
-    bf16 = _runner("dsv4-mini", bcg=False)
+    bf16 = _runner("dsv4-mini", breakable=False)
     b = _weight_bytes(bf16.model)
     del bf16
     torch.cuda.empty_cache()
-    rel = _runner("dsv4-mini-fp8", bcg=False)
+    rel = _runner("dsv4-mini-fp8", breakable=False)
     r = _weight_bytes(rel.model)
     print(f"dsv4-mini weights: bf16 {b / 2**30:.3f} GiB, release format {r / 2**30:.3f} GiB ({r / b:.3f}x)")
     assert r < 0.6 * b
@@ -108,12 +108,12 @@ def test_large_prefill_runs_the_one_dot_per_step_fp4_moe_in_a_breakable_graph(mo
     n = 4352  # > 16384 / 4 (128-row tiles), a multiple of 256
     tokens = torch.randint(2, 32768, (n,), generator=torch.Generator().manual_seed(11)).tolist()
 
-    def runner(bcg):
+    def runner(breakable):
         return ModelRunner(cpu_server_args(model_path="dsv4-mini-fp8", dtype="bfloat16", device="cuda",
                                            context_length=8192, max_total_tokens=16384, max_running_requests=2,
                                            quant_numerics="release", moe_backend="triton",
-                                           enable_breakable_cuda_graph=bcg, breakable_cuda_graph_max_tokens=n,
-                                           breakable_cuda_graph_tokens=[n] if bcg else None))
+                                           enable_breakable_cuda_graph=breakable, breakable_cuda_graph_max_tokens=n,
+                                           breakable_cuda_graph_tokens=[n] if breakable else None))
 
     eager = runner(False)
     got_eager = prefill_in_chunks(eager, tokens, [n])[0]
@@ -121,8 +121,8 @@ def test_large_prefill_runs_the_one_dot_per_step_fp4_moe_in_a_breakable_graph(mo
     del eager
     torch.cuda.empty_cache()
     graphs = runner(True)
-    got_bcg = prefill_in_chunks(graphs, tokens, [n])[0]
-    assert graphs.get_stats()["bcg_replays"] == 1
-    cos_bcg = F.cosine_similarity(got_bcg.float(), got_eager.float(), dim=0).item()
-    print(f"dsv4-mini-fp8 {n} tokens, one-dot bf16 MoE: BCG vs eager cos {cos_bcg:.6f}")
-    assert cos_bcg > 0.9999  # one shape, one set of kernels
+    got_breakable = prefill_in_chunks(graphs, tokens, [n])[0]
+    assert graphs.get_stats()["breakable_replays"] == 1
+    cos_breakable = F.cosine_similarity(got_breakable.float(), got_eager.float(), dim=0).item()
+    print(f"dsv4-mini-fp8 {n} tokens, one-dot bf16 MoE: BCG vs eager cos {cos_breakable:.6f}")
+    assert cos_breakable > 0.9999  # one shape, one set of kernels

@@ -344,7 +344,7 @@ class TokenizerManager:
         return self.metrics.render()
 
     async def get_server_info(self, timeout_s: float = 30.0) -> dict:
-        """Server args plus the schedulers' live stats (BCG replays, fallbacks, ...): summed over
+        """Server args plus the schedulers' live stats (graph replays, fallbacks, ...): summed over
         DP ranks in `scheduler_stats`, each rank's own in `dp_rank_stats`."""
         per_rank = await self.scheduler_stats(timeout_s)
         args = self.server_args

@@ -38,7 +38,7 @@ EAGER_REASONS = ("", "no_graphs", "inactive_dp_rank", "input_embeds", "too_many_
 
 
 def path_label(code: int, reason: str = "") -> str:
-    """`bcg/48`, `decode_graph/4`, `eager/40 (too_many_tokens)`, `idle`; `none` before the first step."""
+    """`breakable/48`, `decode_graph/4`, `eager/40 (too_many_tokens)`, `idle`; `none` before the first step."""
     if code < 0:
         return "none"
     kind, size = PathKind(code // 1_000_000), code % 1_000_000
@@ -48,7 +48,7 @@ def path_label(code: int, reason: str = "") -> str:
 
 
 def _tables_label(t: GraphTables) -> str:
-    return f"bcg {tuple(t.bcg_buckets)}, decode {tuple(t.decode_bs_buckets)}, idle policy {t.idle_policy}"
+    return f"breakable {tuple(t.breakable_buckets)}, decode {tuple(t.decode_bs_buckets)}, idle policy {t.idle_policy}"
 
 
 class DPStepSync:

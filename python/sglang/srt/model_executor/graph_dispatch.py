@@ -21,7 +21,7 @@ class PathKind(enum.IntEnum):
     IDLE = 0  # no rank has work: nobody runs a forward
     EAGER = 1
     DECODE_GRAPH = 2  # full CUDA graph per batch-size bucket (decode batches)
-    BCG = 3  # breakable graph per token-count bucket (extend / mixed batches)
+    BREAKABLE = 3  # breakable graph per token-count bucket (extend / mixed batches)
 
 
 @dataclass(frozen=True)
@@ -50,16 +50,23 @@ def describe(fb: ForwardBatch) -> StepInfo:
     return StepInfo(fb.num_tokens, int(fb.forward_mode), fb.batch_size, fb.input_embeds is not None)
 
 
+def has_inactive_dp_rank(infos: Sequence[StepInfo]) -> bool:
+    """Some rank has no tokens this step (idle, or an empty batch). Such a step either
+    replays with the inactive ranks padded (idle policy "replay") or runs eager on every rank
+    (policy "eager"). A world of one with work is never inactive."""
+    return any(i.idle or i.num_tokens == 0 for i in infos)
+
+
 @dataclass(frozen=True)
 class GraphTables:
     """The captured buckets (every rank has the same flags, hence the same tables)."""
 
-    bcg_buckets: Sequence[int] = ()
+    breakable_buckets: Sequence[int] = ()
     decode_bs_buckets: Sequence[int] = ()
     idle_policy: str = "replay"  # DP: "replay" (idle ranks replay with zero real tokens) or "eager"
 
     def __post_init__(self):
-        for name in ("bcg_buckets", "decode_bs_buckets"):
+        for name in ("breakable_buckets", "decode_bs_buckets"):
             b = tuple(getattr(self, name))
             if list(b) != sorted(set(b)) or (b and b[0] < 1):
                 raise ValueError(f"GraphTables.{name} must be strictly increasing positive sizes, got {b}")
@@ -71,10 +78,10 @@ class GraphTables:
 @dataclass(frozen=True)
 class StepPath:
     kind: PathKind
-    # BCG: the token bucket; DECODE_GRAPH: the batch-size bucket; EAGER: the MoE pad length
+    # BREAKABLE: the token bucket; DECODE_GRAPH: the batch-size bucket; EAGER: the MoE pad length
     size: int
     global_num_tokens: tuple
-    extend_or_mixed: bool = False  # some rank has prefill tokens (what BCG is for)
+    extend_or_mixed: bool = False  # some rank has prefill tokens (what breakable graphs are for)
     # EAGER only: why, and which graph kind would have run the step (None: no graph of that
     # kind is captured, so it is no fallback)
     reason: str = ""
@@ -125,7 +132,7 @@ def decide_step_path(infos: Sequence[StepInfo], tables: GraphTables) -> StepPath
     max_tokens = max(tokens)
     extend = any(i.mode != ForwardMode.DECODE for i in live)
     if extend:
-        kind, buckets, size = PathKind.BCG, tables.bcg_buckets, max_tokens
+        kind, buckets, size = PathKind.BREAKABLE, tables.breakable_buckets, max_tokens
     else:
         kind, buckets, size = PathKind.DECODE_GRAPH, tables.decode_bs_buckets, max(i.batch_size for i in live)
 
@@ -134,13 +141,13 @@ def decide_step_path(infos: Sequence[StepInfo], tables: GraphTables) -> StepPath
 
     if not buckets:
         return eager("no_graphs", None)
-    if len(live) < len(infos) and tables.idle_policy == "eager":
+    if tables.idle_policy == "eager" and has_inactive_dp_rank(infos):
         return eager("inactive_dp_rank")
     if kind == PathKind.DECODE_GRAPH and any(i.has_input_embeds for i in live):
         return eager("input_embeds")
     bucket = bucket_for(buckets, size)
     if bucket is None:
-        return eager("too_many_tokens" if kind == PathKind.BCG else "batch_too_large")
+        return eager("too_many_tokens" if kind == PathKind.BREAKABLE else "batch_too_large")
     if padding_too_wasteful(bucket, size):
         return eager("padding_waste")
     return StepPath(kind, bucket, tokens, extend)

@@ -1,14 +1,16 @@
-"""GraphRunner: captured graphs of one kind, one per bucket, and their replay.
+"""Captured graphs of one kind, one per bucket, and their replay.
 
-Two kinds share everything but a few hooks (`GraphSpec`):
-- `BREAKABLE` (extend / mixed batches, one graph per token-count bucket): segments
-  (projections, norms, RoPE, cache writes, compressors, indexer, MoE) replay from the graph
-  while the attention core runs eagerly on the live tokens; the graph starts from the static
-  embeddings buffer.
-- `DECODE` (decode batches, one graph per batch-size bucket): the whole forward, attention
-  included, is one graph (static-shape decode metadata; padded rows read and write nothing).
-Graphs are captured largest bucket first into one shared memory pool, after a warm-up. The
-live batch is padded to its bucket (graph_batch.py); the logits head runs eagerly on the
+`GraphRunner` holds what both kinds share: static buffers, capture (largest bucket first into
+one shared memory pool, after a warm-up), replay, stats, fallback counts and release. Each
+kind is a subclass that calls its attention backend's metadata hooks:
+- `BreakableCudaGraphRunner` (extend / mixed batches, one graph per token-count bucket):
+  segments (projections, norms, RoPE, cache writes, compressors, indexer, MoE) replay from the
+  graph while the attention core runs eagerly on the live tokens; the graph starts from the
+  static embeddings buffer.
+- `DecodeCudaGraphRunner` (decode batches, one graph per batch-size bucket): the whole
+  forward, attention included, is one graph (static-shape decode metadata; padded rows read
+  and write nothing).
+The live batch is padded to its bucket (graph_batch.py); the logits head runs eagerly on the
 live rows. Which kind and bucket a step uses is decided elsewhere (graph_dispatch.py).
 """
 
@@ -19,8 +21,7 @@ import logging
 import time
 from collections import Counter
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -38,64 +39,29 @@ from sglang.srt.model_executor.graph_dispatch import PathKind, bucket_for
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class GraphSpec:
-    """What differs between the graph kinds."""
+class GraphRunner:
+    """The shared capture / replay / bucket logic; subclasses supply the metadata hooks."""
 
     kind: PathKind
     name: str  # prefix of the stats keys and of log lines
-    buckets_are_tokens: bool  # token-count buckets (BCG) or batch-size buckets (decode)
-    # Capture: the attention metadata the graph is captured with (kept per bucket).
-    capture_metadata: Callable[[object, ForwardBatch], object]
-    # Replay: refresh the captured metadata from the live batch and make it active.
-    replay_metadata: Callable[[object, object, ForwardBatch, ForwardBatch], None]
-    # Whether the break ops run inline (inside the graph) instead of as breaks.
-    inline_breaks: bool
-    # The graph's input: the static embeddings buffer (BCG) or token ids only (decode).
-    from_embeddings: bool
+    buckets_are_tokens: bool  # token-count buckets (breakable) or batch-size buckets (decode)
 
-
-def _bcg_capture_metadata(backend, static_fb: ForwardBatch):
-    if backend.use_captured_forward_metadata_for_breakable_cuda_graph:
-        return backend.init_forward_metadata_for_breakable_cuda_graph_capture(static_fb)
-    backend.init_forward_metadata(static_fb)
-    return None
-
-
-def _bcg_replay_metadata(backend, captured, fb: ForwardBatch, static_fb: ForwardBatch) -> None:
-    if backend.use_captured_forward_metadata_for_breakable_cuda_graph:
-        backend.prepare_forward_metadata_for_breakable_cuda_graph_replay(captured, fb, static_forward_batch=static_fb)
-    else:  # a backend that did not opt in is initialised eagerly before each replay
-        backend.init_forward_metadata(static_fb)
-
-
-BREAKABLE = GraphSpec(PathKind.BCG, "bcg", True, _bcg_capture_metadata, _bcg_replay_metadata,
-                      inline_breaks=False, from_embeddings=True)
-DECODE = GraphSpec(
-    PathKind.DECODE_GRAPH, "decode_graph", False,
-    lambda backend, static_fb: backend.init_forward_metadata_capture_cuda_graph(static_fb),
-    lambda backend, captured, fb, static_fb: backend.init_forward_metadata_replay_cuda_graph(captured, static_fb),
-    inline_breaks=True, from_embeddings=False)
-
-
-class GraphRunner:
-    def __init__(self, model_runner, spec: GraphSpec, buckets: Sequence[int], debug: bool = False):
+    def __init__(self, model_runner, buckets: Sequence[int], debug: bool = False):
         self.model_runner = model_runner
-        self.spec = spec
         self.model = model_runner.model
         self.attn_backend = model_runner.attn_backend
         self.device = model_runner.device
         self.debug = debug
         buckets = sorted(set(buckets))
         if not buckets or buckets[0] < 1:
-            raise ValueError(f"{spec.name} buckets must be positive sizes, got {buckets}")
+            raise ValueError(f"{self.name} buckets must be positive sizes, got {buckets}")
         self.buckets = buckets
         self.buffers = StaticBatchBuffers(buckets[-1], model_runner.config.hidden_size,
                                           model_runner.req_to_token_pool.padding_slot, model_runner.dtype, self.device)
         self.graphs: Dict[int, object] = {}
         self.outputs: Dict[int, torch.Tensor] = {}
         self.captured_metadata: Dict[int, object] = {}
-        self.fallbacks: Counter = Counter()  # counted by ModelRunner from the dispatch's reasons
+        self.fallbacks: Counter = Counter()  # eager steps this kind would have run, by reason
         self.replays_by_bucket: Counter = Counter()
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
@@ -106,6 +72,31 @@ class GraphRunner:
         self.graph_memory_by_bucket: Dict[int, int] = {}
         self.capture_seconds_by_bucket: Dict[int, float] = {}
         self.capturing: Optional[int] = None
+
+    # ---- what each kind defines -----------------------------------------------------------
+    def init_capture_metadata(self, static_fb: ForwardBatch):
+        """The attention metadata the bucket's graph is captured with (kept per bucket)."""
+        raise NotImplementedError
+
+    def replay_metadata(self, captured, fb: ForwardBatch, static_fb: ForwardBatch) -> None:
+        """Refresh the bucket's captured metadata from the live batch and make it active."""
+        raise NotImplementedError
+
+    def _capture_batch(self, bucket: int) -> ForwardBatch:
+        """The padding-only static batch the bucket is captured with."""
+        raise NotImplementedError
+
+    def _live_rows(self, fb: Optional[ForwardBatch], bucket: int) -> int:
+        """Rows the break ops treat as live (capture: fb is None)."""
+        raise NotImplementedError
+
+    def _graph_embeds(self, bucket: int) -> Optional[torch.Tensor]:
+        """The graph's input embeddings, None when it starts from token ids."""
+        return None
+
+    def _capture_mode(self):
+        """Context the capture runs in (break ops splitting or inline)."""
+        return nullcontext()
 
     @property
     def num_replays(self) -> int:
@@ -119,8 +110,8 @@ class GraphRunner:
         pool = graph_memory_pool(self.device)  # None on CPU: every pool figure is 0 there
         free_before, pool_before = _free_memory(self.device), _pool_bytes(pool)
         pool_now = pool_before
-        for bucket in _progress(list(reversed(self.buckets)), self.device, f"{self.spec.name} capture"):
-            self.capturing = bucket  # named by the out-of-memory error (memory_planner.capture_oom_error)
+        for bucket in _progress(list(reversed(self.buckets)), self.device, f"{self.name} capture"):
+            self.capturing = bucket  # named by the out-of-memory error (memory_report.capture_oom_error)
             start = time.perf_counter()
             self._capture_one(bucket, pool)
             self.capture_seconds_by_bucket[bucket] = time.perf_counter() - start
@@ -133,25 +124,19 @@ class GraphRunner:
         self.graph_memory_bytes = sum(self.graph_memory_by_bucket.values())
         self.capture_memory_bytes = max(0, free_before - _free_memory(self.device))
         logger.info("captured %d %s graphs (%s) in %.1fs: graph pool %.1f MiB, device memory taken %.1f MiB; "
-                    "per bucket, largest first: %s", len(self.graphs), self.spec.name, self.buckets,
+                    "per bucket, largest first: %s", len(self.graphs), self.name, self.buckets,
                     self.capture_seconds, self.graph_memory_bytes / 2**20, self.capture_memory_bytes / 2**20,
                     ", ".join(f"{b}: {self.graph_memory_by_bucket[b] / 2**20:.1f} MiB "
                               f"{self.capture_seconds_by_bucket[b]:.2f}s" for b in self.graph_memory_by_bucket))
 
     def _capture_one(self, bucket: int, pool) -> None:
-        spec = self.spec
         self.buffers.fill(None, bucket)
-        if spec.buckets_are_tokens:
-            static_fb = self.buffers.forward_batch(None, bucket)
-            live = 0  # the break ops see an empty batch at capture
-        else:
-            static_fb = self.buffers.forward_batch(None, bucket, ForwardMode.DECODE)
-            live = bucket  # the graph attends every row; padded rows have empty lists
-        metadata = spec.capture_metadata(self.attn_backend, static_fb)
+        static_fb = self._capture_batch(bucket)
+        metadata = self.init_capture_metadata(static_fb)
         dp_moe = self.model_runner.dp_moe(bucket)  # DP: the MoE collectives are captured too
-        embeds = self.buffers.input_embeds[:bucket] if spec.from_embeddings else None
-        inline = break_ops_inline() if spec.inline_breaks else nullcontext()
-        with torch.inference_mode(), forward_context(static_fb, self.attn_backend, live, dp_moe), inline:
+        embeds = self._graph_embeds(bucket)
+        with torch.inference_mode(), forward_context(static_fb, self.attn_backend, self._live_rows(None, bucket),
+                                                     dp_moe), self._capture_mode():
             # Warm-up outside the capture (JIT compiles, cuBLAS workspaces, allocator blocks for
             # this bucket's shapes): twice for the first bucket, which meets every kernel for the
             # first time, once for the others. Warm-ups were most of the capture time at Flash
@@ -170,30 +155,24 @@ class GraphRunner:
         """Pad into the bucket's static batch, refresh its metadata, replay; returns the
         bucket's hidden states (rows [:fb.num_tokens] are the live ones)."""
         static_fb = self._fill(fb, bucket)
-        self.spec.replay_metadata(self.attn_backend, self.captured_metadata[bucket], fb, static_fb)
-        live = fb.num_tokens if self.spec.buckets_are_tokens else bucket
-        with forward_context(static_fb, self.attn_backend, live, self.model_runner.dp_moe(bucket)):
+        self.replay_metadata(self.captured_metadata[bucket], fb, static_fb)
+        with forward_context(static_fb, self.attn_backend, self._live_rows(fb, bucket),
+                             self.model_runner.dp_moe(bucket)):
             self.graphs[bucket].replay()
         self.replays_by_bucket[bucket] += 1
         return self.outputs[bucket]
 
-    def forward_padded_eager(self, fb: ForwardBatch, bucket: Optional[int] = None) -> torch.Tensor:
-        """BCG only: the replay's exact computation without the graph (same padding, same
-        static metadata shapes, same kernels). Replay must match it bit for bit, which
-        separates capture bugs from rounding (the equivalence tests compare against it)."""
-        if not self.spec.buckets_are_tokens:
-            raise NotImplementedError("forward_padded_eager exists for breakable (token-bucket) graphs only")
-        bucket = self.bucket_for(fb.num_tokens) if bucket is None else bucket
-        static_fb = self._fill(fb, bucket)
-        self.attn_backend.init_forward_metadata_for_breakable_cuda_graph_capture(static_fb)
-        with torch.inference_mode(), forward_context(static_fb, self.attn_backend, fb.num_tokens):
-            return self.model(static_fb.input_ids, self.buffers.input_embeds[:bucket])
-
     def _fill(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
         self.buffers.fill(fb, bucket)
-        if self.spec.from_embeddings and fb.input_embeds is None:  # the lookup the graph does not contain
-            torch.index_select(self.model.embed.weight, 0, fb.input_ids, out=self.buffers.input_embeds[:fb.num_tokens])
         return self.buffers.forward_batch(fb, bucket)
+
+    def count_fallback(self, reason: str, fb: ForwardBatch) -> None:
+        """An eager step this kind would have run (graph_dispatch's reason); logged at info
+        once per reason: a log line per step is too many."""
+        self.fallbacks[reason] += 1
+        level = logging.INFO if self.fallbacks[reason] == 1 else logging.DEBUG
+        logger.log(level, "%s fallback to eager (%s): %d tokens, %s", self.name, reason, fb.num_tokens,
+                   fb.forward_mode.name)
 
     # ---- bookkeeping ----------------------------------------------------------------------
     def static_buffer_bytes(self) -> int:
@@ -203,7 +182,7 @@ class GraphRunner:
         return tensor_bytes([vars(self.buffers), list(self.captured_metadata.values())])
 
     def get_stats(self) -> dict:
-        p = self.spec.name
+        p = self.name
         return {
             f"{p}_replays": self.num_replays,
             f"{p}_replays_by_bucket": {str(b): n for b, n in sorted(self.replays_by_bucket.items())},
@@ -224,6 +203,78 @@ class GraphRunner:
         self.graphs.clear()
         self.outputs.clear()
         self.captured_metadata.clear()
+
+
+class BreakableCudaGraphRunner(GraphRunner):
+    """Extend / mixed batches: one breakable graph per token-count bucket, the attention core
+    running eagerly between segments on the live tokens only."""
+
+    kind = PathKind.BREAKABLE
+    name = "breakable"
+    buckets_are_tokens = True
+
+    def init_capture_metadata(self, static_fb: ForwardBatch):
+        backend = self.attn_backend
+        if backend.use_captured_forward_metadata_for_breakable_cuda_graph:
+            return backend.init_forward_metadata_for_breakable_cuda_graph_capture(static_fb)
+        backend.init_forward_metadata(static_fb)
+        return None
+
+    def replay_metadata(self, captured, fb: ForwardBatch, static_fb: ForwardBatch) -> None:
+        backend = self.attn_backend
+        if backend.use_captured_forward_metadata_for_breakable_cuda_graph:
+            backend.prepare_forward_metadata_for_breakable_cuda_graph_replay(captured, fb, static_forward_batch=static_fb)
+        else:  # a backend that did not opt in is initialised eagerly before each replay
+            backend.init_forward_metadata(static_fb)
+
+    def _capture_batch(self, bucket: int) -> ForwardBatch:
+        return self.buffers.forward_batch(None, bucket)
+
+    def _live_rows(self, fb: Optional[ForwardBatch], bucket: int) -> int:
+        return 0 if fb is None else fb.num_tokens  # the break ops see an empty batch at capture
+
+    def _graph_embeds(self, bucket: int) -> torch.Tensor:
+        return self.buffers.input_embeds[:bucket]
+
+    def _fill(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
+        static_fb = super()._fill(fb, bucket)
+        if fb.input_embeds is None:  # the lookup the graph does not contain
+            torch.index_select(self.model.embed.weight, 0, fb.input_ids, out=self.buffers.input_embeds[:fb.num_tokens])
+        return static_fb
+
+    def forward_padded_eager(self, fb: ForwardBatch, bucket: Optional[int] = None) -> torch.Tensor:
+        """The replay's exact computation without the graph (same padding, same static
+        metadata shapes, same kernels). Replay must match it bit for bit, which separates
+        capture bugs from rounding (the equivalence tests compare against it)."""
+        bucket = self.bucket_for(fb.num_tokens) if bucket is None else bucket
+        static_fb = self._fill(fb, bucket)
+        self.attn_backend.init_forward_metadata_for_breakable_cuda_graph_capture(static_fb)
+        with torch.inference_mode(), forward_context(static_fb, self.attn_backend, fb.num_tokens):
+            return self.model(static_fb.input_ids, self.buffers.input_embeds[:bucket])
+
+
+class DecodeCudaGraphRunner(GraphRunner):
+    """Decode batches: one full CUDA graph per batch-size bucket, the attention core captured
+    too (break ops inline), so every metadata tensor is refreshed in place at replay."""
+
+    kind = PathKind.DECODE_GRAPH
+    name = "decode_graph"
+    buckets_are_tokens = False
+
+    def init_capture_metadata(self, static_fb: ForwardBatch):
+        return self.attn_backend.init_forward_metadata_capture_cuda_graph(static_fb)
+
+    def replay_metadata(self, captured, fb: ForwardBatch, static_fb: ForwardBatch) -> None:
+        self.attn_backend.init_forward_metadata_replay_cuda_graph(captured, static_fb)
+
+    def _capture_batch(self, bucket: int) -> ForwardBatch:
+        return self.buffers.forward_batch(None, bucket, ForwardMode.DECODE)
+
+    def _live_rows(self, fb: Optional[ForwardBatch], bucket: int) -> int:
+        return bucket  # the graph attends every row; padded rows have empty lists
+
+    def _capture_mode(self):
+        return break_ops_inline()
 
 
 def tensor_bytes(value, seen: Optional[set] = None) -> int:

@@ -32,8 +32,8 @@ def require_same_capture_tables(group, dp_size: int, tables: GraphTables) -> Non
     policy is not compared here: it changes no capture, and a step it would split fails in
     `DPStepSync.decide` with both paths named."""
     ranks = gather_graph_tables(group, dp_size, tables)
-    if len({(t.bcg_buckets, t.decode_bs_buckets) for t in ranks}) > 1:
-        named = "; ".join(f"rank {r}: bcg {tuple(t.bcg_buckets)}, decode {tuple(t.decode_bs_buckets)}"
+    if len({(t.breakable_buckets, t.decode_bs_buckets) for t in ranks}) > 1:
+        named = "; ".join(f"rank {r}: breakable {tuple(t.breakable_buckets)}, decode {tuple(t.decode_bs_buckets)}"
                           for r, t in enumerate(ranks))
         raise DPConsensusError(f"DP ranks have different graph buckets ({named}); every rank must be started "
                                "with the same graph flags (--breakable-cuda-graph-tokens, --cuda-graph-max-bs, ...)")

@@ -54,7 +54,7 @@ def report_startup_memory(runner, free_before: Optional[int]) -> Optional[Memory
         context_length=runner.max_context_len, max_running_requests=cfg.max_running_requests,
         # no chunking (-1): a whole prompt, up to the context length, is one step
         chunked_prefill_size=cfg.chunked_prefill_size if (cfg.chunked_prefill_size or 0) > 0 else runner.max_context_len,
-        bcg_max_tokens=runner.bcg_runner.buckets[-1] if runner.bcg_runner else 0,
+        breakable_max_tokens=runner.breakable_runner.buckets[-1] if runner.breakable_runner else 0,
         decode_graph_max_bs=runner.decode_graph_runner.buckets[-1] if runner.decode_graph_runner else 0,
         mem_fraction_static=cfg.mem_fraction_static, max_total_tokens=cfg.max_total_tokens,
     )
@@ -84,7 +84,7 @@ def capture_oom_error(runner, graph_runner) -> MemoryPlanError:
     memory was divided, and the flags that leave more room for activations and graphs."""
     weights, kv = _resident_bytes(runner)
     cfg = runner.server_args
-    breakable = graph_runner.spec.buckets_are_tokens
+    breakable = graph_runner.buckets_are_tokens
     what = (f"the {graph_runner.capturing}-token breakable graph" if breakable
             else f"the batch-size-{graph_runner.capturing} decode graph")
     flag = (f"--breakable-cuda-graph-max-tokens (largest bucket now {graph_runner.buckets[-1]})" if breakable

@@ -71,28 +71,28 @@ class ModelRunner:
                                                   max_seq_len=self.max_context_len, kernels=kernels,
                                                   segment_kernels=segment_kernels)
         self.stats = {"forward_eager": 0}
-        self.graph_runners = {}  # PathKind -> GraphRunner
+        self.graph_runners = {}  # PathKind -> its GraphRunner subclass
         self._init_graph_runners(args, cuda_graph_on_cpu)
         self.graph_tables = GraphTables(
-            bcg_buckets=self.bcg_runner.buckets if self.bcg_runner else (),
+            breakable_buckets=self.breakable_runner.buckets if self.breakable_runner else (),
             decode_bs_buckets=self.decode_graph_runner.buckets if self.decode_graph_runner else (),
             idle_policy=args.dp_idle_policy)
         self.memory_plan = report_startup_memory(self, free_before)
 
     def _init_graph_runners(self, args: ServerArgs, cuda_graph_on_cpu: bool) -> None:
-        from sglang.srt.model_executor.graph_runner import BREAKABLE, DECODE, GraphRunner
+        from sglang.srt.model_executor.graph_runner import BreakableCudaGraphRunner, DecodeCudaGraphRunner
 
         if args.enable_breakable_cuda_graph:
             buckets = args.breakable_cuda_graph_tokens or default_capture_num_tokens(args.breakable_cuda_graph_max_tokens)
-            self.graph_runners[PathKind.BCG] = GraphRunner(self, BREAKABLE, buckets, debug=args.debug_cuda_graph)
+            self.graph_runners[PathKind.BREAKABLE] = BreakableCudaGraphRunner(self, buckets, debug=args.debug_cuda_graph)
         if not args.disable_cuda_graph and (self.device.type == "cuda" or cuda_graph_on_cpu):
             buckets = default_capture_bs(min(args.cuda_graph_max_bs, args.max_running_requests))
-            self.graph_runners[PathKind.DECODE_GRAPH] = GraphRunner(self, DECODE, buckets, debug=args.debug_cuda_graph)
+            self.graph_runners[PathKind.DECODE_GRAPH] = DecodeCudaGraphRunner(self, buckets, debug=args.debug_cuda_graph)
         if self.dp_groups is not None:  # every rank, with graphs or not: the gather is collective
             # Capture runs the MoE collectives once per bucket: ranks with other buckets would
             # abort gloo (or hang NCCL) inside capture, so compare the tables first.
             require_same_capture_tables(self.dp_groups.cpu_group, args.dp_size, GraphTables(
-                bcg_buckets=self.bcg_runner.buckets if self.bcg_runner else (),
+                breakable_buckets=self.breakable_runner.buckets if self.breakable_runner else (),
                 decode_bs_buckets=self.decode_graph_runner.buckets if self.decode_graph_runner else ()))
         log_memory_before_capture(self)
         for runner in self.graph_runners.values():
@@ -102,8 +102,8 @@ class ModelRunner:
                 raise capture_oom_error(self, runner) from e
 
     @property
-    def bcg_runner(self):
-        return self.graph_runners.get(PathKind.BCG)
+    def breakable_runner(self):
+        return self.graph_runners.get(PathKind.BREAKABLE)
 
     @property
     def decode_graph_runner(self):
@@ -162,11 +162,8 @@ class ModelRunner:
         if path.kind != PathKind.EAGER:
             raise ValueError(f"forward() got path {path.kind.name} but no such graphs were captured")
         fallback_of = self.graph_runners.get(path.wanted)
-        if fallback_of is not None:  # counted, logged once per reason: a log line per step is too many
-            fallback_of.fallbacks[path.reason] += 1
-            level = logging.INFO if fallback_of.fallbacks[path.reason] == 1 else logging.DEBUG
-            logger.log(level, "%s fallback to eager (%s): %d tokens, %s", fallback_of.spec.name, path.reason,
-                       fb.num_tokens, fb.forward_mode.name)
+        if fallback_of is not None:
+            fallback_of.count_fallback(path.reason, fb)
         self.stats["forward_eager"] += 1
         self.attn_backend.init_forward_metadata(fb)
         with forward_context(fb, self.attn_backend, dp_moe=self.dp_moe(path.size)):
@@ -174,10 +171,10 @@ class ModelRunner:
         return compute_logits(self.model, hidden, fb)
 
     def _count_dp_step(self, path: StepPath) -> None:
-        key = {PathKind.BCG: "dp_bcg_steps", PathKind.DECODE_GRAPH: "dp_decode_graph_steps",
+        key = {PathKind.BREAKABLE: "dp_breakable_steps", PathKind.DECODE_GRAPH: "dp_decode_graph_steps",
                PathKind.EAGER: "dp_eager_steps"}[path.kind]
         self.stats[key] = self.stats.get(key, 0) + 1
-        if path.extend_or_mixed:  # the steps BCG is for; the replayed share is what we report
+        if path.extend_or_mixed:  # the steps breakable graphs are for; the replayed share is what we report
             self.stats["dp_extend_steps"] = self.stats.get("dp_extend_steps", 0) + 1
 
     def get_stats(self) -> dict:

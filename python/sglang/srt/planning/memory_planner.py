@@ -241,7 +241,7 @@ class PlanSettings:
     context_length: int
     max_running_requests: int
     chunked_prefill_size: int  # tokens per prefill step (no chunking: the context length)
-    bcg_max_tokens: int = 0  # largest breakable-graph bucket; 0: breakable graphs off
+    breakable_max_tokens: int = 0  # largest breakable-graph bucket; 0: breakable graphs off
     decode_graph_max_bs: int = 0  # largest decode-graph batch; 0: decode graphs off
     mem_fraction_static: float
     max_total_tokens: Optional[int]  # the user's KV size; None: what the fraction leaves
@@ -269,12 +269,12 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
     seg = lambda n, reqs: segment_activation_bytes(config, n, s.dp_size, reqs, s.model_dtype)  # noqa: E731
     # A graph pool is as large as its largest capture (buckets share it, captured largest first).
     # Breakable graphs hold segments only; decode graphs hold the attention break too.
-    graph = (seg(s.bcg_max_tokens, s.max_running_requests) if s.bcg_max_tokens else 0) + (
+    graph = (seg(s.breakable_max_tokens, s.max_running_requests) if s.breakable_max_tokens else 0) + (
         seg(s.decode_graph_max_bs, s.decode_graph_max_bs)
         + attention_break_bytes(config, s.decode_graph_max_bs, s.context_length) if s.decode_graph_max_bs else 0)
     # Eager steps and the eager breaks of replays: segments of the largest step (when not
     # replayed from the pool) and the break at the full context length.
-    step_tokens = max(s.chunked_prefill_size, s.bcg_max_tokens, 1)
+    step_tokens = max(s.chunked_prefill_size, s.breakable_max_tokens, 1)
     reserve = seg(step_tokens, s.max_running_requests) + attention_break_bytes(config, step_tokens, s.context_length)
 
     static_budget = int(free_memory * s.mem_fraction_static)

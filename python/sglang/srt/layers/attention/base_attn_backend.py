@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 
 class AttentionBackend:
-    # Opt-in: when True, the BCG runner captures one metadata object per bucket and, before
+    # Opt-in: when True, the breakable-graph runner captures one metadata object per bucket and, before
     # each replay, asks the backend to refresh it from the live batch (the captured object
     # stays the active metadata). Backends that do not opt in get init_forward_metadata()
     # before each replay, like an eager step.

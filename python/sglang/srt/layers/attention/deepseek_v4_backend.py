@@ -123,9 +123,10 @@ class DeepseekV4AttnBackend(AttentionBackend):
 
     def init_forward_metadata_replay_cuda_graph(self, capture_metadata: DSV4Metadata, static_forward_batch) -> None:
         # Every tensor, assign fields too, is built into the captured storage (the graph reads
-        # them all); the refresh then only checks the static fields.
+        # them all); the decode refresh then finds nothing to copy and checks the static fields
+        # and host widths.
         fresh = self._build(static_forward_batch, static=True, into=capture_metadata, into_all=True,
                             full_graph=True)
-        capture_metadata.refresh_for_breakable_cuda_graph_replay_(fresh)
+        capture_metadata.refresh_for_decode_cuda_graph_replay_(fresh)
         self.forward_metadata = capture_metadata
 

@@ -9,7 +9,7 @@ _SHARED_STATS = {"page_size"}  # the same setting on every rank: reported once
 
 def aggregate_stats(per_rank: Sequence[dict]) -> dict:
     """All ranks' stats in one dict: numbers summed (counters and capacities; step counts such
-    as dp_bcg_steps then count rank-steps), dicts merged the same way, seconds (*_seconds and
+    as dp_breakable_steps then count rank-steps), dicts merged the same way, seconds (*_seconds and
     the values of *_seconds_by_bucket) as the max (ranks capture in parallel), anything else
     kept when every rank agrees, else listed."""
     if len(per_rank) == 1:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bcg_equivalence import make_runners, run_equivalence, run_long_prefills  # noqa: E402
+from breakable_equivalence import make_runners, run_equivalence, run_long_prefills  # noqa: E402
 
 from sglang.srt.configs.presets import get_preset  # noqa: E402
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend  # noqa: E402
@@ -50,7 +50,7 @@ def _batch(runner, chunks, prefixes=None):
 
 
 class TestDSV4BreakableCudaGraphMetadataContract:
-    def test_bcg_is_off_by_default(self):
+    def test_breakable_is_off_by_default(self):
         assert ServerArgs().enable_breakable_cuda_graph is False
 
     def test_only_the_dsv4_backend_opts_in(self):
@@ -100,6 +100,29 @@ class TestDSV4BreakableCudaGraphMetadataContract:
         assert captured.indexer.cand_width == fresh.indexer.cand_width == 29 // 4  # the replay's longest sequence
         assert captured.indexer.topk_slots is topk_before  # produced: untouched
         assert bool((topk_before == 123).all())
+
+    def test_decode_refresh_copies_every_tensor_in_place(self, tiny_runner):
+        """A full decode graph reads the break's inputs inside the graph too: its refresh
+        replaces nothing, copies assign tensors like copy ones, and holds host widths equal."""
+        backend = tiny_runner.attn_backend
+        captured = backend._build(_batch(tiny_runner, [list(range(3, 40)), list(range(5, 20))]), static=True,
+                                  full_graph=True)
+        fresh = backend._build(_batch(tiny_runner, [list(range(7, 30)), list(range(9, 38))], prefixes=[0, 0]),
+                               static=True, full_graph=True)
+        held = {name: getattr(captured.attn, name) for name in ("window_slots", "window_len", "c128_len")}
+        token_rows = captured.token_rows
+        assert not torch.equal(held["window_len"], fresh.attn.window_len)
+
+        captured.refresh_for_decode_cuda_graph_replay_(fresh)
+
+        for name, t in held.items():
+            assert getattr(captured.attn, name) is t and torch.equal(t, getattr(fresh.attn, name))
+        assert captured.token_rows is token_rows and torch.equal(token_rows, fresh.token_rows)
+        wider = dataclasses.replace(fresh, indexer=dataclasses.replace(fresh.indexer,
+                                                                       cand_width=fresh.indexer.cand_width + 1))
+        with pytest.raises(fc.MetadataContractError,
+                           match=r"DSV4IndexerMetadata\.cand_width: host value read inside the full graph differs"):
+            captured.refresh_for_decode_cuda_graph_replay_(wider)
 
     def test_static_mismatch_raises(self, tiny_runner):
         backend = tiny_runner.attn_backend
@@ -155,7 +178,7 @@ def test_replay_equals_eager_on_randomised_extend_and_mixed_batches(runners):
     assert report.modes.get("MIXED", 0) > 100 and report.modes.get("EXTEND", 0) > 100
     for b in BUCKETS:  # token counts at the bucket size and just under it were exercised
         assert b in report.tokens and b - 1 in report.tokens
-    assert runners[0].bcg_runner.num_replays >= report.batches
+    assert runners[0].breakable_runner.num_replays >= report.batches
 
 
 def test_replay_equals_eager_past_positions_128_and_512_and_replays_the_smallest_fitting_bucket():
@@ -163,7 +186,7 @@ def test_replay_equals_eager_past_positions_128_and_512_and_replays_the_smallest
     and 4 x 128 (c128 and c4 blocks emitted inside the replayed step, ring state read across
     steps) next to a decode row; every step replays the smallest bucket that holds it."""
     runners = make_runners(BUCKETS)
-    graph_runner = runners[0].bcg_runner
+    graph_runner = runners[0].breakable_runner
     report = run_long_prefills(runners, chunk=120, total_len=530, num_reqs=1)
     assert report.mismatches == [], report.mismatches[:5]
     assert report.batches == 5 and report.modes == {"EXTEND": 1, "MIXED": report.batches - 1}
@@ -174,14 +197,14 @@ def test_replay_equals_eager_past_positions_128_and_512_and_replays_the_smallest
     for n in report.tokens + mixed.tokens:
         bucket = str(min(b for b in BUCKETS if b >= n))
         expected[bucket] = expected.get(bucket, 0) + 1
-    assert graph_runner.get_stats()["bcg_replays_by_bucket"] == expected
+    assert graph_runner.get_stats()["breakable_replays_by_bucket"] == expected
     assert set(expected) == {str(b) for b in BUCKETS}
 
 
 def test_the_attention_break_op_gets_the_live_token_count_not_the_bucket(monkeypatch):
     """Replaying a 16-token bucket for 7 live tokens: the break op hands the backend n = 7 (the
     padding is neither attended nor paid for), while q keeps the bucket's 16 rows."""
-    from bcg_equivalence import TINY
+    from breakable_equivalence import TINY
 
     runner = ModelRunner(cpu_server_args(**TINY, enable_breakable_cuda_graph=True,
                                          breakable_cuda_graph_tokens=[16]))
@@ -195,8 +218,8 @@ def test_the_attention_break_op_gets_the_live_token_count_not_the_bucket(monkeyp
     monkeypatch.setattr(DeepseekV4AttnBackend, "forward", spy)
     fb = _batch(runner, [[5, 6, 7, 8], [9, 10, 11]])
     path = decide_step_path((describe(fb),), runner.graph_tables)
-    assert (path.kind, path.size) == (PathKind.BCG, 16)
-    runner.bcg_runner.replay_hidden(fb, path.size)
+    assert (path.kind, path.size) == (PathKind.BREAKABLE, 16)
+    runner.breakable_runner.replay_hidden(fb, path.size)
     num_layers = runner.model.config.num_hidden_layers
     assert seen == [(layer, 16, 7) for layer in range(num_layers)]
 
@@ -206,7 +229,7 @@ def test_a_replay_pays_for_live_rows_only_in_the_attention_core_and_the_indexer(
     every layer's sink-attention core gets 7 query rows (and writes 7 output rows), and every
     c4 layer's indexer top-k selects for 7 tokens. The break op passing n = 7 is not enough:
     a backend that attended all 16 rows would still give the right live outputs."""
-    from bcg_equivalence import TINY
+    from breakable_equivalence import TINY
     from dsv4_kernels import reference as kernel_reference
 
     from sglang.srt.layers.attention import deepseek_v4_backend
@@ -229,8 +252,8 @@ def test_a_replay_pays_for_live_rows_only_in_the_attention_core_and_the_indexer(
     monkeypatch.setattr(deepseek_v4_backend, "select_topk", topk_spy)
     fb = _batch(runner, [[5, 6, 7, 8], [9, 10, 11]])
     path = decide_step_path((describe(fb),), runner.graph_tables)
-    assert (path.kind, path.size) == (PathKind.BCG, 16)
-    runner.bcg_runner.replay_hidden(fb, path.size)
+    assert (path.kind, path.size) == (PathKind.BREAKABLE, 16)
+    runner.breakable_runner.replay_hidden(fb, path.size)
     ratios = runner.model.config.compress_ratios[:runner.model.config.num_hidden_layers]
     assert core_rows == [(7, 7)] * len(ratios)
     assert topk_tokens == [7] * sum(1 for r in ratios if r == 4) and topk_tokens
@@ -285,7 +308,7 @@ def test_input_embeds_batches_replay_through_the_static_embeddings_buffer():
         fb = _batch(m, [ids])
         fb.input_embeds = m.model.embed(fb.input_ids) * 0.5  # not the lookup: must be used as given
         outs.append(m.forward(fb).next_token_logits)
-    assert graph.bcg_runner.num_replays == 1
+    assert graph.breakable_runner.num_replays == 1
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-4)
 
 
@@ -376,9 +399,9 @@ def test_a_dp_batch_with_an_idle_peer_runs_the_path_it_is_given():
     idle = StepInfo(0, int(ForwardMode.IDLE), 0)
     path = decide_step_path([describe(fb), idle], runner.graph_tables)
     assert (path.kind.name, path.reason) == ("EAGER", "inactive_dp_rank")
-    replay_policy = GraphTables(runner.graph_tables.bcg_buckets, (), "replay")
-    assert decide_step_path([describe(fb), idle], replay_policy).kind.name == "BCG"
+    replay_policy = GraphTables(runner.graph_tables.breakable_buckets, (), "replay")
+    assert decide_step_path([describe(fb), idle], replay_policy).kind.name == "BREAKABLE"
     fb.dp = DPInfo(global_num_tokens_cpu=[5, 0], dp_rank=0)
     runner.forward(fb, path)
-    assert runner.get_stats()["bcg_fallbacks"] == {"inactive_dp_rank": 1}
+    assert runner.get_stats()["breakable_fallbacks"] == {"inactive_dp_rank": 1}
     assert runner.stats["forward_eager"] == 1

@@ -14,7 +14,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bcg_equivalence import make_runners, run_equivalence  # noqa: E402
+from breakable_equivalence import make_runners, run_equivalence  # noqa: E402
 
 MINI = dict(model_path="dsv4-mini", device="cuda", dtype="bfloat16", context_length=2048,
             max_total_tokens=96 * 1024, max_running_requests=12)
@@ -86,5 +86,5 @@ def test_breakable_replay_never_waits_for_the_gpu():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert got.shape == (fb.batch_size, r.config.vocab_size) and torch.isfinite(got).all()
-    assert r.bcg_runner.num_replays == 2
+    assert r.breakable_runner.num_replays == 2
     r.shutdown()

@@ -38,7 +38,7 @@ def long_tiny(tmp_path_factory):
     return str(d)
 
 
-def _bcg_runner(model_path, context_length, **kw):
+def _breakable_runner(model_path, context_length, **kw):
     return ModelRunner(cpu_server_args(
         model_path=model_path, load_format="dummy", context_length=context_length, max_total_tokens=4096,
         max_running_requests=4, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=BUCKETS, **kw))
@@ -49,17 +49,17 @@ def _tokens(n, seed):
 
 
 def test_graph_buffers_are_the_same_at_8k_and_1m_context(long_tiny):
-    short, long = _bcg_runner(long_tiny, 8192), _bcg_runner(long_tiny, ONE_M)
+    short, long = _breakable_runner(long_tiny, 8192), _breakable_runner(long_tiny, ONE_M)
     eager = ModelRunner(cpu_server_args(model_path=long_tiny, load_format="dummy", context_length=ONE_M,
                                         max_total_tokens=4096, max_running_requests=4))
     for bucket in BUCKETS:
-        captured = [r.bcg_runner.captured_metadata[bucket] for r in (short, long)]
+        captured = [r.breakable_runner.captured_metadata[bucket] for r in (short, long)]
         assert captured[1].max_seq_len == ONE_M  # the long runner did capture for a 1M context
         assert tensor_bytes(captured[0]) == tensor_bytes(captured[1])
         # Before: the c4 candidate list alone was bucket x 1M/4 int32 (64 MiB at bucket 64).
         assert tensor_bytes(captured[1]) < 64 * 1024 * bucket
     # what the runner reports (static batch buffers + every bucket's captured metadata)
-    assert short.bcg_runner.static_buffer_bytes() == long.bcg_runner.static_buffer_bytes()
+    assert short.breakable_runner.static_buffer_bytes() == long.breakable_runner.static_buffer_bytes()
     # The same live batch replays identically on both, and as eager computes it.
     prompt = _tokens(300, seed=5)
     outs = []
@@ -70,7 +70,7 @@ def test_graph_buffers_are_the_same_at_8k_and_1m_context(long_tiny):
         live = runner.attn_backend.forward_metadata
         assert live.indexer.cand_width == 100 // 4  # the batch's width, not the context's
         s.release()
-    assert short.bcg_runner.num_replays == long.bcg_runner.num_replays == 2
+    assert short.breakable_runner.num_replays == long.breakable_runner.num_replays == 2
     for a, b, want in zip(outs[0:2], outs[2:4], outs[4:6]):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, want, rtol=1e-4, atol=1e-4)
@@ -131,15 +131,15 @@ def test_chunked_prefill_through_graphs_matches_full_prefill(monkeypatch):
         get_preset("dsv4-tiny"), kernels=False))
     assert widths.indexer_chunk_tokens(get_preset("dsv4-tiny"), 700 // 4, kernels=False) == 16
     cfg = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=4096, max_running_requests=4)
-    bcg = ModelRunner(cpu_server_args(**cfg, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=BUCKETS))
+    breakable = ModelRunner(cpu_server_args(**cfg, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=BUCKETS))
     eager = ModelRunner(cpu_server_args(**cfg))
     prompt = _tokens(700, seed=11)
     # Chunks of 60 replay in bucket 64; every chunk's candidate lists (up to 175 c4 entries)
     # are wider than the chunk itself.
-    chunked = prefill_in_chunks(bcg, prompt, [60])
-    assert bcg.bcg_runner.num_replays == len(chunked) == 12
+    chunked = prefill_in_chunks(breakable, prompt, [60])
+    assert breakable.breakable_runner.num_replays == len(chunked) == 12
     full = prefill_in_chunks(eager, prompt, [700])
     torch.testing.assert_close(chunked[-1], full[-1], rtol=1e-4, atol=1e-4)
     assert chunked[-1].argmax() == full[-1].argmax()
-    bcg.shutdown()
+    breakable.shutdown()
     eager.shutdown()

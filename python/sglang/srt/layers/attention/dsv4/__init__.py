@@ -1,1 +1,1 @@
-"""DSV4 attention pieces: metadata (with BCG field classes), builders, compressor, indexer."""
+"""DSV4 attention pieces: metadata (with breakable-graph field classes), builders, compressor, indexer."""

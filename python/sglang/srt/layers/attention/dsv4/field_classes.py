@@ -10,6 +10,11 @@ Every dataclass field of a metadata object declares exactly one class next to it
             indices). Refresh keeps the captured storage and never touches it.
 `refresh_for_breakable_cuda_graph_replay_` is derived from these declarations, so a new field
 cannot be forgotten: an unclassified field makes the refresh raise.
+
+A full decode CUDA graph captures the break op too, so there every field is read inside the
+graph: `refresh_for_decode_cuda_graph_replay_` (`full_graph=True`) copies assign tensors in
+place like copy fields and holds assign host values (the static-width decode widths) equal
+like static fields.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 
 COPY, ASSIGN, STATIC, PRODUCED = "copy", "assign", "static", "produced"
 FIELD_CLASSES = (COPY, ASSIGN, STATIC, PRODUCED)
-_KEY = "bcg_field_class"
+_KEY = "breakable_field_class"
 
 
 class MetadataContractError(RuntimeError):
@@ -74,22 +79,24 @@ def _plan(cls) -> tuple:
     return plan
 
 
-def refresh_(captured: Any, fresh: Any, path: str = "") -> None:
-    """Make `captured` (the object the graph captured) hold `fresh`'s values per the contract."""
+def refresh_(captured: Any, fresh: Any, path: str = "", full_graph: bool = False) -> None:
+    """Make `captured` (the object the graph captured) hold `fresh`'s values per the contract;
+    `full_graph`: the graph reads every field (decode graphs), so nothing is replaced."""
     if type(captured) is not type(fresh):
         raise MetadataContractError(
             f"{path or type(captured).__name__}: captured {type(captured).__name__}, fresh {type(fresh).__name__}"
         )
     for fname, cls in _plan(type(captured)):
         old, new = getattr(captured, fname), getattr(fresh, fname)
-        if cls == COPY:
-            _copy_into(old, new, captured, fname, path)
-        elif cls == ASSIGN:
+        if cls == COPY or (cls == ASSIGN and full_graph and isinstance(old, torch.Tensor)):
+            _copy_into(old, new, captured, fname, path, full_graph)
+        elif cls == ASSIGN and not full_graph:
             setattr(captured, fname, new)
-        elif cls == STATIC:
+        elif cls in (STATIC, ASSIGN):
             if not _static_equal(old, new):
+                what = "static field" if cls == STATIC else "host value read inside the full graph"
                 raise MetadataContractError(
-                    f"{_name(captured, fname, path)}: static field differs (captured {old!r}, replay {new!r})")
+                    f"{_name(captured, fname, path)}: {what} differs (captured {old!r}, replay {new!r})")
         elif cls == PRODUCED:
             continue
         else:
@@ -101,7 +108,7 @@ def _name(obj: Any, fname: str, path: str) -> str:
     return f"{path}{type(obj).__name__}.{fname}"
 
 
-def _copy_into(old: Any, new: Any, owner: Any, fname: str, path: str) -> None:
+def _copy_into(old: Any, new: Any, owner: Any, fname: str, path: str, full_graph: bool = False) -> None:
     if old is None or new is None:
         if old is not new:
             raise MetadataContractError(f"{_name(owner, fname, path)}: present at capture xor replay")
@@ -113,7 +120,7 @@ def _copy_into(old: Any, new: Any, owner: Any, fname: str, path: str) -> None:
         if old is not new:  # a builder may already have written into the captured storage
             old.copy_(new)
     elif dataclasses.is_dataclass(old):
-        refresh_(old, new, path=f"{_name(owner, fname, path)} -> ")
+        refresh_(old, new, path=f"{_name(owner, fname, path)} -> ", full_graph=full_graph)
     else:
         raise MetadataContractError(f"{_name(owner, fname, path)}: copy field must be a tensor or nested metadata")
 

@@ -23,6 +23,9 @@ class _Refreshable:
     def refresh_for_breakable_cuda_graph_replay_(self, fresh) -> None:
         refresh_(self, fresh)
 
+    def refresh_for_decode_cuda_graph_replay_(self, fresh) -> None:
+        refresh_(self, fresh, full_graph=True)
+
 
 @dataclass
 class DSV4CompressorMetadata(_Refreshable):

@@ -19,11 +19,11 @@ TINY = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=16384,
 
 def make_runners(buckets, **over):
     cfg = dict(TINY, **over)
-    bcg = ModelRunner(cpu_server_args(**cfg, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=list(buckets),
+    breakable = ModelRunner(cpu_server_args(**cfg, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=list(buckets),
                                       breakable_cuda_graph_max_tokens=max(buckets)))
     padded = ModelRunner(cpu_server_args(**cfg))
     eager = ModelRunner(cpu_server_args(**cfg))
-    return bcg, padded, eager
+    return breakable, padded, eager
 
 
 @dataclass
@@ -85,15 +85,15 @@ def random_batch(rng: random.Random, live: List[Req], target: int, max_reqs: int
 
 def run_equivalence(runners, buckets, batches_per_bucket: int, seed: int = 0, max_len: int = 700,
                     atol_unpadded: float = 1e-4) -> Report:
-    bcg, padded, eager = runners
-    graph_runner = bcg.bcg_runner
+    breakable, padded, eager = runners
+    graph_runner = breakable.breakable_runner
     padded_runner = _padded_view(padded, graph_runner)
     rng = random.Random(seed)
     live: List[Req] = []
     report = Report()
 
     def new_req():
-        if bcg.req_to_token_pool.slots.num_free == 0:
+        if breakable.req_to_token_pool.slots.num_free == 0:
             return None
         r = Req([m.req_to_token_pool.alloc_req() for m in runners])
         live.append(r)
@@ -106,9 +106,9 @@ def run_equivalence(runners, buckets, batches_per_bucket: int, seed: int = 0, ma
             # at the bucket size, just under it, or anywhere the runner accepts for this bucket
             lowest = max(lo + 1, -(-hi // 3))
             target = hi if i % 4 == 0 else (hi - 1 if i % 4 == 1 and hi - 1 > lo else rng.randint(lowest, hi))
-            while len(live) > bcg.req_to_token_pool.max_num_reqs - 3:  # keep slots for new prefills
+            while len(live) > breakable.req_to_token_pool.max_num_reqs - 3:  # keep slots for new prefills
                 _free(runners, live, max(live, key=lambda r: r.length))
-            batch = random_batch(rng, live, target, bcg.req_to_token_pool.max_num_reqs - 1, new_req)
+            batch = random_batch(rng, live, target, breakable.req_to_token_pool.max_num_reqs - 1, new_req)
             _run_and_compare(runners, graph_runner, padded_runner, batch, report, step, atol_unpadded)
             report.batches += 1
             step += 1
@@ -123,8 +123,8 @@ def run_long_prefills(runners, chunk: int, total_len: int, num_reqs: int = 2) ->
     different rows) up to `total_len`, each step with a decode row of an earlier request once
     one exists. Every multiple of 128 crossed inside a replayed step emits a c128 block there
     (and every multiple of 4 a c4 block)."""
-    bcg = runners[0]
-    graph_runner = bcg.bcg_runner
+    breakable = runners[0]
+    graph_runner = breakable.breakable_runner
     padded_runner = _padded_view(runners[1], graph_runner)
     report = Report()
     reqs = [Req([m.req_to_token_pool.alloc_req() for m in runners]) for _ in range(num_reqs)]
@@ -163,7 +163,7 @@ def _run_and_compare(runners, graph_runner, padded_runner, batch, report, step, 
                                  toks, m.device)
         if k == 0:
             path = decide_step_path((describe(fb),), m.graph_tables)
-            assert path.kind == PathKind.BCG, path.reason
+            assert path.kind == PathKind.BREAKABLE, path.reason
             outs.append(graph_runner.replay_hidden(fb, path.size)[:fb.num_tokens].clone())
         elif k == 1:
             outs.append(padded_runner(fb)[:fb.num_tokens].clone())
@@ -194,7 +194,7 @@ def _free(runners, live, r) -> None:
 
 def _padded_view(runner, graph_runner):
     """Eager forward on the padded static batch, using a runner-local copy of the buffers."""
-    from sglang.srt.model_executor.graph_runner import BREAKABLE, GraphRunner
+    from sglang.srt.model_executor.graph_runner import BreakableCudaGraphRunner
 
-    twin = GraphRunner(runner, BREAKABLE, graph_runner.buckets)
+    twin = BreakableCudaGraphRunner(runner, graph_runner.buckets)
     return twin.forward_padded_eager
