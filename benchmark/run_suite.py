@@ -247,7 +247,9 @@ def main(argv=None) -> int:
     names = gpu_names()
     results_dir = args.results_dir or default_results_dir(names)
     failed = []
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # a killed driver takes its item along
+    # A killed or interrupted driver takes its item along. SIGINT is installed explicitly: a driver
+    # started in the background of a non-interactive shell inherits SIGINT as ignored.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         for name in args.suites:
             summary = run_suite(name, suites[name], results_dir, args.only, len(names))
@@ -256,7 +258,8 @@ def main(argv=None) -> int:
         print(f"interrupted; results so far under {results_dir}")
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print(f"results under {results_dir}" + (f"; failed: {' '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
