@@ -183,6 +183,11 @@ class ModelRunner:
                    segment_kernels=self.attn_backend.segment_kernels)
         for runner in self.graph_runners.values():
             out.update(runner.get_stats())
+        if self.device.type == "cuda":
+            # this process's own device memory (the caching allocator, graph pools included):
+            # unlike the device-wide free figure, other processes on the GPU do not move it
+            out["device_memory_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+            out["device_memory_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
         return out
 
     def shutdown(self) -> None:
