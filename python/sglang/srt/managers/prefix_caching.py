@@ -144,6 +144,8 @@ class PrefixCaching:
 
 
 def make_prefix_caching(server_args, model_runner) -> Optional[PrefixCaching]:
-    if not getattr(server_args, "enable_prefix_caching", False):
+    """The scheduler's prefix caching, or None when off (then the pool evicts nothing)."""
+    if not server_args.enable_prefix_caching:
+        model_runner.req_to_token_pool.reclaimer = None
         return None
     return PrefixCaching(model_runner.req_to_token_pool, getattr(model_runner, "kv_pool", None))
