@@ -6,8 +6,9 @@ cached prefix, when its resume states are taken, and what it inserts into the ra
   table, writes the node's ResumeState into its state rows, locks the node and starts the
   request at the matched length: its first forward is an extend from that prefix.
 - After every launched forward, a request whose computed length is a multiple of page_size
-  takes its ResumeState (only the latest is kept). The scheduler cuts a prefill chunk at the
-  last page boundary of the tokens to prefill, so every prompt longer than a page leaves one.
+  takes its ResumeState (only the latest is kept). The scheduler cuts prefill chunks at page
+  boundaries (`cut_chunk`), so a prompt leaves a state at the end of every chunk but its last
+  and at its last page boundary: a prompt longer than a page always leaves one.
 - Insertion: after a prefill forward that took a state (a chunk ending on a page boundary, or
   the prompt's last boundary), and when the request finishes (its decode reached later
   boundaries), the tokens up to the state's length go into the tree with their pages. While
@@ -78,13 +79,15 @@ class PrefixCaching:
         self.hit_tokens += match.length
 
     def cut_chunk(self, seq_len: int, prefix_len: int, n: int) -> int:
-        """A prefill chunk of n tokens from prefix_len, shortened to end at the last page
-        boundary of the seq_len tokens to prefill when it would cross it (that boundary then
-        gets a resume state)."""
-        last = seq_len // self.page_size * self.page_size
-        if prefix_len < last < prefix_len + n:
-            return last - prefix_len
-        return n
+        """A prefill chunk of n tokens from prefix_len, shortened so that it ends on a page
+        boundary, where the request then takes a resume state: a chunk that leaves tokens for
+        later ends at the last boundary it crosses; the final chunk stops at the last boundary
+        of the seq_len tokens (the rest follows in one more forward). A chunk crossing no
+        boundary stays as it is."""
+        ps = self.page_size
+        end = prefix_len + n
+        cut = end // ps * ps if end < seq_len else seq_len // ps * ps
+        return cut - prefix_len if prefix_len < cut < end else n
 
     # ---- after a forward -------------------------------------------------------------
 
