@@ -144,3 +144,31 @@ def test_two_requests_sharing_a_prefix_while_it_is_filled(runner, chunk):
     _same_outputs(got, expect)
     # y was admitted while x still prefilled: x's pages up to its last boundary were in the tree
     assert got["y"][2] == 2 * P and got["x"][2] == 0
+
+
+def test_resumed_extends_replay_from_breakable_graphs_with_the_eager_outputs():
+    """Extends from a cached prefix and decodes replayed from graphs (the CPU emulator) give
+    the cache-free eager outputs."""
+    torch.manual_seed(0)
+    graphs = ModelRunner(cpu_server_args(**TINY, max_running_requests=4, enable_breakable_cuda_graph=True,
+                                         breakable_cuda_graph_tokens=[16, 64], cuda_graph_max_bs=4),
+                         cuda_graph_on_cpu=True)
+    rng = random.Random(5)
+    vocab = graphs.config.vocab_size
+    prefix = _ids(rng, 2 * P + 5, vocab)
+    reqs = lambda: [_req("x", prefix + _ids(random.Random(6), 7, vocab)),  # noqa: E731
+                    _req("y", prefix[:2 * P + 2] + _ids(random.Random(7), 20, vocab))]
+    before = graphs.get_stats()
+    cached = Serving(graphs, caching=True, chunked_prefill_size=64, enable_mixed_chunk=True)
+    got = cached.run(reqs())
+    cached.close()
+    after = graphs.get_stats()
+    torch.manual_seed(0)
+    eager = ModelRunner(cpu_server_args(**TINY, max_running_requests=4))
+    plain = Serving(eager, caching=False, chunked_prefill_size=64, enable_mixed_chunk=True)
+    expect = plain.run(reqs())
+    plain.close()
+    _same_outputs(got, expect)
+    assert got["y"][2] == 2 * P
+    for kind in ("breakable_replays", "decode_graph_replays"):
+        assert after[kind] > before[kind], kind
