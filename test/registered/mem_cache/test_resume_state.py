@@ -119,3 +119,21 @@ def test_resume_state_bytes_match_a_taken_state_and_the_flash_figure(runner):
     assert resume_state_bytes(flash, 256) == n_c4 * 4 * 2 * 2 * (512 + 128) * 4
     with pytest.raises(ValueError, match="positive length"):
         take_resume_state(runner.kv_pool, 0, 0)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_state_lives_in_pinned_host_memory_and_restores_the_rows():
+    from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
+
+    config = get_preset("dsv4-tiny")
+    kv = DSV4KVPool(config, 4 * P, 2, torch.bfloat16, "cuda")
+    _scribble_rings(kv, 0, seed=1)
+    _scribble_rings(kv, 1, seed=2)
+    state = take_resume_state(kv, 0, 2 * P)
+    assert state.rings and all(t.device.type == "cpu" and t.is_pinned()
+                               for _, a, b in state.rings.values() for t in (a, b))
+    restore_resume_state(kv, 1, state)
+    torch.cuda.synchronize()
+    for st in list(kv.compressor_state.values()) + list(kv.indexer_state.values()):
+        rows = [q % st.ring for q in ring_positions_to_keep(2 * P, st.ratio)]
+        assert torch.equal(st.kv[1, rows], st.kv[0, rows]) and torch.equal(st.score[1, rows], st.score[0, rows])

@@ -16,9 +16,10 @@ cached prefix, when its resume states are taken, and what it inserts into the ra
 - Aborted and failed requests insert nothing; every request unlocks its node and drops its
   page holds when it releases its KV (finish, abort, failure, retraction).
 
-Memory: each cached node end holds one ResumeState (resume_state.resume_state_bytes: for
-DeepSeek-V4-Flash, 21 ratio-4 layers x 40 KiB = 840 KiB, against 128 pages' worth of KV
-per page of 128 tokens... see docs/architecture.md for the numbers per page size).
+Memory: a node that ends a cached insertion holds one ResumeState in host memory
+(resume_state.py: 840 KiB for DeepSeek-V4-Flash, whatever the page size); nodes made by
+splits hold none. Pages are the pool's own: cached pages are evicted before anything else
+is refused, so caching never lowers what the pool admits.
 """
 
 from __future__ import annotations

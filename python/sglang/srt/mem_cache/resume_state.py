@@ -19,6 +19,9 @@ every position from L on is written by the resumed request's own forwards before
 
 Bytes per state: 4 positions x 2 (kv, score) x coff * dim x 4 (fp32) per ratio-4 layer, for
 the compressor (dim = head_dim) and the indexer (dim = index_head_dim); `resume_state_bytes`.
+DeepSeek-V4-Flash: 21 ratio-4 layers x 40 KiB = 840 KiB per state (a 128-token page of its
+bf16 KV is 6.2 MiB). States live in host memory (pinned on CUDA): the KV pool's plan needs no
+room for them, and taking or restoring one is an asynchronous copy on the forward's stream.
 """
 
 from __future__ import annotations
@@ -71,6 +74,19 @@ def _ring_slices(st: CompressorState, keep: range):
     return out
 
 
+def _copy_out(ring: torch.Tensor, parts) -> torch.Tensor:
+    """The ring rows `parts` in host memory: pinned, filled by non-blocking copies, on CUDA (a
+    state is no GPU memory the plan did not count, and the host never waits for the GPU)."""
+    n = sum(s.stop - s.start for s in parts)
+    on_cuda = ring.device.type == "cuda"
+    out = torch.empty((n, *ring.shape[1:]), dtype=ring.dtype, pin_memory=on_cuda)
+    done = 0
+    for s in parts:
+        out[done:done + s.stop - s.start].copy_(ring[s], non_blocking=on_cuda)
+        done += s.stop - s.start
+    return out
+
+
 def take_resume_state(kv_pool: Optional[DSV4KVPool], req_slot: int, length: int) -> ResumeState:
     """Copies of request slot `req_slot`'s state after it computed `length` positions. Only
     enqueues device copies: taken right after the forward that reached `length` was launched
@@ -85,8 +101,7 @@ def take_resume_state(kv_pool: Optional[DSV4KVPool], req_slot: int, length: int)
             if len(keep) == 0:
                 continue
             parts = _ring_slices(st, keep)
-            rings[key] = (keep.start, torch.cat([st.kv[req_slot, s] for s in parts]),
-                          torch.cat([st.score[req_slot, s] for s in parts]))
+            rings[key] = (keep.start, _copy_out(st.kv[req_slot], parts), _copy_out(st.score[req_slot], parts))
     return ResumeState(length=length, rings=rings)
 
 
@@ -103,8 +118,9 @@ def restore_resume_state(kv_pool: Optional[DSV4KVPool], req_slot: int, state: Re
         done = 0
         for s in _ring_slices(st, keep):
             n = s.stop - s.start
-            st.kv[req_slot, s].copy_(kv[done:done + n])
-            st.score[req_slot, s].copy_(score[done:done + n])
+            # from pinned host memory: a non-blocking upload, ordered after the copy that took it
+            st.kv[req_slot, s].copy_(kv[done:done + n], non_blocking=True)
+            st.score[req_slot, s].copy_(score[done:done + n], non_blocking=True)
             done += n
 
 
