@@ -20,6 +20,9 @@ Policy, in order of precedence:
   prefill priority would stall every running request for the whole duration of a long queue.
 - A step that had to retract does no prefill, so a request is never retracted and
   re-admitted in the same step.
+- --enable-prefix-caching (managers/prefix_caching.py): an admitted request starts after the
+  longest cached prefix it can resume from; cached pages nobody uses count as available and
+  are evicted (least recently used first) before anything is retracted or refused.
 
 Overlap scheduling (default; --disable-overlap-schedule turns it off): `step()` launches
 forward N+1 before it processes forward N's sampled tokens, so the host schedules, builds
