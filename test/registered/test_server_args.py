@@ -181,3 +181,14 @@ def test_release_format_flags():
         ServerArgs(kv_cache_dtype="fp8_e5m2")
     with pytest.raises(SystemExit):  # argparse refuses it too, with the choices
         prepare_server_args(["--kv-cache-dtype", "int8"])
+
+
+def test_prefix_caching_flags_sglang_spelling_and_conflict():
+    assert ServerArgs().enable_prefix_caching is False  # off unless asked for
+    assert prepare_server_args(["--enable-prefix-caching"]).enable_prefix_caching is True
+    off = prepare_server_args(["--disable-radix-cache"])
+    assert (off.enable_prefix_caching, off.disable_radix_cache) == (False, True)
+    with pytest.raises(ValueError, match="contradict each other: --disable-radix-cache turns prefix caching off"):
+        ServerArgs(enable_prefix_caching=True, disable_radix_cache=True)
+    with pytest.raises(ValueError, match="--enable-prefix-caching must be true or false"):
+        ServerArgs(enable_prefix_caching="yes")

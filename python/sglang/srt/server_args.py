@@ -71,6 +71,8 @@ class ServerArgs:
     enable_mixed_chunk: bool = False
     schedule_policy: str = "fcfs"
     disable_overlap_schedule: bool = False
+    enable_prefix_caching: bool = False
+    disable_radix_cache: bool = False  # SGLang's spelling of prefix caching off
     # kernels and graphs
     attention_backend: str = "auto"
     enable_breakable_cuda_graph: bool = False
@@ -270,6 +272,12 @@ def _validate(a: ServerArgs) -> None:
             raise ValueError(f"--{_flag(name)} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
     if not isinstance(a.disable_overlap_schedule, bool):
         raise ValueError(f"--disable-overlap-schedule must be true or false, got {a.disable_overlap_schedule!r}")
+    for name in ("enable_prefix_caching", "disable_radix_cache"):
+        if not isinstance(getattr(a, name), bool):
+            raise ValueError(f"--{_flag(name)} must be true or false, got {getattr(a, name)!r}")
+    if a.enable_prefix_caching and a.disable_radix_cache:
+        raise ValueError("--enable-prefix-caching and --disable-radix-cache contradict each other: "
+                         "--disable-radix-cache turns prefix caching off; give one of them")
     if not isinstance(a.model_path, str) or not a.model_path:
         raise ValueError("--model-path must be a preset name or a checkpoint directory")
     if a.page_size <= 0 or a.page_size % 128:
@@ -383,6 +391,12 @@ _HELP = {
     "disable_overlap_schedule": "process each step's sampled tokens before launching the next step (by default "
                                 "the host schedules and launches step N+1 while the GPU runs step N, and "
                                 "finish checks and outputs lag one step)",
+    "enable_prefix_caching": "reuse the KV pages of prompt prefixes earlier requests computed (a radix tree "
+                             "over token ids, matched at page boundaries where a request's compressor state "
+                             "was saved; least recently used prefixes are evicted when pages run short); "
+                             "off by default",
+    "disable_radix_cache": "SGLang's switch for the same feature, inverted: prefix caching stays off (the "
+                           "default); contradicts --enable-prefix-caching",
     "attention_backend": "the attention core: triton (sgl-kernel's Triton kernels; CUDA only) or torch (the "
                          "plain-torch reference); auto = triton on CUDA when triton imports, else torch",
     "enable_breakable_cuda_graph": "replay extend and mixed batches (prefill chunks, alone or with decodes) from "

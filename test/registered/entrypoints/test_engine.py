@@ -42,6 +42,7 @@ def test_greedy_generation_reports_text_ids_and_meta(engine):
     assert res["meta_info"] == {
         "prompt_tokens": len(engine.tokenizer.encode(PROMPTS[0])),
         "completion_tokens": 8,
+        "cached_tokens": 0,  # prefix caching is off by default
         "finish_reason": {"type": "length", "length": 8},
     }
     assert isinstance(res["text"], str)

@@ -76,7 +76,7 @@ class Engine:
     ) -> Union[Dict[str, Any], List[Dict[str, Any]]]:
         """prompt: a str, a list of str, token ids, or a list of token-id lists (or pass
         input_ids=). Returns one dict per prompt, a list when a list was given:
-        {"text", "output_ids", "meta_info": {"prompt_tokens", "completion_tokens", "finish_reason"}}.
+        {"text", "output_ids", "meta_info": {"prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason"}}.
         return_logprob / top_logprobs_num: meta_info also holds `output_token_logprobs` (and
         `output_top_logprobs`), as /generate returns them. Bad input raises ValueError and
         queues nothing."""
@@ -123,7 +123,7 @@ class Engine:
 
     def _result(self, acc: OutputsSoFar, out) -> Dict[str, Any]:
         meta = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                "finish_reason": out.finish_reason}
+                "cached_tokens": out.cached_tokens, "finish_reason": out.finish_reason}
         if out.error:
             meta["error"] = out.error
         meta.update(acc.meta_info())

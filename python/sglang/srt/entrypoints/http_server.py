@@ -148,6 +148,7 @@ def _meta_info(out, outs: OutputsSoFar) -> dict:
         "id": out.rid,
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens,
+        "cached_tokens": out.cached_tokens,
         "finish_reason": out.finish_reason,
         **outs.meta_info(),
     }

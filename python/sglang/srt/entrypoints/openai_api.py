@@ -251,6 +251,7 @@ class ResponseFormatter:
             "prompt_tokens": out.prompt_tokens,
             "completion_tokens": out.completion_tokens,
             "total_tokens": out.prompt_tokens + out.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
         }
 
     def _finish_reason(self, out) -> str | None:

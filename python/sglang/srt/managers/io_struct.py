@@ -60,6 +60,7 @@ class TokenOut:
     # (logprob, token id) pairs, most likely first.
     new_logprobs: Optional[list[float]] = None
     new_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (meta_info's cached_tokens)
 
 
 @dataclass

@@ -43,6 +43,10 @@ class Req:
     top_logprobs_num: int = 0
     output_logprobs: List[float] = field(default_factory=list)  # with return_logprob, per output id
     output_top_logprobs: List[list] = field(default_factory=list)  # (logprob, id) pairs per output id
+    # prefix caching (managers/prefix_caching.py)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, summed over admissions
+    cache_node: Optional[object] = None  # the radix-tree node this request keeps locked
+    resume_state: Optional[object] = None  # its latest ResumeState (at a page boundary)
 
     def __post_init__(self):
         assert len(self.origin_input_ids) > 0, "a request needs at least one prompt token"

@@ -20,6 +20,9 @@ Policy, in order of precedence:
   prefill priority would stall every running request for the whole duration of a long queue.
 - A step that had to retract does no prefill, so a request is never retracted and
   re-admitted in the same step.
+- --enable-prefix-caching (managers/prefix_caching.py): an admitted request starts after the
+  longest cached prefix it can resume from; cached pages nobody uses count as available and
+  are evicted (least recently used first) before anything is retracted or refused.
 
 Overlap scheduling (default; --disable-overlap-schedule turns it off): `step()` launches
 forward N+1 before it processes forward N's sampled tokens, so the host schedules, builds
@@ -49,6 +52,7 @@ from sglang.srt.layers.sampler import Sampler, make_generator
 from sglang.srt.managers.scripted_outputs import ScriptedOutputs
 from sglang.srt.managers.io_struct import GenerateReqInput, TokenOut, check_logprob_args, check_prompt_ids
 from sglang.srt.managers.overlap import FutureMap, LaunchedStep, rows_to_device
+from sglang.srt.managers.prefix_caching import make_prefix_caching
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, check_finished, eos_ids_of
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -79,6 +83,7 @@ class Scheduler:
         self.overlap = not getattr(server_args, "disable_overlap_schedule", False)
         self.future_map = FutureMap(self.pool.slots.capacity, self.device)
         self._inflight: Optional[LaunchedStep] = None  # launched, sampled ids not read yet
+        self.prefix_caching = make_prefix_caching(server_args, model_runner)  # None when off
 
         self.waiting: Deque[Req] = collections.deque()
         self.running: List[Req] = []  # prefilled requests, decoding
@@ -235,6 +240,11 @@ class Scheduler:
     def _pages_held(self, req: Req) -> int:
         return -(-req.prefix_len // self.page_size)  # the KV invariant (schedule_batch.py)
 
+    def _available_pages(self) -> int:
+        """Free pages plus the cached ones nobody uses (the pool evicts them on demand)."""
+        cached = self.prefix_caching.evictable_pages if self.prefix_caching is not None else 0
+        return self.pool.num_free_pages + cached
+
     def _holders(self) -> List[Req]:
         return self.running + ([self.chunked_req] if self.chunked_req is not None else [])
 
@@ -244,7 +254,7 @@ class Scheduler:
         retracted = False
         while self.running:
             need = sum(self.pool.pages_needed(r.req_pool_idx, r.seq_len) for r in self._decodable())
-            if need <= self.pool.num_free_pages:
+            if need <= self._available_pages():
                 break
             if self._inflight is not None:
                 # retraction re-prefills prompt + outputs, and a failure reports them: both
@@ -275,11 +285,11 @@ class Scheduler:
         # already mapped, when decode rows run in the same forward).
         extra = 1 if decode_allocated else 0
         reserve = sum(self.pool.pages_needed(r.req_pool_idx, r.seq_len + extra) for r in self.running)
-        page_budget = self.pool.num_free_pages - reserve
         tokens_left = float("inf") if token_budget is None else token_budget
         num_holders = len(self._holders())
         plan: List[Tuple[Req, int]] = []
-        while tokens_left > 0 and page_budget >= 0:
+        cache = self.prefix_caching
+        while tokens_left > 0:
             req = self.chunked_req if (self.chunked_req is not None and not plan) else (
                 self.waiting[0] if self.waiting else None)
             if req is None:
@@ -287,15 +297,28 @@ class Scheduler:
             is_new = req.req_pool_idx is None
             if is_new and (num_holders >= self.max_running_requests or self.pool.slots.num_free == 0):
                 break
-            fits = (self._pages_held(req) + page_budget) * self.page_size - req.prefix_len
-            n = int(min(req.num_pending_tokens, tokens_left, fits))
+            # a cached prefix is locked before the budget is read: its pages stop being evictable
+            match = cache.lookup(req) if is_new and cache is not None else None
+            prefix = match.length if match is not None else req.prefix_len
+            page_budget = self._available_pages() - reserve
+            if page_budget < 0:
+                if match is not None:
+                    cache.unlock(match)
+                break
+            fits = (-(-prefix // self.page_size) + page_budget) * self.page_size - prefix
+            n = int(min(req.seq_len - prefix, tokens_left, fits))
+            if n > 0 and cache is not None:
+                n = cache.cut_chunk(req.seq_len, prefix, n)
             if n <= 0:
+                if match is not None:
+                    cache.unlock(match)
                 break
             if is_new:
                 self.waiting.popleft()
                 req.req_pool_idx = self.pool.alloc_req()
                 num_holders += 1
-            page_budget -= self.pool.pages_needed(req.req_pool_idx, req.prefix_len + n)
+                if match is not None:
+                    cache.admit(req, match)  # the lookup's lock becomes the request's
             self.pool.ensure_capacity(req.req_pool_idx, req.prefix_len + n)
             tokens_left -= n
             plan.append((req, n))
@@ -328,6 +351,8 @@ class Scheduler:
             self.running.remove(req)
         if req is self.chunked_req:
             self.chunked_req = None
+        if self.prefix_caching is not None:
+            self.prefix_caching.release(req)  # unlocks its cached prefix; the tree keeps its own holds
         if req.req_pool_idx is not None:
             self.pool.free_req(req.req_pool_idx)
             req.req_pool_idx = None
@@ -336,6 +361,8 @@ class Scheduler:
     def _finish(self, req: Req, reason: dict, count: str) -> None:
         req.finish_reason = reason
         req.pending_ids.clear()  # in-flight tokens after the finish: dropped when processed
+        if count == "finished" and self.prefix_caching is not None and req.req_pool_idx is not None:
+            self.prefix_caching.on_finish(req)
         was_waiting = req.req_pool_idx is None  # every request holding no slot is queued
         self._release_kv(req)
         if was_waiting:
@@ -349,8 +376,10 @@ class Scheduler:
         """Advance the KV bookkeeping of a launched forward and sample its completing rows on
         the device; their tokens become placeholders until the step is processed."""
         rows = [i for i in range(len(batch.reqs)) if batch.completes(i)]
-        for req, n in zip(batch.reqs, batch.extend_lens):
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             req.prefix_len += n
+            if self.prefix_caching is not None:
+                self.prefix_caching.after_forward(req, prefill=i < batch.num_prefill_reqs)
         step = LaunchedStep()
         # max_new_tokens == 0 ends right after prefill: its logits are not sampled. Its KV is
         # freed after this forward was launched (stream order keeps that safe).
@@ -421,6 +450,7 @@ class Scheduler:
             error=req.error,
             new_logprobs=req.output_logprobs[sent:] if req.return_logprob else None,
             new_top_logprobs=req.output_top_logprobs[sent:] if req.top_logprobs_num else None,
+            cached_tokens=req.cached_tokens,
         )
 
     # ---- introspection ---------------------------------------------------------------
@@ -450,4 +480,6 @@ class Scheduler:
             "num_overlap_steps": self.counters["overlap_steps"],
             "num_dropped_tokens": self.counters["dropped_tokens"],
             "num_forced_resolves": self.counters["forced_resolves"],
+            "prefix_caching": self.prefix_caching is not None,
+            **(self.prefix_caching.get_stats() if self.prefix_caching is not None else {}),
         }

@@ -65,6 +65,7 @@ class GenerateOutput:
     # with return_logprob: per token of output_ids, and its top (logprob, id) pairs
     output_logprobs: list[float] | None = None
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
 @dataclass
@@ -326,6 +327,7 @@ class TokenizerManager:
             completion_tokens=last.completion_tokens,
             output_logprobs=outs.logprobs,
             output_top_logprobs=outs.top_logprobs,
+            cached_tokens=last.cached_tokens,
         )
 
     async def scheduler_stats(self, timeout_s: float = 30.0) -> list[dict]:

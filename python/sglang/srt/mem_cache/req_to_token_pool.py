@@ -4,16 +4,21 @@ Raw slot of position p = page * page_size + p % page_size. Because pages are ali
 page_size (a multiple of 128), the last token of compressed block i (ratio r) sits at a raw
 slot s with s // r unique to that block, so the compressed entry lives at slot s // r of the
 ratio-r pool: no separate page tables for the c4 / c128 / indexer pools.
+
+Pages are held with a count (allocator.RefCountedPageAllocator): a request holds every page of
+its table, and a prefix cache (radix_cache.py) may hold the same full pages; a request's first
+pages may be mapped from the cache (`map_cached_prefix`). When an allocation falls short, the
+pool first asks `reclaimer` (the prefix cache's eviction) to free pages.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
 
-from sglang.srt.mem_cache.allocator import FreeListAllocator, KVCacheExhausted
+from sglang.srt.mem_cache.allocator import FreeListAllocator, KVCacheExhausted, RefCountedPageAllocator
 from sglang.srt.model_executor.host_to_device import to_device_async
 
 PADDING_PAGE = 0  # never handed to a request; padded rows read it and write nothing
@@ -35,8 +40,10 @@ class ReqToTokenPool:
             (max_num_reqs + 1, max_context_len), dtype=torch.int32, device=device
         )
         self.slots = FreeListAllocator(max_num_reqs, what="request slot")
-        self.pages = FreeListAllocator(num_pages - 1, first=1, what="KV page")
+        self.pages = RefCountedPageAllocator(num_pages - 1, first=1, what="KV page")
         self._pages_of: Dict[int, List[int]] = {}
+        # called with the number of pages missing before an allocation fails; returns pages freed
+        self.reclaimer: Optional[Callable[[int], int]] = None
 
     @property
     def num_free_pages(self) -> int:
@@ -59,6 +66,8 @@ class ReqToTokenPool:
         need = self.pages_needed(req_slot, new_len)
         if need == 0:
             return
+        if need > self.pages.num_free and self.reclaimer is not None:
+            self.reclaimer(need - self.pages.num_free)
         new_pages = self.pages.alloc(need)  # raises KVCacheExhausted before touching anything
         start = len(owned) * self.page_size
         owned.extend(new_pages)
@@ -70,6 +79,27 @@ class ReqToTokenPool:
         pages = np.asarray(new_pages, dtype=np.int32)
         rows = torch.from_numpy((pages[:, None] * ps + np.arange(ps, dtype=np.int32)).reshape(-1)[: cols - start])
         self.req_to_token[req_slot, start:cols] = to_device_async(rows, self.req_to_token.device)
+
+    def pages_of(self, req_slot: int) -> List[int]:
+        """The request's pages in position order (a copy)."""
+        return list(self._pages_of[req_slot])
+
+    def map_cached_prefix(self, req_slot: int, pages: List[int]) -> None:
+        """Map positions [0, len(pages) * page_size) of a request that holds no page yet onto
+        `pages` (full pages of a cached prefix), taking a hold on each."""
+        if self._pages_of[req_slot]:
+            raise ValueError(f"request slot {req_slot} already holds pages; a cached prefix maps first")
+        n = len(pages) * self.page_size
+        if n > self.max_context_len:
+            raise ValueError(f"cached prefix of {n} tokens exceeds max_context_len {self.max_context_len}")
+        if not pages:
+            return
+        self.pages.incref(pages)
+        self._pages_of[req_slot].extend(pages)
+        ps = self.page_size
+        arr = np.asarray(pages, dtype=np.int32)
+        rows = torch.from_numpy((arr[:, None] * ps + np.arange(ps, dtype=np.int32)).reshape(-1))
+        self.req_to_token[req_slot, :n] = to_device_async(rows, self.req_to_token.device)
 
     def free_req(self, req_slot: int) -> None:
         pages = self._pages_of.pop(req_slot)

@@ -18,6 +18,9 @@ def aggregate_stats(per_rank: Sequence[dict]) -> dict:
     for key in dict.fromkeys(k for s in per_rank for k in s):
         values = [s[key] for s in per_rank if key in s]
         out[key] = _merge(key, values)
+    if "prefix_cache_hit_rate" in out:  # a rate of the summed counts, not a sum of rates
+        looked = out.get("prefix_cache_lookup_tokens", 0)
+        out["prefix_cache_hit_rate"] = out.get("prefix_cache_hit_tokens", 0) / looked if looked else 0.0
     return out
 
 

@@ -1,0 +1,155 @@
+"""The scheduler's side of prefix caching (--enable-prefix-caching): when a request takes a
+cached prefix, when its resume states are taken, and what it inserts into the radix tree.
+
+- Admission: the request's tokens are matched against the tree, never in full (at least one
+  token is computed, for its logits). A hit maps the cached pages into the request's page
+  table, writes the node's ResumeState into its state rows, locks the node and starts the
+  request at the matched length: its first forward is an extend from that prefix.
+- After every launched forward, a request whose computed length is a multiple of page_size
+  takes its ResumeState (only the latest is kept). The scheduler cuts prefill chunks at page
+  boundaries (`cut_chunk`), so a prompt leaves a state at the end of every chunk but its last
+  and at its last page boundary: a prompt longer than a page always leaves one.
+- Insertion: after a prefill forward that took a state (a chunk ending on a page boundary, or
+  the prompt's last boundary), and when the request finishes (its decode reached later
+  boundaries), the tokens up to the state's length go into the tree with their pages. While
+  it runs, the request keeps the deepest node it inserted or matched locked.
+- Aborted and failed requests insert nothing; every request unlocks its node and drops its
+  page holds when it releases its KV (finish, abort, failure, retraction).
+
+Memory: a node that ends a cached insertion holds one ResumeState in host memory
+(resume_state.py: 840 KiB for DeepSeek-V4-Flash, whatever the page size); nodes made by
+splits hold none. Pages are the pool's own: cached pages are evicted before anything else
+is refused, so caching never lowers what the pool admits.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from sglang.srt.mem_cache.radix_cache import PrefixMatch, RadixCache
+from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sglang.srt.mem_cache.resume_state import restore_resume_state, take_resume_state
+
+logger = logging.getLogger(__name__)
+
+
+class PrefixCaching:
+    def __init__(self, pool: ReqToTokenPool, kv_pool):
+        self.pool = pool
+        self.kv_pool = kv_pool  # None for runners without KV pools (tests' fake runners)
+        self.page_size = pool.page_size
+        self.tree = RadixCache(pool.pages, pool.page_size)
+        pool.reclaimer = self.tree.evict
+        self.num_lookups = 0
+        self.num_hits = 0
+        self.lookup_tokens = 0  # tokens of the admitted requests
+        self.hit_tokens = 0  # of those, tokens taken from the cache
+
+    @property
+    def evictable_pages(self) -> int:
+        return self.tree.evictable_pages
+
+    # ---- admission -------------------------------------------------------------------
+
+    def lookup(self, req) -> PrefixMatch:
+        """The cached prefix a waiting request could take, locked (release with `unlock`
+        when the request is not admitted after all)."""
+        match = self.tree.match_prefix(req.token_slice(0, req.seq_len), max_len=req.seq_len - 1)
+        if match.length:
+            self.tree.lock(match.node)
+        return match
+
+    def unlock(self, match: PrefixMatch) -> None:
+        if match.length:
+            self.tree.unlock(match.node)
+
+    def admit(self, req, match: PrefixMatch) -> None:
+        """Start a request that just got its slot at the matched length; the lookup's lock
+        becomes the request's (released by `release`)."""
+        self.num_lookups += 1
+        self.lookup_tokens += req.seq_len
+        if not match.length:
+            return
+        self.pool.map_cached_prefix(req.req_pool_idx, match.pages)
+        restore_resume_state(self.kv_pool, req.req_pool_idx, match.state)
+        req.prefix_len = match.length
+        req.cache_node = match.node
+        req.cached_tokens += match.length
+        self.num_hits += 1
+        self.hit_tokens += match.length
+
+    def cut_chunk(self, seq_len: int, prefix_len: int, n: int) -> int:
+        """A prefill chunk of n tokens from prefix_len, shortened so that it ends on a page
+        boundary, where the request then takes a resume state: a chunk that leaves tokens for
+        later ends at the last boundary it crosses; the final chunk stops at the last boundary
+        of the seq_len tokens (the rest follows in one more forward). A chunk crossing no
+        boundary stays as it is."""
+        ps = self.page_size
+        end = prefix_len + n
+        cut = end // ps * ps if end < seq_len else seq_len // ps * ps
+        return cut - prefix_len if prefix_len < cut < end else n
+
+    # ---- after a forward -------------------------------------------------------------
+
+    def after_forward(self, req, prefill: bool) -> None:
+        """`req.prefix_len` was just advanced past this forward's tokens."""
+        L = req.prefix_len
+        if L % self.page_size:
+            return
+        req.resume_state = take_resume_state(self.kv_pool, req.req_pool_idx, L)
+        if prefill:
+            self._insert(req)
+
+    def on_finish(self, req) -> None:
+        """A request that finished normally caches what it computed, up to its last state."""
+        self._insert(req)
+
+    def release(self, req) -> None:
+        """Before the request's page holds are dropped."""
+        if req.cache_node is not None:
+            self.tree.unlock(req.cache_node)
+        req.cache_node = None
+        req.resume_state = None
+
+    def _insert(self, req) -> None:
+        state = req.resume_state
+        locked_end = req.cache_node.end if req.cache_node is not None else 0
+        if state is None or state.length <= locked_end or req.req_pool_idx is None:
+            return
+        L = state.length
+        tokens = req.token_slice(0, L)
+        if len(tokens) < L or min(tokens) < 0:
+            return  # a position whose token the host does not know yet (in flight)
+        pages = self.pool.pages_of(req.req_pool_idx)[: L // self.page_size]
+        node = self.tree.insert(tokens, pages, state)
+        self.tree.lock(node)
+        if req.cache_node is not None:
+            self.tree.unlock(req.cache_node)
+        req.cache_node = node
+
+    # ---- stats -----------------------------------------------------------------------
+
+    def get_stats(self) -> dict:
+        t = self.tree
+        return {
+            "prefix_cache_hit_rate": self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0,
+            "prefix_cache_hit_tokens": self.hit_tokens,
+            "prefix_cache_lookup_tokens": self.lookup_tokens,
+            "prefix_cache_hits": self.num_hits,
+            "prefix_cache_lookups": self.num_lookups,
+            "prefix_cache_cached_tokens": t.cached_pages * self.page_size,
+            "prefix_cache_cached_pages": t.cached_pages,
+            "prefix_cache_evictable_pages": t.evictable_pages,
+            "prefix_cache_evicted_pages": t.evicted_pages,
+            "prefix_cache_nodes": t.num_nodes,
+            "prefix_cache_state_bytes": t.state_bytes,
+        }
+
+
+def make_prefix_caching(server_args, model_runner) -> Optional[PrefixCaching]:
+    """The scheduler's prefix caching, or None when off (then the pool evicts nothing)."""
+    if not server_args.enable_prefix_caching:
+        model_runner.req_to_token_pool.reclaimer = None
+        return None
+    return PrefixCaching(model_runner.req_to_token_pool, getattr(model_runner, "kv_pool", None))

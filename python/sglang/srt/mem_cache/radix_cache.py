@@ -1,0 +1,206 @@
+"""Prefix cache: a radix tree over token ids whose edges are whole KV pages.
+
+A node owns (holds, in the page allocator's counts) the pages of its edge, and with them every
+cache that lives in those pages: raw KV, c4 / c128 compressed entries and indexer keys (the
+slot of position p is page * page_size + p % page_size; compressed entries at slot // ratio).
+The compressors' per-request ring state cannot be rebuilt from pages, so a node may also hold
+the `ResumeState` at its end; a prefix matches only up to a node end that has one. Nodes made
+by splitting an edge have none (the state in the middle of an edge was never taken).
+
+Locks: a request using a cached prefix locks its node, which counts on the node and every
+ancestor; a locked node is never evicted. Eviction frees unlocked leaves, least recently used
+first, until the pages asked for are free (the pool calls it before an allocation fails).
+Every page of an unlocked node is held by the tree alone (a request holding a cached page
+locks a node at or below it), so evicting it frees it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+from sglang.srt.mem_cache.allocator import RefCountedPageAllocator
+from sglang.srt.mem_cache.resume_state import ResumeState
+
+
+class TreeNode:
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "state", "end")
+
+    def __init__(self, key: tuple, pages: List[int], parent: Optional["TreeNode"], end: int):
+        self.key = key  # token ids of the edge into this node, len(pages) * page_size of them
+        self.pages = pages
+        self.children: Dict[tuple, TreeNode] = {}  # by the first page's token ids
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = 0
+        self.state: Optional[ResumeState] = None  # the state after `end` tokens, when taken
+        self.end = end  # tokens from the root to this node's end
+
+
+@dataclass
+class PrefixMatch:
+    node: TreeNode  # the deepest node with a resume state within the limit (the root: none)
+    length: int  # tokens matched (a multiple of page_size; 0 for no match)
+    pages: List[int]  # the pages of positions [0, length)
+    state: Optional[ResumeState]
+
+
+class RadixCache:
+    def __init__(self, allocator: RefCountedPageAllocator, page_size: int):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = TreeNode((), [], None, 0)
+        self.root.lock_ref = 1  # never evicted
+        self._clock = 0
+        self.evictable_pages = 0  # pages of unlocked nodes
+        self.cached_pages = 0  # pages of all nodes
+        self.num_nodes = 0
+        self.num_states = 0
+        self.state_bytes = 0
+        self.evicted_pages = 0
+
+    # ---- lookup and insertion --------------------------------------------------------
+
+    def match_prefix(self, tokens: Sequence[int], max_len: int) -> PrefixMatch:
+        """The longest cached prefix of `tokens`, at most `max_len` long, that ends at a node
+        with a resume state. Refreshes the LRU time of that node's path; locks nothing."""
+        ps = self.page_size
+        node, pos, pages = self.root, 0, []
+        best = PrefixMatch(self.root, 0, [], None)
+        while pos + ps <= max_len:
+            child = node.children.get(tuple(tokens[pos:pos + ps]))
+            if child is None:
+                break
+            n = len(child.key)
+            if pos + n > max_len or tuple(tokens[pos:pos + n]) != child.key:
+                break  # a state exists only at a node's end
+            node, pos = child, pos + n
+            pages.extend(child.pages)
+            if node.state is not None:
+                best = PrefixMatch(node, pos, list(pages), node.state)
+        self._touch(best.node)
+        return best
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], state: Optional[ResumeState]) -> TreeNode:
+        """Cache `tokens` (whole pages) with their `pages` and the resume state at their end.
+        Positions the tree already has keep the tree's pages (the caller keeps its own
+        copies); the tree takes a hold on each page it adopts. Returns the node at the end."""
+        ps = self.page_size
+        n = len(tokens)
+        if n == 0 or n % ps or len(pages) * ps != n:
+            raise ValueError(f"insert needs whole pages: {n} tokens, {len(pages)} pages of {ps}")
+        if state is not None and state.length != n:
+            raise ValueError(f"resume state after {state.length} tokens cannot end a {n}-token prefix")
+        node, pos = self.root, 0
+        while pos < n:
+            child = node.children.get(tuple(tokens[pos:pos + ps]))
+            if child is None:
+                child = TreeNode(tuple(tokens[pos:]), list(pages[pos // ps:]), node, n)
+                self.allocator.incref(child.pages)
+                node.children[child.key[:ps]] = child
+                self.cached_pages += len(child.pages)
+                self.evictable_pages += len(child.pages)
+                self.num_nodes += 1
+                node, pos = child, n
+                break
+            k = self._matching_pages(child.key, tokens, pos)
+            if k < len(child.pages):
+                child = self._split(child, k)
+            node, pos = child, pos + len(child.key)
+        if state is not None and node.state is None:
+            node.state = state
+            self.num_states += 1
+            self.state_bytes += state.nbytes
+        self._touch(node)
+        return node
+
+    # ---- locks and eviction ----------------------------------------------------------
+
+    def lock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_pages -= len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise AssertionError("unlock of a prefix-cache node that is not locked")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_pages += len(node.pages)
+            node = node.parent
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least `num_pages` pages by dropping unlocked leaves, least recently used
+        first (fewer when not enough is unlocked). Returns the pages freed."""
+        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            del parent.children[node.key[:self.page_size]]
+            freed += self.allocator.free(node.pages)
+            self.cached_pages -= len(node.pages)
+            self.evictable_pages -= len(node.pages)
+            self.evicted_pages += len(node.pages)
+            self.num_nodes -= 1
+            if node.state is not None:
+                self.num_states -= 1
+                self.state_bytes -= node.state.nbytes
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def reset(self) -> int:
+        """Drop every unlocked node; returns the pages freed."""
+        return self.evict(self.cached_pages)
+
+    # ---- introspection ---------------------------------------------------------------
+
+    def nodes(self) -> List[TreeNode]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def held_pages(self) -> List[int]:
+        """Every page the tree holds (each exactly once when the tree is consistent)."""
+        return [p for n in self.nodes() for p in n.pages]
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _leaves(self) -> List[TreeNode]:
+        return [n for n in self.nodes() if not n.children]
+
+    def _touch(self, node: TreeNode) -> None:
+        self._clock += 1
+        while node is not None:
+            node.last_access = self._clock
+            node = node.parent
+
+    def _matching_pages(self, key: tuple, tokens: Sequence[int], pos: int) -> int:
+        ps = self.page_size
+        k = 0
+        while (k + 1) * ps <= len(key) and pos + (k + 1) * ps <= len(tokens) and \
+                tuple(tokens[pos + k * ps:pos + (k + 1) * ps]) == key[k * ps:(k + 1) * ps]:
+            k += 1
+        return k
+
+    def _split(self, child: TreeNode, k: int) -> TreeNode:
+        """Cut `child`'s edge after k pages; the new upper node has no resume state."""
+        ps = self.page_size
+        parent = child.parent
+        upper = TreeNode(child.key[:k * ps], child.pages[:k], parent, child.end - len(child.key) + k * ps)
+        upper.lock_ref = child.lock_ref  # every lock below counts on it too
+        upper.last_access = child.last_access
+        parent.children[upper.key[:ps]] = upper
+        child.key, child.pages, child.parent = child.key[k * ps:], child.pages[k:], upper
+        upper.children[child.key[:ps]] = child
+        self.num_nodes += 1
+        return upper

@@ -1,0 +1,161 @@
+"""Prefix caching in the scheduler with a fake runner that really reads the KV cache (it
+writes each fed token at its page-table slot and derives the next token from the whole
+sequence read back), under memory pressure: eviction, retraction, aborts and overlap
+scheduling. Outputs equal the cache-free reference, and after every step each page's holder
+count is its holders (request page tables + tree nodes), free + held-by-requests +
+cached-only = pool, and each node's lock count is the requests that lock it or a descendant."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+
+VOCAB = 64
+P = 128
+
+
+def next_token_of(tokens):
+    h = sum((j + 1) * t for j, t in enumerate(tokens))
+    return 2 + (h * 2654435761) % 1000003 % (VOCAB - 2)
+
+
+def reference(prompt, n):
+    toks, out = list(prompt), []
+    for _ in range(n):
+        out.append(next_token_of(toks))
+        toks.append(out[-1])
+    return out
+
+
+class KVReadingRunner:
+    def __init__(self, args):
+        self.config = SimpleNamespace(vocab_size=VOCAB, eos_token_id=1)
+        self.device = torch.device("cpu")
+        num_pages = args.max_total_tokens // P + 1
+        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, args.context_length, num_pages, P, "cpu")
+        self.kv_token = torch.full((num_pages * P,), -1, dtype=torch.int64)
+
+    def forward(self, fb):
+        rtt = self.req_to_token_pool.req_to_token
+        self.kv_token[rtt[fb.token_req_slot, fb.positions].long()] = fb.input_ids
+        logits = torch.zeros(fb.batch_size, VOCAB)
+        for i, (slot, n) in enumerate(zip(fb.token_req_slot[fb.last_token_indices()].tolist(), fb.seq_lens_cpu)):
+            logits[i, next_token_of(self.kv_token[rtt[slot, :n].long()].tolist())] = 5.0
+        return SimpleNamespace(next_token_logits=logits)
+
+
+def make_scheduler(pages, caching=True, **kw):
+    args = ServerArgs(model_path="dsv4-tiny", device="cpu", context_length=2048, max_total_tokens=pages * P,
+                      max_running_requests=8, chunked_prefill_size=256, page_size=P,
+                      enable_prefix_caching=caching, **kw).resolve(cuda_available=False)
+    return Scheduler(args, KVReadingRunner(args))
+
+
+def check_invariants(s):
+    pool, tree = s.pool, s.prefix_caching.tree
+    holders = [r for r in s._live.values() if r.req_pool_idx is not None]
+    by_reqs = {}
+    for r in holders:
+        pages = pool.pages_of(r.req_pool_idx)
+        assert len(pages) == len(set(pages)) == -(-r.prefix_len // P)
+        for p in pages:
+            by_reqs[p] = by_reqs.get(p, 0) + 1
+    in_tree = tree.held_pages()
+    assert len(in_tree) == len(set(in_tree)), "a page held twice by the tree"
+    for p in range(1, pool.pages.capacity + 1):
+        assert pool.pages.refcount(p) == by_reqs.get(p, 0) + in_tree.count(p)
+    cached_only = set(in_tree) - set(by_reqs)
+    assert pool.num_free_pages + len(by_reqs) + len(cached_only) == pool.pages.capacity
+    expect = {}
+    for r in holders:
+        n = r.cache_node
+        while n is not None and n is not tree.root:
+            expect[id(n)] = expect.get(id(n), 0) + 1
+            n = n.parent
+    assert all(n.lock_ref == expect.get(id(n), 0) for n in tree.nodes())
+    assert all(r.cache_node is None and r.req_pool_idx is None for r in s.waiting)
+
+
+@pytest.mark.parametrize("seed, overlap, mixed", [(0, True, False), (1, False, True), (2, True, True)])
+def test_random_shared_prefix_traffic_under_memory_pressure(seed, overlap, mixed):
+    rng = random.Random(seed)
+    stems = [[rng.randrange(2, VOCAB) for _ in range(4 * P)] for _ in range(3)]
+    s = make_scheduler(pages=14, disable_overlap_schedule=not overlap, enable_mixed_chunk=mixed)
+    prompts, max_new, aborted, results = {}, {}, set(), {}
+    next_id = 0
+    for step in range(3000):
+        if next_id < 60 and rng.random() < 0.3:
+            stem = rng.choice(stems)
+            prompt = stem[:rng.randrange(0, 4 * P)] + [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 200))]
+            rid = f"r{next_id}"
+            prompts[rid], max_new[rid] = prompt, rng.randrange(1, 160)
+            s.add_request(GenerateReqInput(rid=rid, input_ids=prompt, sampling_params=SamplingParams(
+                max_new_tokens=max_new[rid], temperature=0.0, ignore_eos=True)))
+            next_id += 1
+        if rng.random() < 0.02 and s._live:
+            rid = rng.choice(sorted(s._live))
+            s.abort_request(rid)
+            aborted.add(rid)
+        for o in s.step():
+            ids, _ = results.get(o.rid, ([], None))
+            results[o.rid] = (ids + o.new_token_ids, o)
+        check_invariants(s)
+        if next_id >= 60 and not s.has_work():
+            break
+    assert not s.has_work()
+    done = [rid for rid in prompts if rid not in aborted]
+    for rid in done:
+        assert results[rid][0] == reference(prompts[rid], max_new[rid]), rid
+    stats = s.get_stats()
+    assert stats["prefix_cache_hits"] > 5 and stats["prefix_cache_evicted_pages"] > 0
+    assert stats["num_retracted_reqs"] > 0 and aborted
+    assert stats["prefix_cache_hit_tokens"] == sum(results[rid][1].cached_tokens for rid in done if rid in results) \
+        + sum(results[rid][1].cached_tokens for rid in aborted if rid in results)
+    assert all(results[rid][1].cached_tokens % P == 0 for rid in results)
+    tree = s.prefix_caching.tree
+    assert tree.evictable_pages == tree.cached_pages  # no request holds a lock any more
+    tree.reset()
+    assert s.pool.num_free_pages == s.pool.pages.capacity and s.pool.slots.num_free == s.pool.slots.capacity
+
+
+def test_a_request_that_can_never_fit_fails_without_leaking_pages_or_locks():
+    s = make_scheduler(pages=4)
+    shared = [5] * (2 * P)
+    s.add_request(GenerateReqInput(rid="a", input_ids=shared + [7], sampling_params=SamplingParams(
+        max_new_tokens=2, temperature=0.0, ignore_eos=True)))
+    while s.has_work():
+        s.step()
+    # b takes a's cached 2 pages, then its decode outgrows the whole pool (4 pages)
+    s.add_request(GenerateReqInput(rid="b", input_ids=shared + [9] * (2 * P - 6), sampling_params=SamplingParams(
+        max_new_tokens=20, temperature=0.0, ignore_eos=True)))
+    outs = []
+    while s.has_work():
+        outs += s.step()
+        check_invariants(s)
+    assert outs[-1].rid == "b" and "more than the whole pool" in outs[-1].error
+    assert outs[-1].cached_tokens == 2 * P
+    tree = s.prefix_caching.tree
+    assert tree.evictable_pages == tree.cached_pages
+    tree.reset()
+    assert s.pool.num_free_pages == s.pool.pages.capacity
+
+
+def test_without_the_flag_nothing_is_cached():
+    s = make_scheduler(pages=14, caching=False)
+    assert s.prefix_caching is None and s.pool.reclaimer is None
+    prompt = [3] * (2 * P + 5)
+    for rid in ("a", "b"):
+        s.add_request(GenerateReqInput(rid=rid, input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=1)))
+        outs = []
+        while s.has_work():
+            outs += s.step()
+        assert outs[-1].cached_tokens == 0
+    assert s.pool.num_free_pages == s.pool.pages.capacity
+    assert "prefix_cache_hit_rate" not in s.get_stats() and s.get_stats()["prefix_caching"] is False
