@@ -116,6 +116,10 @@ class DSV4KVPool:
         """A KV pool's rows as values [N, head_dim] (fp32 for FP8 rows; for tests and tools)."""
         return self.fp8_layout.unpack(pool) if self.fp8_layout is not None else pool
 
+    def bytes_per_token(self) -> float:
+        """KV bytes one token of this pool costs (kv_bytes_per_token at its formats)."""
+        return kv_bytes_per_token(self.config, self.dtype, self.kv_cache_dtype, self.index_key_layout is not None)
+
     def nbytes(self) -> int:
         ts = list(self.raw) + list(self.compressed.values()) + list(self.indexer_keys.values())
         for st in list(self.compressor_state.values()) + list(self.indexer_state.values()):

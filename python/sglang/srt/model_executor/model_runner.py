@@ -18,7 +18,12 @@ from sglang.srt.layers.dp_attention import DPMoEContext, expert_shard
 from sglang.srt.layers.logits_processor import LogitsOutput, compute_logits
 from sglang.srt.layers.moe.ep_dispatch import create_moe_dispatcher
 from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
-from sglang.srt.model_executor.memory_report import capture_oom_error, log_memory_before_capture, report_startup_memory
+from sglang.srt.model_executor.memory_report import (
+    capture_oom_error,
+    log_memory_before_capture,
+    report_kv_capacity,
+    report_startup_memory,
+)
 from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.forward_context import forward_context
@@ -79,6 +84,7 @@ class ModelRunner:
             decode_bs_buckets=self.decode_graph_runner.buckets if self.decode_graph_runner else (),
             idle_policy=args.dp_idle_policy)
         self.memory_plan = report_startup_memory(self, free_before)
+        self.kv_capacity = report_kv_capacity(self)
 
     def _init_graph_runners(self, args: ServerArgs, cuda_graph_on_cpu: bool) -> None:
         from sglang.srt.model_executor.graph_runner import BreakableCudaGraphRunner, DecodeCudaGraphRunner
@@ -180,7 +186,7 @@ class ModelRunner:
 
     def get_stats(self) -> dict:
         # Which kernels run: the first thing to check when a GPU step is slower than expected.
-        out = dict(self.stats, attention_kernels=self.attn_backend.kernels,
+        out = dict(self.stats, **self.kv_capacity, attention_kernels=self.attn_backend.kernels,
                    segment_kernels=self.attn_backend.segment_kernels)
         for runner in self.graph_runners.values():
             out.update(runner.get_stats())
