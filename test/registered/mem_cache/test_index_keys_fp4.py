@@ -92,3 +92,18 @@ def test_packed_keys_select_the_same_topk_as_model_dtype_keys(monkeypatch, segme
     assert (last >= 0).sum(-1).tolist() == [4, 4] and not torch.equal(last[0].sort().values, last[1].sort().values)
     for got, want in zip(logits_packed, logits_plain):
         assert torch.equal(got, want)
+
+
+def test_packed_keys_without_release_numerics_are_refused(monkeypatch):
+    """Packed keys hold FP4-rounded values only: a weight-only run that was given a packed key
+    pool fails with a clear error instead of rounding keys the reference does not round."""
+
+    class PackedPool(DSV4KVPool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "index_keys_fp4": True})
+
+    monkeypatch.setattr(model_runner_module, "DSV4KVPool", PackedPool)
+    runner = ModelRunner(cpu_server_args(model_path="dsv4-tiny-fp8", quant_numerics="weight_only", context_length=256,
+                                         max_total_tokens=512, max_running_requests=1))
+    with pytest.raises(ValueError, match="packed FP4 indexer keys hold FP4-rounded keys: they need release numerics"):
+        run_step(runner, [Session(runner)], [list(range(3, 11))])

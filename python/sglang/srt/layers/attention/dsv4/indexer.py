@@ -64,9 +64,9 @@ class Indexer(nn.Module):
             entries = x.new_empty(out_loc.shape[0], self.head_dim)
             self.compressor(x, meta.positions, meta.c4_compressor, state, None, rope, kernels, entries=entries)
             (kernels or reference).store_index_keys_fp4(entries, key_pool, out_loc)
-            return q, self.weights_proj(x).float() * self.weight_scale
-        self.compressor(x, meta.positions, meta.c4_compressor, state, key_pool, rope, kernels)
-        if self.fp4_qk:
+        else:
+            self.compressor(x, meta.positions, meta.c4_compressor, state, key_pool, rope, kernels)
+        if self.fp4_qk and key_pool.dtype != torch.uint8:
             # The keys this step emitted, in place and still inside the segment, before the
             # break's select_topk reads them: each entry is written once, so each is rotated
             # and rounded exactly once (padded emissions, -1, go to trash row 0).
