@@ -27,7 +27,7 @@ from sglang.srt.planning.memory_planner import (
     PlanSettings,
     plan_memory,
 )
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_args import ServerArgs, default_kv_cache_dtype
 
 
 def max_layers_that_fit(settings: PlanSettings, gpu_bytes: int) -> int:
@@ -51,14 +51,16 @@ def main(argv=None) -> None:
     p.add_argument("--breakable-cuda-graph-max-tokens", type=int, default=4096)
     p.add_argument("--cuda-graph-max-bs", type=int, default=64)
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
-                   help="auto (bf16 rows) | fp8_e4m3 (584-byte rows)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8_e4m3"],
+                   help="auto (bf16 rows) | fp8_e4m3 (584-byte rows); default: the server's (fp8_e4m3: "
+                        "Flash runs the release numerics)")
     p.add_argument("--plan-only", action="store_true", help="print the plan for an H200 and stop (no GPU)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     settings = PlanSettings(
-        weight_format="release", model_dtype="bfloat16", kv_cache_dtype=a.kv_cache_dtype,
+        weight_format="release", model_dtype="bfloat16", quant_numerics="release",
+        kv_cache_dtype=a.kv_cache_dtype or default_kv_cache_dtype("release"),
         context_length=a.context_length, max_running_requests=a.max_running_requests,
         chunked_prefill_size=a.chunked_prefill_size, breakable_max_tokens=a.breakable_cuda_graph_max_tokens,
         decode_graph_max_bs=a.cuda_graph_max_bs, mem_fraction_static=a.mem_fraction_static,

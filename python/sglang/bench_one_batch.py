@@ -82,8 +82,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="who multiplies the FP4 routed experts (server_args --moe-backend)")
     p.add_argument("--quant-numerics", default="release", choices=["weight_only", "release"],
                    help="for release-format models (*-fp8 presets, FP8/FP4 checkpoints)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
-                   help="auto: the model dtype; fp8_e4m3: KV nope dims in e4m3 (also in the limit column)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8_e4m3"],
+                   help="auto: the model dtype; fp8_e4m3: KV nope dims in e4m3 (also in the limit column); "
+                        "default: the server's (fp8_e4m3 with release numerics, else auto)")
     p.add_argument("--dp-size", type=int, default=1,
                    help="DP attention ranks (processes; rank r on cuda:r, or gloo on CPU), experts split N ways")
     p.add_argument("--dp-timeout", type=float, default=600.0, help="DP: seconds any collective may wait")

@@ -130,13 +130,16 @@ def ideal_graph(runner, fb, dp_moe=None):
     return graph, replay
 
 
-def limit_ms(config, mode: str, n: int, prefix: int, fp8_kv: bool, ep_size: int = 1) -> float:
+def limit_ms(config, mode: str, n: int, prefix: int, kv_pool, ep_size: int = 1) -> float:
     """The step's physical bound on one H200, in ms: the larger of its HBM time (the weights
-    its n tokens touch and the KV they read at `prefix` context) and, for extend / mixed, its
-    FLOP time (see the module docstring). `ep_size`: under DP each rank holds 1/ep_size of the
-    routed experts and its MoE sees every rank's n tokens."""
-    row = 584 if fp8_kv else None
-    hbm = step_cost.decode_step_cost(config, n, prefix, ep_size=ep_size, kv_row_bytes=row).seconds()
+    its n tokens touch and the KV they read at `prefix` context, in `kv_pool`'s row and
+    indexer-key formats) and, for extend / mixed, its FLOP time (see the module docstring).
+    `ep_size`: under DP each rank holds 1/ep_size of the routed experts and its MoE sees every
+    rank's n tokens."""
+    row = kv_pool.fp8_layout.row_bytes if kv_pool.fp8_layout is not None else None
+    key = kv_pool.index_key_layout.row_bytes if kv_pool.index_key_layout is not None else None
+    hbm = step_cost.decode_step_cost(config, n, prefix, ep_size=ep_size, kv_row_bytes=row,
+                                     index_key_bytes=key).seconds()
     if mode == "decode":
         return hbm * 1e3
     peak = step_cost.H200_FP8_FLOPS if config.fp8_linears else step_cost.H200_BF16_FLOPS
@@ -259,7 +262,7 @@ def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
             eager, replay = median(eager_runs), median(breakable_runs)
             ideal = median(ideal_runs) if ideal_runs else None
             breaks = 0 if mode == "decode" else breakable.graphs[breakable.bucket_for(n)].num_breaks
-            bound = limit_ms(runner.config, mode, n, a.prefix, a.kv_cache_dtype == "fp8_e4m3", steps.dp_size)
+            bound = limit_ms(runner.config, mode, n, a.prefix, runner.kv_pool, steps.dp_size)
             per_rank = steps.gather(dict(graph_replays=replays, comm_ms=comm, comm_transfer_ms=xfer))
             row = dict(mode=mode, tokens=n, eager_ms=eager, bcg_ms=replay, ideal_ms=ideal,
                        eager_over_bcg=eager / replay, bcg_over_ideal=_ratio(replay, ideal), breaks=breaks,

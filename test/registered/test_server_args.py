@@ -166,7 +166,7 @@ def test_release_format_flags():
     """--quant-numerics and --kv-cache-dtype: parsed, validated, resolved against the model
     (release numerics only for release-format weights); the model runner reads them from there."""
     a = ServerArgs()
-    assert (a.quant_numerics, a.kv_cache_dtype) == ("release", "auto")
+    assert (a.quant_numerics, a.kv_cache_dtype) == ("release", None)  # None: resolved with the model
     a = prepare_server_args(["--quant-numerics", "weight_only", "--kv-cache-dtype", "fp8_e4m3",
                              "--model-path", "dsv4-tiny-fp8", "--load-format", "dummy"])
     assert (a.quant_numerics, a.kv_cache_dtype, a.model_path, a.load_format) == (
@@ -192,3 +192,42 @@ def test_prefix_caching_flags_sglang_spelling_and_conflict():
         ServerArgs(enable_prefix_caching=True, disable_radix_cache=True)
     with pytest.raises(ValueError, match="--enable-prefix-caching must be true or false"):
         ServerArgs(enable_prefix_caching="yes")
+
+
+@pytest.mark.parametrize("argv, kv_cache_dtype", [
+    (["--model-path", "dsv4-tiny-fp8"], "fp8_e4m3"),  # release format, release numerics
+    (["--model-path", "dsv4-flash-slice-fp8"], "fp8_e4m3"),
+    (["--model-path", "dsv4-tiny"], "auto"),  # bf16: the model dtype
+    (["--model-path", "dsv4-mini"], "auto"),
+    (["--model-path", "dsv4-tiny-fp8", "--quant-numerics", "weight_only"], "auto"),  # nothing rounds the KV
+    (["--model-path", "dsv4-tiny-fp8", "--kv-cache-dtype", "auto"], "auto"),  # an explicit choice wins
+    (["--model-path", "dsv4-mini", "--kv-cache-dtype", "fp8_e4m3"], "fp8_e4m3"),
+])
+def test_kv_cache_dtype_default_resolves_with_the_model(argv, kv_cache_dtype):
+    """Unset, --kv-cache-dtype resolves once at start-up: fp8_e4m3 where the release numerics run
+    (their KV rounding keeps exactly what FP8 rows hold), the model dtype ("auto") otherwise."""
+    a = prepare_server_args(argv)
+    assert a.kv_cache_dtype == (kv_cache_dtype if "--kv-cache-dtype" in argv else None)
+    r = a.resolve(cuda_available=False)
+    assert r.kv_cache_dtype == kv_cache_dtype
+    assert r.resolve(cuda_available=False) is r  # resolved once
+
+
+def test_kv_cache_dtype_default_runs_the_runner_with_fp8_rows_and_packed_indexer_keys():
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.test.runner_args import cpu_server_args
+
+    tiny = dict(model_path="dsv4-tiny-fp8", context_length=256, max_running_requests=2, max_total_tokens=512)
+    pool = ModelRunner(cpu_server_args(**tiny)).kv_pool
+    assert pool.kv_cache_dtype == "fp8_e4m3" and pool.raw[0].dtype == torch.uint8
+    assert pool.index_key_layout is not None and pool.indexer_keys[1].shape == (512 // 4 + 32, 68)
+    plain = ModelRunner(cpu_server_args(**tiny, quant_numerics="weight_only")).kv_pool
+    assert plain.kv_cache_dtype == "auto" and plain.raw[0].dtype == torch.float32
+    assert plain.index_key_layout is None and plain.indexer_keys[1].dtype == torch.float32
+
+
+def test_kv_cache_dtype_help_states_the_default():
+    from sglang.srt.server_args import make_parser
+
+    help_ = {a.dest: a.help for a in make_parser()._actions}["kv_cache_dtype"]
+    assert "Default: fp8_e4m3 when the model runs the release numerics" in help_ and "else auto" in help_

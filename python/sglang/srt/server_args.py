@@ -17,7 +17,7 @@ DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")  # auto: dummy for presets, safetensors for dirs
 QUANT_NUMERICS = ("weight_only", "release")
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model dtype
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model dtype; unset: default_kv_cache_dtype
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SEGMENT_KERNELS = ("auto", "on", "off")
 MOE_BACKENDS = ("auto", "torch", "triton", "humming")  # layers/moe/backends/
@@ -52,7 +52,7 @@ class ServerArgs:
     device: str = "auto"
     random_seed: int = 0
     quant_numerics: str = "release"
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: Optional[str] = None  # None: default_kv_cache_dtype of the resolved numerics
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
@@ -149,14 +149,22 @@ class ServerArgs:
         pick = 1 if on_cuda else 0
         max_running = self.max_running_requests or _DEFAULT_MAX_RUNNING_REQUESTS[pick]
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+        import torch
+
+        from sglang.srt.layers.moe.backends import resolve_moe_backend
+        from sglang.srt.layers.quantization import QuantMode
+
+        # release numerics are the release format's: a bf16 model has nothing to round
+        quant_numerics = QuantMode.resolve_numerics(model_config, self.quant_numerics)
+        kv_cache_dtype = self.kv_cache_dtype or default_kv_cache_dtype(quant_numerics)
         max_total_tokens = self.max_total_tokens
         if max_total_tokens is None:
             # never more than the running requests could ever use
             cap = context_length * max_running
             if on_cuda:
                 free = gpu_free_memory if gpu_free_memory is not None else _query_gpu_free_memory()
-                max_total_tokens = self._memory_plan(model_config, dtype, free, context_length, max_running,
-                                                     pick).kv_pool_tokens
+                max_total_tokens = self._memory_plan(model_config, dtype, quant_numerics, kv_cache_dtype, free,
+                                                     context_length, max_running, pick).kv_pool_tokens
             else:
                 max_total_tokens = min(cap, max(_CPU_MAX_TOTAL_TOKENS, context_length))
             if max_total_tokens < self.page_size:
@@ -171,11 +179,6 @@ class ServerArgs:
                 f"--breakable-cuda-graph-tokens has {max(self.breakable_cuda_graph_tokens)}, "
                 f"above --breakable-cuda-graph-max-tokens {breakable_max}"
             )
-        import torch
-
-        from sglang.srt.layers.moe.backends import resolve_moe_backend
-        from sglang.srt.layers.quantization import QuantMode
-
         moe_backend = resolve_moe_backend(self.moe_backend, device, getattr(torch, dtype), segment_kernels,
                                           fp4_experts=model_config.fp4_experts)
         return dataclasses.replace(
@@ -183,8 +186,8 @@ class ServerArgs:
             device=device,
             dtype=dtype,
             load_format=load_format,
-            # release numerics are the release format's: a bf16 model has nothing to round
-            quant_numerics=QuantMode.resolve_numerics(model_config, self.quant_numerics),
+            quant_numerics=quant_numerics,
+            kv_cache_dtype=kv_cache_dtype,
             tokenizer_path=self.tokenizer_path,
             served_model_name=self.served_model_name or self.model_path,
             context_length=context_length,
@@ -199,14 +202,15 @@ class ServerArgs:
             resolved=True,
         )
 
-    def _memory_plan(self, model_config, dtype: str, free: int, context_length: int, max_running: int, pick: int):
+    def _memory_plan(self, model_config, dtype: str, quant_numerics: str, kv_cache_dtype: str, free: int,
+                     context_length: int, max_running: int, pick: int):
         """This GPU's memory plan (planning/memory_planner.py); raises MemoryPlanError, which
         names the shortfall and the flag to change, when the model or the KV cache does not fit."""
         from sglang.srt.planning.memory_planner import PlanSettings, loaded_weight_format, plan_memory
 
         settings = PlanSettings(
             weight_format=loaded_weight_format(model_config, dtype), model_dtype=dtype,
-            kv_cache_dtype=self.kv_cache_dtype,
+            quant_numerics=quant_numerics, kv_cache_dtype=kv_cache_dtype,
             dp_size=self.dp_size if self.enable_dp_attention else 1, page_size=self.page_size,
             context_length=context_length, max_running_requests=max_running,
             chunked_prefill_size=max(self.chunked_prefill_size or _DEFAULT_CHUNKED_PREFILL_SIZE[pick], 1),
@@ -241,6 +245,14 @@ class ServerArgs:
         return from_cli_args(args)
 
 
+def default_kv_cache_dtype(quant_numerics: str) -> str:
+    """--kv-cache-dtype when it is not given, from the resolved --quant-numerics: fp8_e4m3 for a
+    model that runs the release numerics (its KV nope dims are FP8-rounded per 64 anyway, so an
+    FP8 cache holds exactly those values, in 584 instead of 1024 bytes per bf16 entry at
+    head_dim 512), else auto (the model dtype: a bf16 model's KV stays exact)."""
+    return "fp8_e4m3" if quant_numerics == "release" else "auto"
+
+
 def resolve_kernels(attention_backend: str, segment_kernels: str, device) -> Tuple[str, bool]:
     """The one place torch-or-Triton is chosen: (attention core "torch" | "triton", whether
     the in-segment pieces call dsv4_kernels ops). Attention 'auto' -> Triton on CUDA when
@@ -268,6 +280,8 @@ def _validate(a: ServerArgs) -> None:
         ("log_level", LOG_LEVELS), ("moe_dispatcher", MOE_DISPATCHERS), ("moe_backend", MOE_BACKENDS),
         ("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS),
     ):
+        if getattr(a, name) is None and name in _DEFAULT_AT_RESOLVE:
+            continue
         if getattr(a, name) not in choices:
             raise ValueError(f"--{_flag(name)} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
     if not isinstance(a.disable_overlap_schedule, bool):
@@ -326,6 +340,10 @@ def _validate(a: ServerArgs) -> None:
         raise ValueError(f"--watchdog-timeout must be positive, got {a.watchdog_timeout}")
 
 
+# Choice fields whose unset value (None) resolve() replaces with a default of its own.
+_DEFAULT_AT_RESOLVE = {"kv_cache_dtype"}
+
+
 def _check_dist_init_addr(addr: str) -> None:
     host, sep, port = addr.rpartition(":")
     # port + 1 is node 0's DP controller (managers/dp/supervisor.py)
@@ -371,7 +389,10 @@ _HELP = {
                       "rounding (activations to FP8 per 128, KV nope dims to FP8 per 64, indexer q/k Hadamard + "
                       "FP4 per 32); weight_only runs the quantized weights on unrounded activations. A bf16 model "
                       "has nothing to round: it always runs weight_only",
-    "kv_cache_dtype": "auto: the model dtype; fp8_e4m3: KV nope dims stored as e4m3 with per-64 scales",
+    "kv_cache_dtype": "how KV entries are cached: auto = in the model dtype; fp8_e4m3 = nope dims as e4m3 with a "
+                      "power-of-two scale per 64, rope dims in the model dtype (584 instead of 1024 bytes per bf16 "
+                      "entry). Default: fp8_e4m3 when the model runs the release numerics (release-format weights "
+                      "with --quant-numerics release, whose KV rounding keeps exactly those values), else auto",
     "device": "auto: cuda when available, else cpu",
     "host": "address the HTTP server listens on (default 127.0.0.1, this machine only; 0.0.0.0 for every "
             "interface)",

@@ -3,7 +3,9 @@
 I(t, j) = sum_h w[t,h] * relu(q[t,h] . K[cand(t, j)]). The candidates are a [T, C] slot list,
 or (the runtime's case) a PageTableList read straight from the page table, so no [T, C]
 list exists. Heads are the M side of the dot so a tile of gathered keys is read once per
-token. Masked candidates get -inf and never win.
+token. Masked candidates get -inf and never win. Keys are float rows in q's dtype or packed
+FP4 rows (index_key_fp4.py, release numerics), decoded exactly to q's dtype as a tile is
+gathered: the same dot as float keys holding those values, so the same logits bit for bit.
 
 `indexer_topk` is three launches per chunk of tokens: the logits kernel writes each score as
 the deterministic top-k's int64 key (reference.topk_indices: the score's order-preserving
@@ -20,6 +22,8 @@ from ._dot import dot_precision
 from ._page_table import load_page_table_slots
 from .host_math import cdiv, next_power_of_2
 from .page_table_list import kernel_list_args, list_width
+from .quant_reference import FP4_BLOCK
+from .reference import index_key_layout
 
 # Bound on the fp32 logits scratch (elements); longer batches are scored in token chunks.
 MAX_LOGITS_ELEMENTS = 1 << 26
@@ -32,10 +36,11 @@ def _indexer_logits_kernel(
     NH, DI, C,
     TILES_PER_PROG: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, PAGED: tl.constexpr, RATIO: tl.constexpr,
-    KEYS: tl.constexpr,
+    KEYS: tl.constexpr, FP4_KEYS: tl.constexpr, FP4_BLOCK: tl.constexpr,
 ):
     """PAGED: slots_ptr is the page table (row stride stride_st) and rows_ptr each token's row;
-    else slots_ptr is the [T, C] list. KEYS: store int64 top-k keys instead of fp32 logits."""
+    else slots_ptr is the [T, C] list. KEYS: store int64 top-k keys instead of fp32 logits.
+    FP4_KEYS: key rows are packed FP4 bytes (index_key_fp4.py), decoded to q's dtype (exact)."""
     t = tl.program_id(0).to(tl.int64)
     if PAGED:
         list_row = slots_ptr + tl.load(rows_ptr + t).to(tl.int64) * stride_st
@@ -56,8 +61,12 @@ def _indexer_logits_kernel(
         else:
             slot = tl.load(list_row + offs_n, mask=offs_n < length, other=-1)
         valid = slot >= 0
-        k = tl.load(key_ptr + slot.to(tl.int64)[:, None] * stride_key + offs_d[None, :],
-                    mask=valid[:, None] & d_mask[None, :], other=0.0)
+        if FP4_KEYS:
+            k = _fp4_key_tile(key_ptr + slot.to(tl.int64)[:, None] * stride_key, offs_d,
+                              valid[:, None] & d_mask[None, :], DI, FP4_BLOCK).to(q.dtype)
+        else:
+            k = tl.load(key_ptr + slot.to(tl.int64)[:, None] * stride_key + offs_d[None, :],
+                        mask=valid[:, None] & d_mask[None, :], other=0.0)
         dots = tl.maximum(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), 0.0)
         score = tl.sum(dots * w[:, None], 0)
         score = tl.where(valid, score, float("-inf"))
@@ -65,6 +74,24 @@ def _indexer_logits_kernel(
             tl.store(logits_ptr + t * stride_lt + offs_n, _topk_key(score, offs_n, C), mask=offs_n < C)
         else:
             tl.store(logits_ptr + t * stride_lt + offs_n, score, mask=offs_n < C)
+
+
+@triton.jit
+def _fp4_key_tile(row_ptr, offs_d, mask, DI, FP4_BLOCK: tl.constexpr):
+    """fp32 values of packed FP4 key rows (row_ptr [N, 1] row starts) at dims offs_d: element d's
+    code from byte d / 2 (low nibble for even d), its block's e8m0 byte after the DI / 2 code
+    bytes; masked lanes read as 0. Every value is an e2m1 value times a power of two: exact in
+    bf16 and fp32."""
+    d = offs_d[None, :]
+    byte = tl.load(row_ptr + d // 2, mask=mask, other=0).to(tl.int32)
+    code = (byte >> ((d & 1) * 4)) & 0xF
+    e = (code & 7) >> 1
+    m = (code & 1).to(tl.float32)
+    # magnitude codes 2..7 are (1 + m/2) 2^(e - 1) (2^(e - 1) built from its exponent bits); 1 is 0.5
+    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * ((e + 126) << 23).to(tl.float32, bitcast=True))
+    val = tl.where((code & 8) != 0, -mag, mag)
+    sbyte = tl.load(row_ptr + DI // 2 + d // FP4_BLOCK, mask=mask, other=0).to(tl.int32)
+    return val * (sbyte << 23).to(tl.float32, bitcast=True)
 
 
 # The keys' high halves of -inf and +inf (reference.topk_indices' order-preserving bits):
@@ -111,8 +138,9 @@ def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len, logits=None, 
     T, NH, DI = q_idx.shape
     cands = kernel_list_args(cand_slots, cand_len, T)
     C = cands.width
-    assert q_idx.stride(-1) == 1 and key_pool.stride(-1) == 1
-    assert key_pool.dtype == q_idx.dtype and weights.stride(-1) == 1
+    assert q_idx.stride(-1) == 1 and key_pool.stride(-1) == 1 and weights.stride(-1) == 1
+    fp4_keys = index_key_layout(key_pool, DI) is not None
+    assert fp4_keys or key_pool.dtype == q_idx.dtype
     if logits is None:
         logits = torch.empty(T, C, dtype=torch.int64 if keys else torch.float32, device=q_idx.device)
     if T == 0 or C == 0:
@@ -127,7 +155,7 @@ def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len, logits=None, 
         TILES_PER_PROG=tiles, BLOCK_H=max(16, next_power_of_2(NH)), BLOCK_N=block_n,
         BLOCK_D=next_power_of_2(DI), DOT_PREC=dot_precision(q_idx.dtype), PAGED=cands.paged,
         RATIO=cands.ratio,
-        KEYS=keys, num_warps=4, num_stages=2,
+        KEYS=keys, FP4_KEYS=fp4_keys, FP4_BLOCK=FP4_BLOCK, num_warps=4, num_stages=2,
     )
     return logits
 

@@ -45,7 +45,8 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
 def rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc,
                        kv_out=None, nope_fp8=False):
     """RMSNorm(kv [T, D]) * weight -> RoPE on the last rope_dim dims -> pool[out_loc[t]]
-    (skipped where out_loc == -1) and kv_out [T, D] (unrounded) if given. Returns kv_out.
+    (skipped where out_loc == -1; pool None: not stored) and kv_out [T, D] (unrounded) if
+    given. Returns kv_out.
     nope_fp8: the nope dims are FP8-rounded per 64 before a float pool stores them; a uint8
     pool holds FP8 KV rows (kv_fp8.py) and always quantizes."""
     impl = _kernels("cache_write") if _use_triton(kv) else reference
@@ -88,7 +89,8 @@ def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write
 def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots):
     """out_slots [T, topk] int32: cand_slots of the best min(topk, cand_len) indexer scores in
     no particular order, -1 for the rest. cand_slots: [T, C] slots or a PageTableList of width
-    C (the runtime's: candidates read from the page table). Returns out_slots."""
+    C (the runtime's: candidates read from the page table). key_pool: float keys in q_idx's
+    dtype, or uint8 packed FP4 keys (index_key_fp4.py), unpacked as they are read. Returns out_slots."""
     impl = _kernels("indexer") if _use_triton(q_idx) else reference
     return impl.indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots)
 
@@ -158,6 +160,15 @@ def indexer_rope_rotate_round_(x, cos, sin, positions, rope_dim, rotate=True):
     if rotate:
         x.copy_(quant_reference.fp4_round_blocks(quant_reference.hadamard_rotate(x)))
     return x
+
+
+def store_index_keys_fp4(keys, key_pool, out_loc):
+    """key_pool[out_loc[e]] <- the indexer's emitted keys [E, D] Hadamard-rotated, FP4-rounded
+    per 32 and packed (uint8 rows of index_key_fp4.py); out_loc -1 skipped. Release numerics'
+    key write for a packed key pool, one launch on CUDA. Returns key_pool."""
+    if _use_triton(keys):
+        return _kernels("indexer_rotate").rotate_round_pack_store(keys, key_pool, out_loc)
+    return reference.store_index_keys_fp4(keys, key_pool, out_loc)
 
 
 def rms_norm(x, weight, eps):

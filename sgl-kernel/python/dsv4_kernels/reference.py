@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .index_key_fp4 import IndexKeyFP4Layout
 from .kv_fp8 import FP8KVLayout, round_nope_fp8
 from .page_table_list import PageTableList, list_width
 
@@ -168,7 +169,8 @@ def rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool
     nope_fp8 rounds a float pool's nope dims; a uint8 pool holds FP8 rows). kv_out gets the
     unrounded rows."""
     y = apply_rope(rms_norm(kv, norm_weight, eps), cos, sin, positions, rope_dim)
-    scatter_rows_(pool, out_loc, kv_cache_rows(y, pool, rope_dim, nope_fp8))
+    if pool is not None:
+        scatter_rows_(pool, out_loc, kv_cache_rows(y, pool, rope_dim, nope_fp8))
     if kv_out is not None:
         kv_out.copy_(y.to(kv_out.dtype))
     return kv_out
@@ -281,10 +283,27 @@ def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write
 # ----------------------------------------------------------------------------------------
 
 
+def index_key_layout(key_pool, dim: int) -> Optional[IndexKeyFP4Layout]:
+    """The packed FP4 layout of a uint8 indexer-key pool (index_key_fp4.py), None for a float one."""
+    return IndexKeyFP4Layout.of_rows(key_pool, dim) if key_pool.dtype == torch.uint8 else None
+
+
+def store_index_keys_fp4(keys, key_pool, out_loc):
+    """key_pool[out_loc[e]] <- keys [E, D] Hadamard-rotated (in keys' dtype), FP4-rounded per 32
+    and packed (index_key_fp4.py: the values fp4_round_blocks gives); out_loc -1 skipped."""
+    from .quant_reference import hadamard_rotate
+
+    layout = IndexKeyFP4Layout.of_rows(key_pool, keys.shape[-1])
+    scatter_rows_(key_pool, out_loc, layout.pack(hadamard_rotate(keys)))
+    return key_pool
+
+
 def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len):
     """I(t, j) [T, C] fp32; -inf where j >= cand_len[t] or the slot is -1. cand_slots: [T, C]
-    slots, or a PageTableList of width C (its lists are gathered here: callers bound T)."""
-    keys, valid = _gather_keys(key_pool, cand_slots, cand_len)
+    slots, or a PageTableList of width C (its lists are gathered here: callers bound T).
+    key_pool: keys in a float dtype, or uint8 packed FP4 keys (unpacked as they are gathered:
+    the same fp32 values, so the same logits as float keys holding them)."""
+    keys, valid = _gather_keys(key_pool, cand_slots, cand_len, index_key_layout(key_pool, q_idx.shape[-1]))
     dots = torch.einsum("thd,tjd->thj", q_idx.float(), keys).relu_()  # in place: the model's hot path
     logits = torch.einsum("th,thj->tj", weights.float(), dots)
     return logits.masked_fill_(~valid, float("-inf"))

@@ -149,3 +149,11 @@ def test_stats_per_bucket_graph_memory_sums_and_capture_seconds_take_the_slowest
     assert merged == {"breakable_graph_memory_by_bucket": {"64": 610, "16": 20},
                       "breakable_capture_seconds_by_bucket": {"64": 1.5, "16": 0.5}}
     assert list(merged["breakable_graph_memory_by_bucket"]) == ["64", "16"]  # capture order kept
+
+
+def test_kv_capacity_sums_over_ranks_and_bytes_per_token_is_reported_once():
+    rank = {"kv_cache_dtype": "fp8_e4m3", "kv_bytes_per_token": 5312, "kv_capacity_tokens": 65536,
+            "kv_capacity_requests": 16}
+    assert aggregate_stats([rank, dict(rank, kv_capacity_tokens=32768, kv_capacity_requests=8)]) == {
+        "kv_cache_dtype": "fp8_e4m3", "kv_bytes_per_token": 5312, "kv_capacity_tokens": 98304,
+        "kv_capacity_requests": 24}

@@ -90,6 +90,20 @@ def test_health_models_and_server_info(server, client):
     assert {"num_running_reqs", "num_waiting_reqs", "num_forwards", "num_free_pages"} <= set(stats)
     # the kernel path in use (CPU: plain torch everywhere)
     assert (stats["attention_kernels"], stats["segment_kernels"]) == ("torch", False)
+    # the KV cache's size: the CPU default of 65536 tokens holds 16 requests of the context
+    # length, at the pool's bytes per token (a bf16-format model: model-dtype KV)
+    import math
+
+    import torch
+
+    from sglang.srt.configs.presets import get_preset
+    from sglang.srt.mem_cache.dsv4_kv_pool import kv_bytes_per_token
+
+    assert info["kv_cache_dtype"] == "auto" and info["max_running_requests"] == 64
+    assert (info["kv_capacity_tokens"], info["kv_capacity_requests"]) == (65536, 65536 // CONTEXT_LENGTH)
+    assert info["kv_bytes_per_token"] == math.ceil(kv_bytes_per_token(get_preset(MODEL), torch.float32))
+    assert {k: stats[k] for k in ("kv_capacity_tokens", "kv_capacity_requests", "kv_bytes_per_token")} == {
+        k: info[k] for k in ("kv_capacity_tokens", "kv_capacity_requests", "kv_bytes_per_token")}
 
 
 def test_completion(client):

@@ -2,18 +2,20 @@
 allocated, and a graph capture that runs out of memory refused at start-up with the flags."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
 from sglang.srt.model_executor.graph_runner import GraphRunner
 from sglang.srt.model_executor.memory_report import report_startup_memory
+from sglang.srt.mem_cache.dsv4_kv_pool import kv_bytes_per_token
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.planning.memory_planner import GiB, MemoryPlanError, PlanSettings, loaded_weight_format, plan_memory
 from sglang.test.runner_args import cpu_server_args
 
 # A CUDA server's defaults with breakable graphs on; each test replaces what its runner sets.
-SERVING = PlanSettings(weight_format="release", kv_cache_dtype="auto", dp_size=1, page_size=128,
+SERVING = PlanSettings(weight_format="release", quant_numerics="release", kv_cache_dtype="auto", dp_size=1, page_size=128,
                        context_length=65536, max_running_requests=256, chunked_prefill_size=2048,
                        breakable_max_tokens=4096, decode_graph_max_bs=256, mem_fraction_static=0.8, max_total_tokens=None)
 
@@ -60,3 +62,26 @@ def test_a_capture_out_of_memory_names_the_graph_and_the_flags(monkeypatch, capl
     assert "--mem-fraction-static (now 0.8)" in msg and "--breakable-cuda-graph-max-tokens (largest bucket now 32)" in msg
     assert isinstance(err.value.__cause__, torch.OutOfMemoryError)
     assert "memory before graph capture: weights" in caplog.text
+
+
+def test_startup_logs_the_kv_capacity_and_stats_report_it(caplog):
+    """One start-up line says what the KV cache holds: dtype, bytes per token, capacity in tokens
+    and in requests of the context length, and the running-request limit; the runner's stats
+    (hence /get_server_info) carry the same numbers."""
+    with caplog.at_level("INFO", logger="sglang.srt.model_executor.memory_report"):
+        runner = ModelRunner(cpu_server_args(model_path="dsv4-tiny-fp8", context_length=256, max_running_requests=3,
+                                             max_total_tokens=1024))
+    bpt = runner.kv_pool.bytes_per_token()
+    assert bpt == kv_bytes_per_token(runner.config, torch.float32, "fp8_e4m3", index_keys_fp4=True)
+    line = (f"KV cache (DP rank 0): fp8_e4m3, {math.ceil(bpt)} B/token, 1024 tokens (4 requests of 256 tokens), "
+            f"max running requests 3")
+    assert line in caplog.text
+    stats = runner.get_stats()
+    assert {k: stats[k] for k in ("kv_cache_dtype", "kv_bytes_per_token", "kv_capacity_tokens", "kv_capacity_requests")} \
+        == {"kv_cache_dtype": "fp8_e4m3", "kv_bytes_per_token": math.ceil(bpt), "kv_capacity_tokens": 1024,
+            "kv_capacity_requests": 4}
+    caplog.clear()
+    with caplog.at_level("INFO", logger="sglang.srt.model_executor.memory_report"):
+        ModelRunner(cpu_server_args(model_path="dsv4-tiny", context_length=256, max_running_requests=3,
+                                    max_total_tokens=1024))
+    assert "KV cache (DP rank 0): float32 (auto), " in caplog.text

@@ -16,6 +16,7 @@ from sglang.srt.planning.memory_planner import (
     MemoryPlanError,
     PlanSettings,
     kv_bytes_per_token,
+    loaded_weight_format,
     min_gpus_to_fit,
     per_request_state_bytes,
     plan_memory,
@@ -24,7 +25,7 @@ from sglang.srt.planning.memory_planner import (
 )
 
 # The defaults of a CUDA server with breakable graphs on, at a 64K context.
-SERVING = PlanSettings(weight_format="release", kv_cache_dtype="auto", dp_size=1, page_size=128,
+SERVING = PlanSettings(weight_format="release", quant_numerics="release", kv_cache_dtype="auto", dp_size=1, page_size=128,
                        context_length=65536, max_running_requests=256, chunked_prefill_size=2048,
                        breakable_max_tokens=4096, decode_graph_max_bs=256, mem_fraction_static=0.8, max_total_tokens=None)
 # A lean serving setup: the least a model can be served with usefully. The static fraction leaves
@@ -74,16 +75,47 @@ def test_bf16_weight_bytes_equal_the_model_tensors():
     assert sum(t.numel() for t in tensors) == estimate_num_parameters(config)
 
 
-def test_kv_bytes_match_the_pool_as_built():
+@pytest.mark.parametrize("preset, dtype, numerics, kv_cache_dtype, key_bytes", [
+    ("dsv4-tiny", "bfloat16", "weight_only", "auto", 64),  # bf16 model: bf16 indexer keys (dim 32)
+    ("dsv4-mini", "bfloat16", "weight_only", "fp8_e4m3", 256),
+    ("dsv4-flash-slice-fp8", "bfloat16", "release", "fp8_e4m3", 68),  # packed FP4 keys (dim 128)
+    ("dsv4-flash-slice-fp8", "bfloat16", "weight_only", "auto", 256),
+    ("dsv4-tiny-fp8", "float32", "release", "auto", 68),
+])
+def test_the_planner_counts_the_pool_as_built(preset, dtype, numerics, kv_cache_dtype, key_bytes):
+    """The planner's count of the pool the model runner builds (its KV rows, the padding page
+    and the compressor rings of every request slot) is the pool's nbytes(), byte for byte."""
     from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
+    from sglang.srt.planning.memory_planner import kv_pool_bytes, kv_rows_bytes
 
-    config = get_preset("dsv4-tiny")
-    slots, reqs = 128 * 16, 3
-    pool = DSV4KVPool(config, slots, reqs, torch.bfloat16, "cpu")
-    rings = sum(t.numel() * 4 for st in list(pool.compressor_state.values()) + list(pool.indexer_state.values())
+    config = get_preset(preset)
+    s = dataclasses.replace(SERVING, weight_format=loaded_weight_format(config, dtype), model_dtype=dtype,
+                            quant_numerics=numerics, kv_cache_dtype=kv_cache_dtype, max_running_requests=3)
+    kv_tokens = 128 * 16
+    release = numerics == "release" and config.is_quantized
+    # as ModelRunner builds it: the tokens plus the padding page, one ring row per request + 1
+    pool = DSV4KVPool(config, kv_tokens + 128, 3, getattr(torch, dtype), "cpu", kv_cache_dtype=kv_cache_dtype,
+                      round_nope_fp8=release, index_keys_fp4=release)
+    assert pool.indexer_keys[next(iter(pool.indexer_keys))][0].nbytes == key_bytes
+    assert pool.nbytes() == kv_pool_bytes(config, s, kv_tokens)
+    rings = sum(t.nbytes for st in [*pool.compressor_state.values(), *pool.indexer_state.values()]
                 for t in (st.kv, st.score))
-    assert pool.nbytes() - rings == slots * (kv_bytes_per_token(config, "auto") - 1)
-    assert rings == (reqs + 1) * (per_request_state_bytes(config, 0))  # context 0: no page-table row
+    assert pool.nbytes() - rings == kv_rows_bytes(config, s, kv_tokens)
+    assert rings == 4 * per_request_state_bytes(config, 0)  # context 0: no page-table row
+    assert kv_rows_bytes(config, s, kv_tokens) <= (kv_tokens + 128) * kv_bytes_per_token(
+        config, kv_cache_dtype, dtype, release) < kv_rows_bytes(config, s, kv_tokens) + kv_tokens + 128
+
+
+def test_a_plan_counts_its_pool_exactly():
+    mini = get_preset("dsv4-flash-slice-fp8")
+    s = dataclasses.replace(SERVING, context_length=8192, max_running_requests=16, breakable_max_tokens=0,
+                            decode_graph_max_bs=0, kv_cache_dtype="fp8_e4m3")
+    plan = plan_memory(mini, s, 40 * GiB)
+    from sglang.srt.planning.memory_planner import kv_rows_bytes
+
+    assert plan.kv_pool == kv_rows_bytes(mini, s, plan.kv_pool_tokens)
+    parts = plan.weights + plan.per_request_state + plan.rope_tables + plan.kv_pool + plan.graph_pool
+    assert parts + plan.activation_reserve + plan.headroom == 40 * GiB
 
 
 def test_fp8_kv_entries_are_584_bytes():
@@ -149,8 +181,9 @@ def test_kv_pool_follows_the_static_fraction_and_is_capped_by_use():
     big = plan_memory(mini, dataclasses.replace(s, mem_fraction_static=0.8), 4 * GiB)
     assert 0 < small.kv_pool_tokens < big.kv_pool_tokens
     per_token = kv_bytes_per_token(mini, "auto")
-    assert big.kv_pool_tokens == (int(4 * GiB * 0.8) - big.weights - big.per_request_state - big.rope_tables) \
-        // per_token // 128 * 128
+    padding_page = 128 * per_token  # the pool's page 0, held beside the tokens
+    assert big.kv_pool_tokens == (int(4 * GiB * 0.8) - big.weights - big.per_request_state - big.rope_tables
+                                  - padding_page) // per_token // 128 * 128
     huge = plan_memory(mini, s, 139 * GiB)
     assert huge.kv_pool_tokens == 8192 * 64  # never more than the running requests can use
 

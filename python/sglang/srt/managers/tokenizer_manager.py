@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from sglang.srt.managers.dp.controller_client import ControllerClient
 from sglang.srt.managers.dp.controller import DataParallelController
-from sglang.srt.managers.dp.stats import aggregate_stats
+from sglang.srt.managers.dp.stats import KV_CAPACITY_STATS, aggregate_stats
 from sglang.srt.managers.io_struct import (
     GenerateReqInput,
     OutputsSoFar,
@@ -349,15 +349,18 @@ class TokenizerManager:
         """Server args plus the schedulers' live stats (graph replays, fallbacks, ...): summed over
         DP ranks in `scheduler_stats`, each rank's own in `dp_rank_stats`."""
         per_rank = await self.scheduler_stats(timeout_s)
+        stats = aggregate_stats(per_rank)
         args = self.server_args
         args = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
         return {
             **args,
+            # the KV cache's size (memory_report.report_kv_capacity), over every DP rank
+            **{k: stats[k] for k in KV_CAPACITY_STATS if k in stats},
             "served_model_name": self.served_model_name,
             "context_length": self.context_length,
             "vocab_size": self.vocab_size,
             "scheduler_pid": self.scheduler_pid,
             "scheduler_pids": self.client.controller.pids,
-            "scheduler_stats": aggregate_stats(per_rank),
+            "scheduler_stats": stats,
             "dp_rank_stats": per_rank,
         }

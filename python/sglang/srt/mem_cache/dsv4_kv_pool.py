@@ -7,8 +7,13 @@ the memory cost at long context and the ring alternative we left for later).
 
 KV entries (raw and compressed) are rows of head_dim model-dtype values, or with
 kv_cache_dtype "fp8_e4m3" uint8 rows in dsv4_kernels.kv_fp8's layout (nope dims e4m3 with a
-power-of-two scale per 64, rope dims in the model dtype). Indexer keys always stay in the
-model dtype. `nope_fp8` tells every KV writer to round the nope dims as the release does.
+power-of-two scale per 64, rope dims in the model dtype). `nope_fp8` tells every KV writer to
+round the nope dims as the release does.
+
+Indexer keys are rows of index_head_dim model-dtype values, or with index_keys_fp4 (release
+numerics, whose keys are FP4-rounded per 32 before they are cached) uint8 rows in
+dsv4_kernels.index_key_fp4's layout: e2m1 codes + one e8m0 scale per 32, 68 bytes at dim 128
+instead of 256 (bf16). They hold exactly the rounded values, so the indexer scores the same.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
+from dsv4_kernels.index_key_fp4 import IndexKeyFP4Layout, index_key_row_bytes
 from dsv4_kernels.kv_fp8 import FP8KVLayout, kv_row_bytes
 from dsv4_kernels.reference import kv_cache_rows
 
@@ -42,11 +48,13 @@ class CompressorState:
 class DSV4KVPool:
     """kv_cache_dtype "auto": KV rows in `dtype`; "fp8_e4m3": FP8 rows (`fp8_layout`).
     round_nope_fp8 (release numerics): a float cache holds the nope dims FP8-rounded per 64,
-    exactly the values an FP8 cache would give back."""
+    exactly the values an FP8 cache would give back. index_keys_fp4 (release numerics): the
+    indexer keys are packed FP4 rows (`index_key_layout`), written by the indexer's rounding
+    (ops.store_index_keys_fp4) and unpacked by its scoring."""
 
     def __init__(self, config: DeepseekV4Config, num_slots: int, max_num_reqs: int,
                  dtype: torch.dtype, device: torch.device | str, num_layers: Optional[int] = None,
-                 kv_cache_dtype: str = "auto", round_nope_fp8: bool = False):
+                 kv_cache_dtype: str = "auto", round_nope_fp8: bool = False, index_keys_fp4: bool = False):
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.config = config
@@ -62,6 +70,8 @@ class DSV4KVPool:
         # What every KV writer passes as nope_fp8 (an FP8 cache rounds by construction).
         self.nope_fp8 = round_nope_fp8 or self.fp8_layout is not None
         self.rope_dim = rope_dim
+        self.index_key_layout: Optional[IndexKeyFP4Layout] = (
+            IndexKeyFP4Layout(config.index_head_dim) if index_keys_fp4 else None)
         n_layers = config.num_hidden_layers if num_layers is None else num_layers
         D, Di = config.head_dim, config.index_head_dim
         self.raw: List[torch.Tensor] = []
@@ -79,13 +89,23 @@ class DSV4KVPool:
             self.compressed[layer] = self._kv_rows(num_slots // r)
             self.compressor_state[layer] = _new_state(r, D, rows, device)
             if r == 4:
-                self.indexer_keys[layer] = torch.zeros(num_slots // r, Di, dtype=dtype, device=device)
+                self.indexer_keys[layer] = self._index_key_rows(num_slots // r)
                 self.indexer_state[layer] = _new_state(r, Di, rows, device)
 
     def _kv_rows(self, n: int) -> torch.Tensor:
         if self.fp8_layout is not None:  # all-zero bytes read back as 0.0 (scale 2^-127)
             return torch.zeros(n, self.fp8_layout.row_bytes, dtype=torch.uint8, device=self.device)
         return torch.zeros(n, self.config.head_dim, dtype=self.dtype, device=self.device)
+
+    def _index_key_rows(self, n: int) -> torch.Tensor:
+        if self.index_key_layout is not None:  # all-zero bytes read back as 0.0
+            return torch.zeros(n, self.index_key_layout.row_bytes, dtype=torch.uint8, device=self.device)
+        return torch.zeros(n, self.config.index_head_dim, dtype=self.dtype, device=self.device)
+
+    def decode_index_keys(self, pool: torch.Tensor) -> torch.Tensor:
+        """An indexer-key pool's rows as values [N, index_head_dim] (fp32 for packed rows; for
+        tests and tools)."""
+        return self.index_key_layout.unpack(pool) if self.index_key_layout is not None else pool
 
     def encode_kv(self, rows: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
         """KV rows [T, head_dim] as `pool` (a raw or compressed pool of this object) stores
@@ -95,6 +115,10 @@ class DSV4KVPool:
     def decode_kv(self, pool: torch.Tensor) -> torch.Tensor:
         """A KV pool's rows as values [N, head_dim] (fp32 for FP8 rows; for tests and tools)."""
         return self.fp8_layout.unpack(pool) if self.fp8_layout is not None else pool
+
+    def bytes_per_token(self) -> float:
+        """KV bytes one token of this pool costs (kv_bytes_per_token at its formats)."""
+        return kv_bytes_per_token(self.config, self.dtype, self.kv_cache_dtype, self.index_key_layout is not None)
 
     def nbytes(self) -> int:
         ts = list(self.raw) + list(self.compressed.values()) + list(self.indexer_keys.values())
@@ -114,10 +138,13 @@ def _new_state(ratio: int, dim: int, rows: int, device) -> CompressorState:
     )
 
 
-def kv_bytes_per_token(config: DeepseekV4Config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> float:
+def kv_bytes_per_token(config: DeepseekV4Config, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                       index_keys_fp4: bool = False) -> float:
     """KV bytes one token costs across layers, mirroring DSV4KVPool's layout: a raw KV row on
-    every layer, plus 1/r of a compressed entry (and of an indexer key on ratio-4 layers)."""
+    every layer, plus 1/r of a compressed entry (and of an indexer key on ratio-4 layers: a
+    packed FP4 row with index_keys_fp4, else index_head_dim model-dtype values)."""
     row = kv_row_bytes(config.head_dim, config.qk_rope_head_dim, kv_cache_dtype, dtype)
+    key = index_key_row_bytes(config.index_head_dim, index_keys_fp4, dtype)
     total = 0.0
     for layer in range(config.num_hidden_layers):
         r = config.layer_compress_ratio(layer)
@@ -125,5 +152,5 @@ def kv_bytes_per_token(config: DeepseekV4Config, dtype: torch.dtype, kv_cache_dt
         if r:
             total += row / r
         if r == 4:
-            total += config.index_head_dim * dtype.itemsize / 4
+            total += key / 4
     return total

@@ -1,10 +1,11 @@
-"""What the model runner logs about its device memory: this GPU's plan beside what it actually
-allocated at start-up, what is resident before graph capture, and the start-up error for a
-capture that runs out of memory (the plan itself: planning/memory_planner.py)."""
+"""What the model runner logs about its device memory: its KV capacity, this GPU's plan beside
+what it actually allocated at start-up, what is resident before graph capture, and the start-up
+error for a capture that runs out of memory (the plan itself: planning/memory_planner.py)."""
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Dict, Optional
 
 import torch
@@ -29,6 +30,27 @@ def log_memory_plan(plan: MemoryPlan, rank: int = 0, measured: Optional[Dict[str
                     ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in measured.items()))
 
 
+def report_kv_capacity(runner) -> dict:
+    """The KV cache's size in the terms a user sizes a deployment by, logged once at start-up
+    and kept in the runner's stats (/get_server_info): its dtype, bytes per token (whole bytes,
+    rounded up), capacity in tokens (pages the allocator hands out: --max-total-tokens), how many
+    requests of the full context length that holds, and the running-request limit."""
+    args = runner.server_args
+    capacity = {
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_bytes_per_token": math.ceil(runner.kv_pool.bytes_per_token()),
+        "kv_capacity_tokens": args.max_total_tokens,
+        "kv_capacity_requests": args.max_total_tokens // runner.max_context_len,
+    }
+    rank = runner.dp_groups.dp_rank if runner.dp_groups is not None else 0
+    dtype = args.kv_cache_dtype if args.kv_cache_dtype != "auto" else f"{args.dtype} (auto)"
+    logger.info("KV cache (DP rank %d): %s, %d B/token, %d tokens (%d requests of %d tokens), "
+                "max running requests %d", rank, dtype, capacity["kv_bytes_per_token"],
+                capacity["kv_capacity_tokens"], capacity["kv_capacity_requests"], runner.max_context_len,
+                args.max_running_requests)
+    return capacity
+
+
 def _resident_bytes(runner) -> tuple[int, int]:
     tensors = list(runner.model.parameters()) + list(runner.model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors), runner.kv_pool.nbytes()
@@ -50,7 +72,7 @@ def report_startup_memory(runner, free_before: Optional[int]) -> Optional[Memory
     dtype = str(runner.dtype).removeprefix("torch.")
     settings = PlanSettings(
         weight_format=loaded_weight_format(runner.config, dtype), model_dtype=dtype,
-        kv_cache_dtype=cfg.kv_cache_dtype, dp_size=cfg.dp_size, page_size=cfg.page_size,
+        quant_numerics=cfg.quant_numerics, kv_cache_dtype=cfg.kv_cache_dtype, dp_size=cfg.dp_size, page_size=cfg.page_size,
         context_length=runner.max_context_len, max_running_requests=cfg.max_running_requests,
         # no chunking (-1): a whole prompt, up to the context length, is one step
         chunked_prefill_size=cfg.chunked_prefill_size if (cfg.chunked_prefill_size or 0) > 0 else runner.max_context_len,

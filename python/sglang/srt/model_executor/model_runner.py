@@ -18,7 +18,12 @@ from sglang.srt.layers.dp_attention import DPMoEContext, expert_shard
 from sglang.srt.layers.logits_processor import LogitsOutput, compute_logits
 from sglang.srt.layers.moe.ep_dispatch import create_moe_dispatcher
 from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
-from sglang.srt.model_executor.memory_report import capture_oom_error, log_memory_before_capture, report_startup_memory
+from sglang.srt.model_executor.memory_report import (
+    capture_oom_error,
+    log_memory_before_capture,
+    report_kv_capacity,
+    report_startup_memory,
+)
 from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.forward_context import forward_context
@@ -65,7 +70,8 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.max_context_len, num_pages,
                                                 args.page_size, self.device)
         self.kv_pool = DSV4KVPool(self.config, num_pages * args.page_size, args.max_running_requests, self.dtype, self.device,
-                                  kv_cache_dtype=args.kv_cache_dtype, round_nope_fp8=args.quant_numerics == "release")
+                                  kv_cache_dtype=args.kv_cache_dtype, round_nope_fp8=args.quant_numerics == "release",
+                                  index_keys_fp4=args.quant_numerics == "release")
         kernels, segment_kernels = resolve_kernels(args.attention_backend, args.segment_kernels, self.device)
         self.attn_backend = DeepseekV4AttnBackend(self.config, self.kv_pool, self.req_to_token_pool,
                                                   max_seq_len=self.max_context_len, kernels=kernels,
@@ -78,6 +84,7 @@ class ModelRunner:
             decode_bs_buckets=self.decode_graph_runner.buckets if self.decode_graph_runner else (),
             idle_policy=args.dp_idle_policy)
         self.memory_plan = report_startup_memory(self, free_before)
+        self.kv_capacity = report_kv_capacity(self)
 
     def _init_graph_runners(self, args: ServerArgs, cuda_graph_on_cpu: bool) -> None:
         from sglang.srt.model_executor.graph_runner import BreakableCudaGraphRunner, DecodeCudaGraphRunner
@@ -179,7 +186,7 @@ class ModelRunner:
 
     def get_stats(self) -> dict:
         # Which kernels run: the first thing to check when a GPU step is slower than expected.
-        out = dict(self.stats, attention_kernels=self.attn_backend.kernels,
+        out = dict(self.stats, **self.kv_capacity, attention_kernels=self.attn_backend.kernels,
                    segment_kernels=self.attn_backend.segment_kernels)
         for runner in self.graph_runners.values():
             out.update(runner.get_stats())

@@ -20,6 +20,7 @@ against the measured numbers start-up logs (model_executor/memory_report.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, fields
 from typing import Dict, Optional
@@ -32,6 +33,7 @@ from sglang.srt.layers.attention.dsv4.widths import (
     indexer_bytes_per_candidate,
     indexer_chunk_tokens,
 )
+from sglang.srt.layers.quantization import QUANT_NUMERICS
 from sglang.srt.mem_cache.dsv4_kv_pool import KV_CACHE_DTYPES  # what the pool can hold (auto: model dtype)
 from sglang.srt.mem_cache.dsv4_kv_pool import kv_bytes_per_token as pool_kv_bytes_per_token
 from sglang.srt.planning.meta_model import meta_tensors
@@ -129,19 +131,42 @@ def _elt(dtype: str) -> int:
     return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
 
 
-def kv_bytes_per_token(config, kv_cache_dtype: str = "auto", model_dtype: str = "bfloat16") -> int:
+def kv_bytes_per_token(config, kv_cache_dtype: str = "auto", model_dtype: str = "bfloat16",
+                       index_keys_fp4: bool = False) -> int:
     """KV bytes one token costs across layers, whole bytes rounded up: DSV4KVPool's own count
     (mem_cache/dsv4_kv_pool.kv_bytes_per_token: a raw row every layer, 1/r of a compressed row
-    on ratio-r layers, 1/4 of an indexer key in the model dtype on ratio-4 layers; FP8 rows in
-    dsv4_kernels.kv_fp8's layout, 584 B at head_dim 512 in bf16)."""
-    return int(pool_kv_bytes_per_token(config, getattr(torch, model_dtype), kv_cache_dtype)) + 1
+    on ratio-r layers, 1/4 of an indexer key on ratio-4 layers; FP8 rows in dsv4_kernels.kv_fp8's
+    layout, 584 B at head_dim 512 in bf16; indexer keys in the model dtype, or with
+    index_keys_fp4 (release numerics) packed FP4 rows, 68 B at index_head_dim 128)."""
+    return math.ceil(pool_kv_bytes_per_token(config, getattr(torch, model_dtype), kv_cache_dtype, index_keys_fp4))
 
 
-def per_request_state_bytes(config, context_length: int) -> int:
-    """Per request slot: the compressor rings (fp32 kv + score, R = coff * ratio rows of
-    coff * dim, for every compressed layer and c4 indexer) and its page-table row (int32 per
-    position), as DSV4KVPool and ReqToTokenPool allocate them."""
-    total = 4 * context_length
+def index_keys_fp4(s: "PlanSettings") -> bool:
+    """Whether the pool packs the indexer keys as FP4: release-format weights run with release
+    numerics (what the model runner gives DSV4KVPool)."""
+    return s.weight_format == "release" and s.quant_numerics == "release"
+
+
+def kv_rows_bytes(config, s: "PlanSettings", kv_tokens: int) -> int:
+    """Exact bytes of the KV rows of the pool the model runner builds for `kv_tokens` tokens (a
+    whole number of pages): kv_tokens plus the padding page at the pool's own per-token count
+    (a page holds whole compressed rows, so the count is exact there)."""
+    slots = kv_tokens + s.page_size
+    per_token = pool_kv_bytes_per_token(config, getattr(torch, s.model_dtype), s.kv_cache_dtype, index_keys_fp4(s))
+    return int(slots * per_token)
+
+
+def kv_pool_bytes(config, s: "PlanSettings", kv_tokens: int) -> int:
+    """DSV4KVPool.nbytes() of the pool the model runner builds for `kv_tokens` tokens: its KV rows
+    (kv_rows_bytes) and the compressor rings of max_running_requests + 1 request rows (+ the
+    padding request)."""
+    return kv_rows_bytes(config, s, kv_tokens) + compressor_ring_bytes(config) * (s.max_running_requests + 1)
+
+
+def compressor_ring_bytes(config) -> int:
+    """Per request slot, the compressor rings (fp32 kv + score, R = coff * ratio rows of
+    coff * dim, for every compressed layer and c4 indexer), as DSV4KVPool allocates them."""
+    total = 0
     for layer in range(config.num_hidden_layers):
         r = config.layer_compress_ratio(layer)
         dims = [config.head_dim] + ([config.index_head_dim] if r == 4 else []) if r else []
@@ -149,6 +174,12 @@ def per_request_state_bytes(config, context_length: int) -> int:
             coff = 2 if r == 4 else 1
             total += 2 * (coff * r) * (coff * dim) * 4
     return total
+
+
+def per_request_state_bytes(config, context_length: int) -> int:
+    """Per request slot: the compressor rings and its page-table row (int32 per position), as
+    DSV4KVPool and ReqToTokenPool allocate them."""
+    return compressor_ring_bytes(config) + 4 * context_length
 
 
 def rope_table_bytes(config, context_length: int) -> int:
@@ -208,7 +239,7 @@ class MemoryPlan:
     rope_tables: int
     kv_bytes_per_token: int
     kv_pool_tokens: int
-    kv_pool: int
+    kv_pool: int  # the KV rows, exactly: kv_pool_tokens plus the padding page (kv_rows_bytes)
     graph_pool: int
     activation_reserve: int
     headroom: int  # free memory left after all of the above
@@ -235,6 +266,7 @@ class PlanSettings:
 
     weight_format: str = "bfloat16"  # "bfloat16" | "float32" | "release" (loaded_weight_format)
     model_dtype: str = "bfloat16"  # activations and unquantized KV
+    quant_numerics: str  # "release" | "weight_only"; release packs a release-format model's indexer keys
     kv_cache_dtype: str  # "auto" (model dtype) | "fp8_e4m3" | ...
     dp_size: int  # DP attention ranks; routed experts are sharded dp_size ways (EP = DP)
     page_size: int
@@ -247,6 +279,8 @@ class PlanSettings:
     max_total_tokens: Optional[int]  # the user's KV size; None: what the fraction leaves
 
     def __post_init__(self):
+        if self.quant_numerics not in QUANT_NUMERICS:
+            raise ValueError(f"--quant-numerics must be one of {', '.join(QUANT_NUMERICS)}, got {self.quant_numerics!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not 0 < self.mem_fraction_static <= 1:
@@ -265,7 +299,8 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
     weights_gpu = w.per_gpu(s.dp_size) + tensor_core_copies
     state = per_request_state_bytes(config, s.context_length) * (s.max_running_requests + 1)
     rope = rope_table_bytes(config, s.context_length)
-    per_token = kv_bytes_per_token(config, s.kv_cache_dtype, s.model_dtype)
+    per_token = kv_bytes_per_token(config, s.kv_cache_dtype, s.model_dtype, index_keys_fp4(s))
+    padding_page = s.page_size * per_token  # the pool's page 0, never handed out
     seg = lambda n, reqs: segment_activation_bytes(config, n, s.dp_size, reqs, s.model_dtype)  # noqa: E731
     # A graph pool is as large as its largest capture (buckets share it, captured largest first).
     # Breakable graphs hold segments only; decode graphs hold the attention break too.
@@ -285,8 +320,8 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
             f"is free: short by {(weights_gpu - free_memory) / GiB:.1f} GiB; raise --dp-size (routed experts are "
             f"sharded across DP ranks) or run fewer layers with --num-layers")
     min_kv = -(-s.context_length // s.page_size) * s.page_size  # one request of full context
-    if fixed + min_kv * per_token > static_budget:
-        need = fixed + min_kv * per_token
+    if fixed + padding_page + min_kv * per_token > static_budget:
+        need = fixed + padding_page + min_kv * per_token
         # raising the fraction helps only while graphs and activations still fit beside it
         max_fraction = (free_memory - graph - reserve) / free_memory
         fix = (f"raise --mem-fraction-static (to {need / free_memory:.3f}), " if need / free_memory <= max_fraction
@@ -298,12 +333,12 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
             f"{s.max_running_requests}, KV for one --context-length {s.context_length} request "
             f"{min_kv * per_token / GiB:.1f}): short by {(need - static_budget) / GiB:.1f} GiB; {fix}lower "
             f"--context-length or --max-running-requests, or raise --dp-size")
-    kv_tokens = (static_budget - fixed) // per_token // s.page_size * s.page_size
+    kv_tokens = (static_budget - fixed - padding_page) // per_token // s.page_size * s.page_size
     if s.max_total_tokens is not None:
         if s.max_total_tokens > kv_tokens:
             raise MemoryPlanError(
                 f"--max-total-tokens {s.max_total_tokens} needs {s.max_total_tokens * per_token / GiB:.1f} GiB of KV, "
-                f"{(static_budget - fixed) / GiB:.1f} GiB is left: short by "
+                f"{(static_budget - fixed - padding_page) / GiB:.1f} GiB is left: short by "
                 f"{(s.max_total_tokens - kv_tokens) * per_token / GiB:.1f} GiB; lower --max-total-tokens "
                 f"or raise --mem-fraction-static")
         kv_tokens = s.max_total_tokens // s.page_size * s.page_size
@@ -318,7 +353,7 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
             f"{dynamic_budget / GiB:.1f} GiB --mem-fraction-static {s.mem_fraction_static} leaves: short by "
             f"{short / GiB:.1f} GiB; lower --mem-fraction-static (to {fraction:.3f} at most), or "
             f"--breakable-cuda-graph-max-tokens / --chunked-prefill-size / --cuda-graph-max-bs")
-    kv = kv_tokens * per_token
+    kv = kv_rows_bytes(config, s, kv_tokens)
     return MemoryPlan(
         free_memory=free_memory, mem_fraction_static=s.mem_fraction_static, weights=weights_gpu,
         weights_replicated=w.replicated, weights_routed_experts=weights_gpu - tensor_core_copies - w.replicated,

@@ -92,12 +92,13 @@ class DecodeCost:
 
 
 def decode_step_cost(config, batch: int, context: int, *, ep_size: int = 1, global_batch: int | None = None,
-                     kv_row_bytes: int | None = None, dtype: str = "bfloat16",
-                     bytes_: ModelBytes | None = None) -> DecodeCost:
+                     kv_row_bytes: int | None = None, index_key_bytes: int | None = None,
+                     dtype: str = "bfloat16", bytes_: ModelBytes | None = None) -> DecodeCost:
     """HBM bytes of one decode step of `batch` rows (this rank's) at `context` cached tokens,
     on a rank holding 1/ep_size of the routed experts. global_batch: the tokens every rank's
     MoE sees (default batch * ep_size, i.e. equal ranks). kv_row_bytes: a compressed / raw KV
-    row (default head_dim in the model dtype; 584 for the FP8 layout). bytes_: model_bytes's
+    row (default head_dim in the model dtype; 584 for the FP8 layout). index_key_bytes: an
+    indexer key (default index_head_dim in the model dtype; 68 packed FP4). bytes_: model_bytes's
     result, when the caller computes several steps."""
     mb = model_bytes(config, dtype) if bytes_ is None else bytes_
     elt = 4 if dtype == "float32" else 2
@@ -108,7 +109,8 @@ def decode_step_cost(config, batch: int, context: int, *, ep_size: int = 1, glob
     hit = expected_experts_hit(config.n_routed_experts, config.num_experts_per_tok, tokens) * local \
         / config.n_routed_experts
     weights = mb.dense + batch * mb.embed_row + config.num_hidden_layers * hit * mb.expert_per_layer
-    kv = batch * kv_read_bytes_per_token(config, context, row, config.index_head_dim * elt)
+    key = index_key_bytes if index_key_bytes is not None else config.index_head_dim * elt
+    kv = batch * kv_read_bytes_per_token(config, context, row, key)
     return DecodeCost(weights, kv)
 
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-_SHARED_STATS = {"page_size"}  # the same setting on every rank: reported once
+# the same setting on every rank: reported once
+_SHARED_STATS = {"page_size", "kv_bytes_per_token"}
+# The KV cache's size (model_executor/memory_report.report_kv_capacity), which /get_server_info
+# also reports beside the server args: capacities summed over DP ranks.
+KV_CAPACITY_STATS = ("kv_bytes_per_token", "kv_capacity_tokens", "kv_capacity_requests")
 
 
 def aggregate_stats(per_rank: Sequence[dict]) -> dict:

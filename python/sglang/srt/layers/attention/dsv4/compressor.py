@@ -64,10 +64,12 @@ class Compressor(nn.Module):
             self.proj_split = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: DSV4CompressorMetadata,
-                state: CompressorState, pool: torch.Tensor, rope: RotaryTable,
-                kernels=None, nope_fp8: bool = False) -> None:
+                state: CompressorState, pool: Optional[torch.Tensor], rope: RotaryTable,
+                kernels=None, nope_fp8: bool = False, entries: Optional[torch.Tensor] = None) -> None:
         """Emitted entries go to `pool` in its format (DSV4KVPool): FP8 rows for a uint8 pool;
-        nope_fp8 (the pool's flag) FP8-rounds a float pool's nope dims, as the release does."""
+        nope_fp8 (the pool's flag) FP8-rounds a float pool's nope dims, as the release does.
+        With `entries` ([E, D], x's dtype) every emission row goes there instead, unrounded, and
+        pool is not written (the indexer packs its keys from them)."""
         if self.proj_split is not None:
             # one GEMM: kv | score, fp32, same row stride (what the kernels ask of the pair)
             both = split_linear(x, self.proj_split)
@@ -83,7 +85,8 @@ class Compressor(nn.Module):
             kernels.compressor_state_update(state.kv, state.score, kv, score, meta.ring_write_loc)
             # the KV cache-write kernel (what compressor_norm_rope_store runs), FP8-aware
             kernels.rmsnorm_rope_store(pooled, self.norm.weight, self.norm.eps, rope.cos, rope.sin,
-                                       meta.positions, rope.rope_dim, pool, meta.out_loc, nope_fp8=nope_fp8)
+                                       meta.positions, rope.rope_dim, pool if entries is None else None,
+                                       meta.out_loc, kv_out=entries, nope_fp8=nope_fp8)
             return
         # Ring update after pooling: this step's emissions read the previous contents.
         C = kv.shape[-1]
@@ -92,4 +95,7 @@ class Compressor(nn.Module):
         entry = self.norm(pooled.to(x.dtype))
         cos, sin = rope.lookup(meta.positions.long())
         apply_rope_(entry, cos, sin)
+        if entries is not None:
+            entries.copy_(entry)
+            return
         reference.scatter_rows_(pool, meta.out_loc, reference.kv_cache_rows(entry, pool, rope.rope_dim, nope_fp8))

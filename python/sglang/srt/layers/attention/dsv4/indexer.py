@@ -46,7 +46,8 @@ class Indexer(nn.Module):
         """The in-segment half: writes this step's indexer keys; returns (q_I [T, nH, D] with
         RoPE, w [T, nH] fp32) for `select_topk` in the attention break. Release numerics:
         q_I and the written keys Hadamard-rotated and FP4-rounded (the rotation keeps dot
-        products; the rounding is the release's)."""
+        products; the rounding is the release's); a uint8 key_pool stores the keys packed
+        (e2m1 + e8m0 per 32, index_key_fp4.py), which holds those rounded values exactly."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         if kernels is not None:  # RoPE, and the rotation + FP4 rounding, in one launch
             kernels.indexer_rope_rotate_round_(q, rope.cos, rope.sin, meta.positions, rope.rope_dim, self.fp4_qk)
@@ -54,8 +55,18 @@ class Indexer(nn.Module):
             apply_rope_(q, cos, sin)
             if self.fp4_qk:
                 q = _rotate_round(q)
-        self.compressor(x, meta.positions, meta.c4_compressor, state, key_pool, rope, kernels)
-        if self.fp4_qk:
+        if key_pool.dtype == torch.uint8:  # packed FP4 keys (DSV4KVPool.index_key_layout)
+            if not self.fp4_qk:
+                raise ValueError("packed FP4 indexer keys hold FP4-rounded keys: they need release numerics")
+            # this step's emissions, then rotated, rounded and packed straight into their rows
+            # (padded emissions, -1, are not stored)
+            out_loc = meta.c4_compressor.out_loc
+            entries = x.new_empty(out_loc.shape[0], self.head_dim)
+            self.compressor(x, meta.positions, meta.c4_compressor, state, None, rope, kernels, entries=entries)
+            (kernels or reference).store_index_keys_fp4(entries, key_pool, out_loc)
+        else:
+            self.compressor(x, meta.positions, meta.c4_compressor, state, key_pool, rope, kernels)
+        if self.fp4_qk and key_pool.dtype != torch.uint8:
             # The keys this step emitted, in place and still inside the segment, before the
             # break's select_topk reads them: each entry is written once, so each is rotated
             # and rounded exactly once (padded emissions, -1, go to trash row 0).
@@ -73,7 +84,8 @@ def select_topk(config, q: torch.Tensor, w: torch.Tensor, key_pool: torch.Tensor
     its candidates `cands` (entries i < im.cand_len, read through the page table), a bounded
     chunk of tokens at a time: the Triton kernel reads the page table itself, the torch
     reference gathers the chunk's lists. q and the keys arrive as the in-segment half left
-    them (rotated and FP4-rounded in release numerics)."""
+    them (rotated and FP4-rounded in release numerics; packed FP4 keys are unpacked as the
+    candidates are gathered)."""
     step = indexer_chunk_tokens(config, cands.width, kernels is not None)
     for s in range(0, num_tokens, step):
         e = min(num_tokens, s + step)
