@@ -116,6 +116,18 @@ def run_scheduler_process(server_args, req_conn: Optional[Connection], out_conn:
         del scheduler
         gc.collect()
     logger.info("scheduler process exiting")
+    # Everything that needs an orderly release (graphs, process groups, the pipes' last sends) is
+    # released above. A spawned child otherwise leaves through full interpreter finalization,
+    # whose C++ destructors (thread pools, gloo) can take seconds on a loaded host: long enough
+    # for the server to terminate a rank that had already stopped cleanly.
+    # multiprocessing's own exit steps still run (they unlink the semaphores this process made).
+    import multiprocessing.util
+
+    multiprocessing.util._exit_function()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _connect_to_controller(rank: RankSpec, timeout_s: float) -> Connection:

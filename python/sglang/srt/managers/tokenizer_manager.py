@@ -118,8 +118,9 @@ class TokenizerManager:
         self._watchdog_task = loop.create_task(self._watchdog())  # held: the loop keeps weak refs
         return self._death_event
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop the scheduler processes: ask, then terminate, then kill. Never leaves one behind."""
+    def shutdown(self, timeout_s: Optional[float] = None) -> None:
+        """Stop the scheduler processes: ask, then terminate, then kill (None: the supervisor's
+        grace period). Never leaves one behind."""
         self._closing = True
         if self.client is not None:
             self.client.shutdown(SHUTDOWN_AFTER_DEATH_S if self.dead else timeout_s)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from sglang.srt.managers.dp.router import DPRouter, RankLoad
-from sglang.srt.managers.dp.supervisor import RankChannel, RankSupervisor
+from sglang.srt.managers.dp.supervisor import SHUTDOWN_GRACE_S, RankChannel, RankSupervisor
 from sglang.srt.managers.io_struct import ReadyMsg
 
 
@@ -39,8 +39,8 @@ class DataParallelController:
     def death_message(self, rank: int) -> str:
         return self.supervisor.death_message(rank)
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        self.supervisor.shutdown(timeout_s)
+    def shutdown(self, timeout_s: Optional[float] = None) -> None:
+        self.supervisor.shutdown(SHUTDOWN_GRACE_S if timeout_s is None else timeout_s)
 
     # ---- router (one thread) ------------------------------------------------------------
 

@@ -116,7 +116,8 @@ class ControllerClient:
         """End the sender thread once what is queued has been written."""
         self._sends.put(None)
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop sending, then stop the ranks through the controller (ask, terminate, kill)."""
+    def shutdown(self, timeout_s: Optional[float] = None) -> None:
+        """Stop sending, then stop the ranks through the controller (ask, terminate, kill; None:
+        the supervisor's grace period)."""
         self.stop_sending()
         self.controller.shutdown(timeout_s)

@@ -110,6 +110,14 @@ def _rank_spec(server_args, dp_rank: int, init_method: str, remote: bool) -> Ran
     )
 
 
+# How long a rank that was asked to stop may take before it is terminated. Ranks that agree to
+# stop release their graphs and process groups and exit in well under a second on an idle host;
+# a loaded host (CI, a busy node) can take several seconds, and terminating a rank that is already
+# on its way out turns a clean stop into a reported failure.
+SHUTDOWN_GRACE_S = 20.0
+DEAD_PEER_GRACE_S = 5.0
+
+
 def _stop_processes(procs: Sequence, timeout_s: float) -> None:
     """Wait up to `timeout_s` for all, then terminate, then kill: never leaves one behind."""
     deadline = time.monotonic() + timeout_s
@@ -122,7 +130,7 @@ def _stop_processes(procs: Sequence, timeout_s: float) -> None:
         for p in alive:
             getattr(p, stop)()
         for p in alive:
-            p.join(timeout_s)
+            p.join(min(timeout_s, 5.0))
 
 
 # ---- channels -----------------------------------------------------------------------------
@@ -334,7 +342,7 @@ class RankSupervisor:
         who = "the scheduler process" if self.dp_size == 1 else f"the scheduler process of DP rank {rank}"
         return f"{who} exited unexpectedly (exit code {ch.proc.exitcode})"
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
+    def shutdown(self, timeout_s: float = SHUTDOWN_GRACE_S) -> None:
         """Ask every rank to stop (ranks agree on when, then release graphs before the process
         groups), then terminate and kill this node's ranks that are still there after
         `timeout_s`: after a rank died the others may sit in a collective until its timeout."""
@@ -343,6 +351,9 @@ class RankSupervisor:
         self._closed = True
         self._stop_listening()
         channels = [c for c in self.channels if c is not None]
+        if any(c.proc is not None and c.proc.exitcode not in (None, 0) for c in channels):
+            # a rank died: the others may sit in a collective with it and never read SHUTDOWN
+            timeout_s = min(timeout_s, DEAD_PEER_GRACE_S)
         # A thread: a send to a rank that is stuck (full pipe) must not block the shutdown.
         sender = threading.Thread(target=_send_all, args=(channels, SHUTDOWN), name="dp-shutdown", daemon=True)
         sender.start()
