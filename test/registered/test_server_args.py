@@ -19,7 +19,7 @@ def test_defaults_are_auto_until_resolved():
     assert a.max_running_requests is None and a.max_total_tokens is None and a.chunked_prefill_size is None
     assert (a.dp_size, a.nnodes, a.node_rank, a.stream_interval, a.watchdog_timeout) == (1, 1, 0, 1, 300.0)
     assert (a.schedule_policy, a.load_balance_method, a.dp_idle_policy, a.log_level) == (
-        "fcfs", "round_robin", "replay", "info")
+        "fcfs", "auto", "replay", "info")
     assert not a.resolved and not a.enable_mixed_chunk and not a.enable_breakable_cuda_graph
 
 
@@ -34,6 +34,7 @@ def test_resolve_on_cpu():
     assert (r.breakable_cuda_graph_max_tokens, r.cuda_graph_max_bs) == (512, 16)
     assert r.max_total_tokens == 65536  # min(4096 * 64, 65536)
     assert r.served_model_name == "dsv4-tiny"
+    assert r.load_balance_method == "round_robin"  # auto without prefix caching under DP
     assert r.resolve(cuda_available=True) is r  # resolving twice changes nothing
 
 

@@ -22,7 +22,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SEGMENT_KERNELS = ("auto", "on", "off")
 MOE_BACKENDS = ("auto", "torch", "triton", "humming")  # layers/moe/backends/
 SCHEDULE_POLICIES = ("fcfs",)
-LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
+# auto: cache_aware with --enable-prefix-caching and --dp-size > 1, else round_robin
+LOAD_BALANCE_METHODS = ("auto", "round_robin", "least_loaded", "cache_aware")
 DP_IDLE_POLICIES = ("replay", "eager")
 MOE_DISPATCHERS = ("gather",)  # layers/moe/ep_dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -86,7 +87,8 @@ class ServerArgs:
     # data parallel attention and multi-node
     enable_dp_attention: bool = False
     dp_size: int = 1
-    load_balance_method: str = "round_robin"
+    load_balance_method: str = "auto"
+    load_balance_max_imbalance: int = 4
     dp_idle_policy: str = "replay"
     moe_dispatcher: str = "gather"
     nnodes: int = 1
@@ -183,6 +185,7 @@ class ServerArgs:
                                           fp4_experts=model_config.fp4_experts)
         return dataclasses.replace(
             self,
+            load_balance_method=resolve_load_balance_method(self),
             device=device,
             dtype=dtype,
             load_format=load_format,
@@ -270,6 +273,14 @@ def resolve_kernels(attention_backend: str, segment_kernels: str, device) -> Tup
     return attention_backend, on
 
 
+def resolve_load_balance_method(a: ServerArgs) -> str:
+    """The DP router's method ("auto" made concrete); the controller needs it before the
+    ranks resolve the rest."""
+    if a.load_balance_method != "auto":
+        return a.load_balance_method
+    return "cache_aware" if a.enable_prefix_caching and a.dp_size > 1 else "round_robin"
+
+
 def _validate(a: ServerArgs) -> None:
     """Checks of single values and of cross-field rules the user states explicitly."""
     for name, choices in (
@@ -313,6 +324,11 @@ def _validate(a: ServerArgs) -> None:
         raise ValueError(f"--breakable-cuda-graph-tokens must be positive integers, got {a.breakable_cuda_graph_tokens}")
     if a.dp_size < 1:
         raise ValueError(f"--dp-size must be >= 1, got {a.dp_size}")
+    if a.load_balance_method == "cache_aware" and not a.enable_prefix_caching:
+        raise ValueError("--load-balance-method cache_aware routes by what the ranks' prefix caches hold: "
+                         "it needs --enable-prefix-caching")
+    if not isinstance(a.load_balance_max_imbalance, int) or a.load_balance_max_imbalance < 0:
+        raise ValueError(f"--load-balance-max-imbalance must be an integer >= 0, got {a.load_balance_max_imbalance!r}")
     if a.dp_size > 1 and not a.enable_dp_attention:
         raise ValueError("--dp-size > 1 needs --enable-dp-attention (DP here is data-parallel attention)")
     if a.nnodes < 1:
@@ -438,8 +454,16 @@ _HELP = {
                            "KV cache and 1/dp of the routed experts, exchanging MoE rows through "
                            "--moe-dispatcher",
     "dp_size": "DP attention ranks (scheduler processes, one GPU each); needs --enable-dp-attention",
-    "load_balance_method": "how the DP controller picks a rank: round_robin, or least_loaded "
-                           "(fewest outstanding requests, then tokens)",
+    "load_balance_method": "how the DP controller picks a rank: round_robin; least_loaded (fewest "
+                           "outstanding requests, then tokens); cache_aware (needs --enable-prefix-caching: the "
+                           "rank holding the most pages of the prompt's prefix, by the controller's record of "
+                           "the prompts it sent each rank, unless that rank has more than "
+                           "--load-balance-max-imbalance outstanding requests above the least loaded one; no "
+                           "holder: least_loaded); auto = cache_aware with --enable-prefix-caching and "
+                           "--dp-size > 1, else round_robin (default auto)",
+    "load_balance_max_imbalance": "cache_aware: how many more outstanding requests than the least loaded "
+                                  "rank a rank holding a longer cached prefix may have and still get the "
+                                  "request (0: only among the least loaded)",
     "dp_idle_policy": "steps where some DP rank has no work: replay (idle ranks replay the graph the busy "
                       "ranks take, with zero real tokens) or eager (every rank runs that step eagerly)",
     "moe_dispatcher": "how DP ranks exchange MoE rows (each holds 1/dp of the routed experts): gather "
@@ -468,7 +492,7 @@ _CHOICES = {
     "segment_kernels": SEGMENT_KERNELS, "moe_backend": MOE_BACKENDS,
     "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS,
 }
-_INT_FIELDS = {"num_layers", "random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
+_INT_FIELDS = {"load_balance_max_imbalance", "num_layers", "random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
                "chunked_prefill_size", "breakable_cuda_graph_max_tokens", "cuda_graph_max_bs", "dp_size", "nnodes",
                "node_rank", "stream_interval", "max_request_bytes"}
 _FLOAT_FIELDS = {"mem_fraction_static", "watchdog_timeout", "shutdown_timeout"}

@@ -364,4 +364,6 @@ class TokenizerManager:
             "scheduler_pids": self.client.controller.pids,
             "scheduler_stats": stats,
             "dp_rank_stats": per_rank,
+            # requests the DP router sent to a rank for a prompt prefix it had sent there (cache_aware)
+            "dp_cache_routed_reqs": self.client.controller.router.cache_routed,
         }

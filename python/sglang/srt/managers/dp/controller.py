@@ -12,18 +12,24 @@ from typing import Dict, List, Optional
 from sglang.srt.managers.dp.router import DPRouter, RankLoad
 from sglang.srt.managers.dp.supervisor import SHUTDOWN_GRACE_S, RankChannel, RankSupervisor
 from sglang.srt.managers.io_struct import ReadyMsg
+from sglang.srt.server_args import resolve_load_balance_method
 
 
 class DataParallelController:
     def __init__(self, server_args):
         self.supervisor = RankSupervisor(server_args)
-        self.router = DPRouter(self.supervisor.dp_size, server_args.load_balance_method)
+        self.router = DPRouter(self.supervisor.dp_size, resolve_load_balance_method(server_args),
+                               page_size=server_args.page_size,
+                               max_imbalance=server_args.load_balance_max_imbalance)
         self.dp_size = self.supervisor.dp_size
 
     # ---- supervisor ---------------------------------------------------------------------
 
     def launch(self, timeout_s: Optional[float] = None) -> ReadyMsg:
-        return self.supervisor.launch(timeout_s)
+        ready = self.supervisor.launch(timeout_s)
+        if self.router.method == "cache_aware":  # a rank caches at most its KV pool
+            self.router.set_tree_tokens(ready.server_args.max_total_tokens)
+        return ready
 
     @property
     def channels(self) -> List[Optional[RankChannel]]:
