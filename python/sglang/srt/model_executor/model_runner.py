@@ -65,7 +65,8 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.max_context_len, num_pages,
                                                 args.page_size, self.device)
         self.kv_pool = DSV4KVPool(self.config, num_pages * args.page_size, args.max_running_requests, self.dtype, self.device,
-                                  kv_cache_dtype=args.kv_cache_dtype, round_nope_fp8=args.quant_numerics == "release")
+                                  kv_cache_dtype=args.kv_cache_dtype, round_nope_fp8=args.quant_numerics == "release",
+                                  max_step_tokens=args.max_step_tokens)
         kernels, segment_kernels = resolve_kernels(args.attention_backend, args.segment_kernels, self.device)
         self.attn_backend = DeepseekV4AttnBackend(self.config, self.kv_pool, self.req_to_token_pool,
                                                   max_seq_len=self.max_context_len, kernels=kernels,

@@ -70,9 +70,9 @@ class TestDSV4BreakableCudaGraphMetadataContract:
             new_tensor: torch.Tensor = None  # forgot to declare its class
 
         assert fc.unclassified_fields(WithNewField) == ["WithNewField.new_tensor"]
-        a = WithNewField(*[torch.zeros(2, 3)] * 3, 1, new_tensor=torch.zeros(2))
+        a = WithNewField(*[torch.zeros(2, 3)] * 4, 1, new_tensor=torch.zeros(2))
         with pytest.raises(fc.MetadataContractError, match="new_tensor: field has no breakable-cuda-graph class"):
-            a.refresh_for_breakable_cuda_graph_replay_(WithNewField(*[torch.ones(2, 3)] * 3, 1, new_tensor=torch.ones(2)))
+            a.refresh_for_breakable_cuda_graph_replay_(WithNewField(*[torch.ones(2, 3)] * 4, 1, new_tensor=torch.ones(2)))
 
     def test_refresh_follows_each_field_class(self, tiny_runner):
         backend = tiny_runner.attn_backend
@@ -268,7 +268,9 @@ def test_harness_catches_a_refresh_that_assigns_a_copy_field(monkeypatch):
     def assigns_copy_fields(self, captured, forward_batch, static_forward_batch=None):
         fresh = self._build(static_forward_batch, static=True)  # new storage, not `into`
         DSV4Metadata.refresh_for_breakable_cuda_graph_replay_(captured, fresh)
-        captured.raw_out_loc = fresh.raw_out_loc  # the bug: replace instead of copy_
+        # the bug: replace instead of copy_ (positions: RoPE inside segments; raw_out_loc, a
+        # staging row per batch row, changes only where the live rows end)
+        captured.positions = fresh.positions
         self.forward_metadata = captured
 
     runners = make_runners(BUCKETS)
