@@ -70,6 +70,9 @@ class Scheduler:
         self.max_running_requests = min(server_args.max_running_requests, self.pool.max_num_reqs)
         size = server_args.chunked_prefill_size
         self.chunked_prefill_size: Optional[int] = size if size and size > 0 else None
+        # the raw-KV staging rows hold one step (the pool is built with this bound): no step
+        # may carry more tokens
+        self.max_step_tokens = server_args.max_step_tokens
         self.enable_mixed_chunk = server_args.enable_mixed_chunk
         self.stream_interval = server_args.stream_interval
         self.vocab_size = model_runner.config.vocab_size
@@ -205,7 +208,8 @@ class Scheduler:
             decode, retracted = self._prepare_decode() if self.running else ([], False)
             # the chunk shrinks by the decode rows so the step stays near the chunk size, but
             # keeps at least one token so a large running set never starves the queue
-            budget = None if self.chunked_prefill_size is None else max(1, self.chunked_prefill_size - len(decode))
+            chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else self.max_step_tokens
+            budget = max(1, min(chunk, self.max_step_tokens) - len(decode))
             prefill = [] if retracted or not has_prefill else self._plan_prefill(budget, decode_allocated=bool(decode))
             return self._make_batch(prefill, decode)
         if has_prefill and not (self.running and self._last_was_prefill):
@@ -276,7 +280,8 @@ class Scheduler:
         extra = 1 if decode_allocated else 0
         reserve = sum(self.pool.pages_needed(r.req_pool_idx, r.seq_len + extra) for r in self.running)
         page_budget = self.pool.num_free_pages - reserve
-        tokens_left = float("inf") if token_budget is None else token_budget
+        # no chunking: whole prompts, as many as one step's staging rows hold
+        tokens_left = self.max_step_tokens if token_budget is None else min(token_budget, self.max_step_tokens)
         num_holders = len(self._holders())
         plan: List[Tuple[Req, int]] = []
         while tokens_left > 0 and page_budget >= 0:
@@ -288,6 +293,8 @@ class Scheduler:
             if is_new and (num_holders >= self.max_running_requests or self.pool.slots.num_free == 0):
                 break
             fits = (self._pages_held(req) + page_budget) * self.page_size - req.prefix_len
+            if self.chunked_prefill_size is None and plan and req.num_pending_tokens > tokens_left:
+                break  # without chunking a prompt waits for a step it fits in whole
             n = int(min(req.num_pending_tokens, tokens_left, fits))
             if n <= 0:
                 break
