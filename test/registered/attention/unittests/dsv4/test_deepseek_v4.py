@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from breakable_equivalence import make_runners, run_equivalence, run_long_prefills  # noqa: E402
+from breakable_equivalence import make_runners, run_equivalence, run_long_prefills, run_scripted  # noqa: E402
 
 from sglang.srt.configs.presets import get_preset  # noqa: E402
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend  # noqa: E402
@@ -199,6 +199,26 @@ def test_replay_equals_eager_past_positions_128_and_512_and_replays_the_smallest
         expected[bucket] = expected.get(bucket, 0) + 1
     assert graph_runner.get_stats()["breakable_replays_by_bucket"] == expected
     assert set(expected) == {str(b) for b in BUCKETS}
+
+
+def test_replay_equals_eager_with_extends_longer_than_the_window_beside_decode_rows():
+    """dsv4-tiny's window is 8: extends of W - 1, W, W + 1 and several windows long, chunked
+    continuations and decode rows in the same batches, so every replayed step reads windows
+    from both the staging rows and the rings, and moves rows into the rings, in the break."""
+    runners = make_runners(BUCKETS)
+    assert runners[0].config.sliding_window == 8
+    script = [
+        [("a", 30), ("b", 5)],
+        [("a", 9), ("c", 8), ("b", 1)],
+        [("c", 7), ("d", 40), ("a", 1), ("b", 1)],
+        [("a", 17), ("e", 3), ("b", 1), ("c", 1), ("d", 1)],
+        [("d", 100), ("e", 1), ("a", 1), ("b", 1), ("c", 1)],
+        [("b", 2), ("a", 1), ("c", 1), ("d", 1), ("e", 1)],
+    ]
+    report = run_scripted(runners, script)
+    assert report.mismatches == [], report.mismatches[:5]
+    assert report.batches == len(script) and report.modes == {"EXTEND": 1, "MIXED": len(script) - 1}
+    assert runners[0].breakable_runner.num_replays == len(script)
 
 
 def test_the_attention_break_op_gets_the_live_token_count_not_the_bucket(monkeypatch):
