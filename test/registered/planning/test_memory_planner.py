@@ -120,8 +120,8 @@ def test_the_planner_predicts_the_pool_the_runner_builds(kv_cache_dtype, model_d
 
 def test_flash_raw_kv_costs_a_ring_per_request_not_bytes_per_token():
     """DeepSeek-V4-Flash with an FP8 KV cache: a token of context costs its compressed entries
-    and indexer keys only (4501.25 B; every-token raw rows made it 29613.25 B), a request slot
-    its 43 window rings of 128 rows (3.07 MiB)."""
+    and indexer keys only (4501.25 B; a raw row per token on every layer would add 43 x 584 B),
+    a request slot its 43 window rings of 128 rows (3.07 MiB)."""
     from sglang.srt.mem_cache.dsv4_kv_pool import raw_ring_bytes_per_request
 
     flash = get_preset("dsv4-flash")
