@@ -276,16 +276,23 @@ def test_gpu_step_builders_at_real_widths():
         assert torch.equal(got[k], expected[k]), k
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8])
-def test_keep_window_rows_moves_staging_rows_into_their_ring_rows(device, dtype):
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_keep_window_rows_moves_staging_rows_into_their_ring_rows(device, dtype, impl):
     """Rows of any KV format (float or FP8 bytes): each staging row lands on its keep row; a
     row kept nowhere (its own staging row as target) and every other row stay as they were."""
-    from dsv4_kernels import ops
+    if impl == "triton":
+        require_triton()
+        from dsv4_kernels import window_ring as kernels
+    else:
+        from dsv4_kernels import reference as kernels
 
     raw = (torch.arange(14 * 3) % 251).to(dtype).view(14, 3).to(device)
     before = raw.clone()
     keep = torch.tensor([10, 5, 0, 7], dtype=torch.int32, device=device)  # staging rows 10..13
-    ops.keep_window_rows_(raw, 10, keep)
+    kernels.keep_window_rows_(raw, 10, keep)
     expected = before.clone()
     expected[5], expected[0], expected[7] = before[11], before[12], before[13]
+    assert torch.equal(raw, expected)
+    kernels.keep_window_rows_(raw, 10, keep[:0])  # an empty step moves nothing
     assert torch.equal(raw, expected)

@@ -129,9 +129,14 @@ def step_metadata(rtt, req_slot, positions, seq_len, valid, prefix, chunk_start,
                               staging_start, topk, out, emissions)
 
 
-# Moving each request's last W new raw rows from staging into its ring after attention: one
-# clone and one index_copy_, plain torch on every device (capturable; nothing for Triton to win).
-keep_window_rows_ = reference.keep_window_rows_
+def keep_window_rows_(raw, staging_start, keep_loc):
+    """raw[keep_loc[t]] = raw[staging_start + t] for every t < keep_loc.numel(): each
+    request's last W new raw rows move from the step's staging rows into its ring, after the
+    attention has read every window (keep_loc: token_metadata's raw_keep_loc). One launch on
+    CUDA; capturable (decode graphs capture it with the attention core)."""
+    if _use_triton(raw):
+        return _kernels("window_ring").keep_window_rows_(raw, staging_start, keep_loc)
+    return reference.keep_window_rows_(raw, staging_start, keep_loc)
 
 
 # Per-token compressor plan (one pooled row per token; the kernel tests' metadata source):

@@ -376,6 +376,7 @@ def keep_window_rows_(raw, staging_start: int, keep_loc):
     one tensor."""
     n = keep_loc.shape[0]
     raw.index_copy_(0, keep_loc.long(), raw[staging_start:staging_start + n].clone())
+    return raw
 
 
 def emission_metadata(rtt, req_slot, positions, valid, prefix, chunk_start, rows, num_real: int,

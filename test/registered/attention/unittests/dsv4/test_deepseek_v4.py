@@ -96,6 +96,7 @@ class TestDSV4BreakableCudaGraphMetadataContract:
         assert captured.attn is attn_obj  # nested metadata keeps its identity...
         assert captured.attn.window_slots is fresh.attn.window_slots  # ...its assign fields are the replay's
         assert captured.attn.c128_len is fresh.attn.c128_len
+        assert captured.attn.raw_keep_loc is fresh.attn.raw_keep_loc  # the break's ring move, the replay's
         assert captured.token_rows is fresh.token_rows
         assert captured.indexer.cand_width == fresh.indexer.cand_width == 29 // 4  # the replay's longest sequence
         assert captured.indexer.topk_slots is topk_before  # produced: untouched
@@ -109,7 +110,8 @@ class TestDSV4BreakableCudaGraphMetadataContract:
                                   full_graph=True)
         fresh = backend._build(_batch(tiny_runner, [list(range(7, 30)), list(range(9, 38))], prefixes=[0, 0]),
                                static=True, full_graph=True)
-        held = {name: getattr(captured.attn, name) for name in ("window_slots", "window_len", "c128_len")}
+        held = {name: getattr(captured.attn, name) for name in ("window_slots", "window_len", "raw_keep_loc",
+                                                                "c128_len")}
         token_rows = captured.token_rows
         assert not torch.equal(held["window_len"], fresh.attn.window_len)
 
