@@ -13,7 +13,7 @@ a step writes every new token's raw row into staging row t (its row in the batch
 index, so graph segments write it without metadata that depends on the request layout). The
 attention of a layer reads each query's window from staging (this step's positions) and the
 ring (older ones), and then copies each request's last min(W, new tokens) staging rows into
-its ring (reference.keep_window_rows_). Staging exists for ordering: an extend longer than one
+its ring (dsv4_kernels.ops.keep_window_rows_). Staging exists for ordering: an extend longer than one
 token would otherwise overwrite ring rows that its own earlier tokens still read.
 
 Compared with a ring for the padding request (where padded rows would read and write), the
