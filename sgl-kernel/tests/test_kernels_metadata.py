@@ -32,24 +32,43 @@ def _impl(name):
     return reference
 
 
+STAGING = 100  # raw rows: W ring rows per request slot, then one staging row per batch row
+
+
 def _token_meta(impl, page_table, req, pos, window=4, topk=16):
-    """token_metadata for real (valid) tokens of requests whose last new token is `pos`."""
+    """token_metadata for real (valid) tokens, each its request's only new token at `pos`."""
     device = page_table.device
     req = torch.tensor(req, device=device)
     pos = torch.tensor(pos, device=device)
     out = _token_outputs(len(req), window, device)
-    return _impl(impl).token_metadata(page_table, req, pos, pos + 1, torch.ones_like(pos), 1, topk, out)
+    rows = torch.arange(len(req), device=device)
+    return _impl(impl).token_metadata(req, pos, pos + 1, torch.ones_like(pos), pos, rows, 1, STAGING, topk, out)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_window_slots_are_the_last_w_positions_left_aligned(device, page_table, impl):
-    out = _token_meta(impl, page_table, [0, 0, 2, 2], [0, 2, 5, 299])
+def test_window_slots_read_this_step_from_staging_and_older_positions_from_the_ring(device, impl):
+    """Request 0 extends positions 3..7 (batch rows 0-4), request 2 decodes position 9 (row 5),
+    window 4: a window position new in the step is read from its staging row, an older one from
+    ring row req * 4 + p % 4; the last 4 positions of each request move to the ring after."""
+    t = lambda v: torch.tensor(v, device=device)  # noqa: E731
+    req, pos = t([0] * 5 + [2]), t([3, 4, 5, 6, 7, 9])
+    prefix, start, seq_len = t([3] * 5 + [9]), t([0] * 5 + [5]), t([8] * 5 + [10])
+    out = _token_outputs(6, 4, device)
+    _impl(impl).token_metadata(req, pos, seq_len, torch.ones_like(pos), prefix, start, 1, STAGING, 16, out)
     slots, lens = out["window_slots"], out["window_len"]
-    assert slots.dtype == torch.int32 and lens.tolist() == [1, 3, 4, 4]
-    assert slots[0].tolist() == [512, -1, -1, -1]
-    assert slots[1].tolist() == [512, 513, 514, -1]
-    assert slots[2].tolist() == page_table[2, 2:6].tolist()
-    assert slots[3].tolist() == page_table[2, 296:300].tolist()
+    assert slots.dtype == torch.int32 and lens.tolist() == [4] * 6
+    assert slots.tolist() == [[0, 1, 2, 100], [1, 2, 100, 101], [2, 100, 101, 102], [100, 101, 102, 103],
+                              [101, 102, 103, 104], [10, 11, 8, 105]]
+    assert out["raw_out_loc"].tolist() == list(range(100, 106))
+    # position 3 is not among request 0's last 4 (4..7): its staging row copies onto itself
+    assert out["raw_keep_loc"].tolist() == [100, 0, 1, 2, 3, 2 * 4 + 9 % 4]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_short_windows_are_left_aligned(device, page_table, impl):
+    out = _token_meta(impl, page_table, [0, 2], [0, 2])
+    assert out["window_len"].tolist() == [1, 3]
+    assert out["window_slots"].tolist() == [[100, -1, -1, -1], [8, 9, 101, -1]]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -76,8 +95,8 @@ def test_compressed_slots_follow_the_last_token_of_each_entry(device, page_table
 def test_write_slots_and_emitting_tokens(device, page_table, impl):
     req, pos = [0, 0, 2, 2], [3, 4, 127, 255]
     out = _token_meta(impl, page_table, req, pos)
-    raw = [515, 516, int(page_table[2, 127]), int(page_table[2, 255])]
-    assert out["raw_out_loc"].tolist() == raw
+    raw = [515, 516, int(page_table[2, 127]), int(page_table[2, 255])]  # compressed entries follow these
+    assert out["raw_out_loc"].tolist() == [STAGING + r for r in range(4)]  # raw rows: staging
     t = torch.tensor
     for ratio, rows in ((4, [0, 2, 3]), (128, [2, 3])):  # tokens with (pos + 1) % ratio == 0
         E, R = len(rows), 8 if ratio == 4 else 128
@@ -106,8 +125,11 @@ def test_no_tokens_give_empty_metadata(device, page_table, impl):
 def test_padding_rows_read_the_padding_request(device, page_table, impl):
     out = _token_outputs(3, 4, device)
     t = lambda v: torch.tensor(v, device=device)  # noqa: E731
-    _impl(impl).token_metadata(page_table, t([2, 0, 0]), t([9, 5, 7]), t([10, 8, 8]), t([1, 0, 1]), 1, 16, out)
+    _impl(impl).token_metadata(t([2, 0, 0]), t([9, 5, 7]), t([10, 8, 8]), t([1, 0, 1]), t([9, 0, 7]), t([0, 0, 2]),
+                               1, STAGING, 16, out)
     assert out["token_rows"].tolist() == [2, 1, 0]  # padding_slot 1 for the invalid row
+    assert out["raw_out_loc"].tolist() == [100, -1, 102] and out["window_len"].tolist() == [4, 0, 4]
+    assert out["window_slots"][1].tolist() == [-1] * 4 and out["raw_keep_loc"][1] == 101  # reads, moves nothing
     assert out["cand_len"].tolist() == [2, 0, 2] and out["c128_len"].tolist() == [0, 0, 0]
 
 
@@ -143,7 +165,7 @@ def _random_step(T, n_reqs, max_ctx, padding_slot, device, seed):
 def _token_outputs(T, W, device, with_c4=True):
     e = lambda *s, dt=torch.int32: torch.full(s, -77, dtype=dt, device=device)  # noqa: E731
     out = dict(positions=e(T, dt=torch.int64), token_rows=e(T), raw_out_loc=e(T), window_slots=e(T, W),
-               window_len=e(T), c128_len=e(T), ring128=e(T))
+               window_len=e(T), raw_keep_loc=e(T), c128_len=e(T), ring128=e(T))
     if with_c4:
         out.update(cand_len=e(T), topk_len=e(T), ring4=e(T))
     return out
@@ -156,8 +178,9 @@ def test_triton_token_metadata_equals_reference(device, T, n_reqs, max_ctx, W, w
     from dsv4_kernels import metadata, reference
 
     pad_slot = n_reqs
-    rtt, L, _ = _random_step(T, n_reqs, max_ctx, pad_slot, device, seed=T)
-    args = (rtt, L["req_slot"], L["positions"], L["seq_len"], L["valid"], pad_slot, 16)
+    _, L, _ = _random_step(T, n_reqs, max_ctx, pad_slot, device, seed=T)
+    args = (L["req_slot"], L["positions"], L["seq_len"], L["valid"], L["prefix"], L["chunk_start"], pad_slot,
+            pad_slot * W, 16)
     expected = reference.token_metadata(*args, _token_outputs(T, W, device, with_c4))
     got = metadata.token_metadata(*args, _token_outputs(T, W, device, with_c4))
     for k in expected:
@@ -217,7 +240,7 @@ def test_triton_whole_step_in_one_launch_equals_the_reference(device, with_c4):
                                 torch.full((E,), -77, dtype=torch.int32, device=device),
                                 torch.full((E,), -77, dtype=torch.int32, device=device))
         impl.step_metadata(rtt, L["req_slot"], L["positions"], L["seq_len"], L["valid"], L["prefix"],
-                           L["chunk_start"], n_reqs, 16, out, emissions)
+                           L["chunk_start"], n_reqs, n_reqs * W, 16, out, emissions)
         results.append((out, emissions))
     (want, want_em), (got, got_em) = results
     for k in want:
@@ -235,7 +258,7 @@ def test_step_metadata_refuses_a_ratio_the_kernel_does_not_know():
 
     idx = torch.zeros(2, dtype=torch.int64)
     with pytest.raises(ValueError, match="ratios 4 and 128"):
-        metadata.step_metadata(None, idx, idx, idx, idx, idx, idx, 0, 1, {"positions": idx},
+        metadata.step_metadata(None, idx, idx, idx, idx, idx, idx, 0, 0, 1, {"positions": idx},
                                {16: (idx, 1, torch.zeros(2, 16, dtype=torch.int32), idx, idx)})
 
 
@@ -244,9 +267,32 @@ def test_gpu_step_builders_at_real_widths():
     from dsv4_kernels import metadata, reference
 
     T, n_reqs, max_ctx = 2048, 40, 8192
-    rtt, L, _ = _random_step(T, n_reqs, max_ctx, n_reqs, "cuda", seed=1)
-    args = (rtt, L["req_slot"], L["positions"], L["seq_len"], L["valid"], n_reqs, 512)
+    _, L, _ = _random_step(T, n_reqs, max_ctx, n_reqs, "cuda", seed=1)
+    args = (L["req_slot"], L["positions"], L["seq_len"], L["valid"], L["prefix"], L["chunk_start"], n_reqs,
+            n_reqs * 128, 512)
     expected = reference.token_metadata(*args, _token_outputs(T, 128, "cuda"))
     got = metadata.token_metadata(*args, _token_outputs(T, 128, "cuda"))
     for k in expected:
         assert torch.equal(got[k], expected[k]), k
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_keep_window_rows_moves_staging_rows_into_their_ring_rows(device, dtype, impl):
+    """Rows of any KV format (float or FP8 bytes): each staging row lands on its keep row; a
+    row kept nowhere (its own staging row as target) and every other row stay as they were."""
+    if impl == "triton":
+        require_triton()
+        from dsv4_kernels import window_ring as kernels
+    else:
+        from dsv4_kernels import reference as kernels
+
+    raw = (torch.arange(14 * 3) % 251).to(dtype).view(14, 3).to(device)
+    before = raw.clone()
+    keep = torch.tensor([10, 5, 0, 7], dtype=torch.int32, device=device)  # staging rows 10..13
+    kernels.keep_window_rows_(raw, 10, keep)
+    expected = before.clone()
+    expected[5], expected[0], expected[7] = before[11], before[12], before[13]
+    assert torch.equal(raw, expected)
+    kernels.keep_window_rows_(raw, 10, keep[:0])  # an empty step moves nothing
+    assert torch.equal(raw, expected)

@@ -44,7 +44,8 @@ def test_resolve_on_cuda_sizes_kv_from_free_memory():
     assert (r.max_running_requests, r.chunked_prefill_size) == (256, 2048)
     assert (r.breakable_cuda_graph_max_tokens, r.cuda_graph_max_bs) == (4096, 256)
     assert r.max_total_tokens == 4096 * 256  # capped by what the running requests could use
-    mini = ServerArgs(model_path="dsv4-mini")
+    # a context at which mini's KV (977 B a token: compressed entries and index keys) fills the GPU
+    mini = ServerArgs(model_path="dsv4-mini", context_length=8192)
     # (at 2 GiB free, mini's graph pool + activation reserve just exceed the 20 % left over)
     small = mini.resolve(cuda_available=True, gpu_free_memory=3 * GiB)
     big = mini.resolve(cuda_available=True, gpu_free_memory=4 * GiB)
@@ -56,7 +57,7 @@ def test_resolve_on_cuda_sizes_kv_from_free_memory():
     # weights + 0.019 GiB of split compressor weights, tensor_core_copy_bytes).
     with pytest.raises(ValueError, match=r"weights need 0.8 GiB .* short by 0.3 GiB; raise --dp-size"):
         mini.resolve(cuda_available=True, gpu_free_memory=GiB // 2)
-    long_ctx = dataclasses.replace(mini, context_length=65536, max_running_requests=8, mem_fraction_static=0.5)
+    long_ctx = dataclasses.replace(mini, context_length=65536, max_running_requests=8, mem_fraction_static=0.4)
     with pytest.raises(ValueError, match=r"not enough memory for the KV cache: .* short by .* lower --context-length"):
         long_ctx.resolve(cuda_available=True, gpu_free_memory=2 * GiB)
 

@@ -216,8 +216,11 @@ class ServerArgs:
             quant_numerics=quant_numerics, kv_cache_dtype=kv_cache_dtype,
             dp_size=self.dp_size if self.enable_dp_attention else 1, page_size=self.page_size,
             context_length=context_length, max_running_requests=max_running,
-            chunked_prefill_size=max(self.chunked_prefill_size or _DEFAULT_CHUNKED_PREFILL_SIZE[pick], 1),
-            breakable_max_tokens=(self.breakable_cuda_graph_max_tokens or _DEFAULT_BREAKABLE_MAX_TOKENS[pick])
+            # -1 (no chunking): a whole prompt of up to the context length per step
+            chunked_prefill_size=(self.chunked_prefill_size or _DEFAULT_CHUNKED_PREFILL_SIZE[pick])
+            if self.chunked_prefill_size != -1 else context_length,
+            breakable_max_tokens=max(self.breakable_cuda_graph_tokens or (
+                self.breakable_cuda_graph_max_tokens or _DEFAULT_BREAKABLE_MAX_TOKENS[pick],))
             if self.enable_breakable_cuda_graph else 0,
             decode_graph_max_bs=0 if self.disable_cuda_graph else min(
                 self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick], max_running),
@@ -232,6 +235,21 @@ class ServerArgs:
         if self.dtype == "auto":
             raise ValueError("dtype is still 'auto': resolve() the ServerArgs first")
         return {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.dtype]
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one forward step carries (planning/step_tokens.py): the raw-KV
+        staging rows, and the scheduler's bound on a step."""
+        from sglang.srt.planning.step_tokens import max_step_tokens
+
+        if not self.resolved:
+            raise ValueError("max_step_tokens needs resolved ServerArgs: call resolve() first")
+        bucket = 0  # the largest breakable-graph bucket, as the runner builds its buckets
+        if self.enable_breakable_cuda_graph:
+            bucket = max(self.breakable_cuda_graph_tokens or (self.breakable_cuda_graph_max_tokens,))
+        return max_step_tokens(
+            chunked_prefill_size=self.chunked_prefill_size, context_length=self.context_length,
+            max_running_requests=self.max_running_requests, breakable_max_tokens=bucket)
 
     @property
     def chunked_prefill_enabled(self) -> bool:

@@ -18,8 +18,8 @@ BLOCK = 128
 
 @triton.jit
 def _token_row(
-    t, rtt_ptr, stride_rtt, max_col, req_ptr, pos_ptr, seq_len_ptr, valid_ptr, padding_slot,
-    pos_out, rows_out, raw_out, win_ptr, win_len_ptr, W,
+    t, req_ptr, pos_ptr, seq_len_ptr, valid_ptr, prefix_ptr, start_ptr, padding_slot, staging_start,
+    pos_out, rows_out, raw_out, win_ptr, win_len_ptr, keep_ptr, W,
     c128_len_ptr, ring128_ptr, cand_len_ptr, topk_len_ptr, topk, ring4_ptr,
     HAS_C4: tl.constexpr, HAS_C128: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -27,21 +27,26 @@ def _token_row(
     valid = tl.load(valid_ptr + t) != 0
     slot = tl.where(valid, tl.load(req_ptr + t), padding_slot).to(tl.int64)
     pos = tl.where(valid, tl.load(pos_ptr + t), 0).to(tl.int64)
+    prefix = tl.where(valid, tl.load(prefix_ptr + t), 0).to(tl.int64)
+    start = tl.where(valid, tl.load(start_ptr + t), 0).to(tl.int64)
     seq_len = tl.load(seq_len_ptr + t)
-    row = rtt_ptr + slot * stride_rtt
+    stage = staging_start + t
     tl.store(pos_out + t, pos)
     tl.store(rows_out + t, slot.to(tl.int32))
-    raw = tl.load(row + tl.minimum(pos, max_col))
-    tl.store(raw_out + t, tl.where(valid, raw, -1).to(tl.int32))
+    tl.store(raw_out + t, tl.where(valid, stage, -1).to(tl.int32))
 
     wlen = tl.where(valid, tl.minimum(pos + 1, W), 0)
     wstart = tl.maximum(pos - wlen + 1, 0)
     for c0 in range(0, W, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         live = cols < wlen
-        s = tl.load(row + tl.minimum(wstart + cols, max_col), mask=live, other=0)
+        q = wstart + cols
+        # this step's positions from their staging rows, older ones from the request's ring
+        s = tl.where(q >= prefix, staging_start + start + q - prefix, slot * W + q % W)
         tl.store(win_ptr + t * W + cols, tl.where(live, s, -1).to(tl.int32), mask=cols < W)
     tl.store(win_len_ptr + t, wlen.to(tl.int32))
+    keep = valid & (pos >= seq_len - W)
+    tl.store(keep_ptr + t, tl.where(keep, slot * W + pos % W, stage).to(tl.int32))
 
     if HAS_C128:
         n = tl.where(valid, (pos + 1) // 128, 0)
@@ -86,8 +91,8 @@ def _emission_row(
 @triton.jit
 def _step_metadata_kernel(
     rtt_ptr, stride_rtt, max_col, req_ptr, pos_ptr, seq_len_ptr, valid_ptr, prefix_ptr, start_ptr,
-    padding_slot, T,
-    pos_out, rows_out, raw_out, win_ptr, win_len_ptr, W,
+    padding_slot, staging_start, T,
+    pos_out, rows_out, raw_out, win_ptr, win_len_ptr, keep_ptr, W,
     c128_len_ptr, ring128_ptr, cand_len_ptr, topk_len_ptr, topk, ring4_ptr,
     rows4_ptr, num_real4, gather4_ptr, out_loc4_ptr, epos4_ptr, E4,
     rows128_ptr, num_real128, gather128_ptr, out_loc128_ptr, epos128_ptr,
@@ -97,8 +102,8 @@ def _step_metadata_kernel(
     """Programs [0, T): tokens; [T, T + E4): ratio-4 emissions; then ratio-128 emissions."""
     p = tl.program_id(0)
     if p < T:
-        _token_row(p.to(tl.int64), rtt_ptr, stride_rtt, max_col, req_ptr, pos_ptr, seq_len_ptr, valid_ptr,
-                   padding_slot, pos_out, rows_out, raw_out, win_ptr, win_len_ptr, W,
+        _token_row(p.to(tl.int64), req_ptr, pos_ptr, seq_len_ptr, valid_ptr, prefix_ptr, start_ptr,
+                   padding_slot, staging_start, pos_out, rows_out, raw_out, win_ptr, win_len_ptr, keep_ptr, W,
                    c128_len_ptr, ring128_ptr, cand_len_ptr, topk_len_ptr, topk, ring4_ptr,
                    HAS_C4, HAS_C128, BLOCK)
     elif p < T + E4:
@@ -117,8 +122,8 @@ def _step_metadata_kernel(
 EMISSION_RING = {4: 8, 128: 128}
 
 
-def step_metadata(rtt, req_slot, positions, seq_len, valid, prefix, chunk_start, padding_slot, topk, out,
-                  emissions):
+def step_metadata(rtt, req_slot, positions, seq_len, valid, prefix, chunk_start, padding_slot, staging_start, topk,
+                  out, emissions):
     """token_metadata, then emission_metadata of every ratio in `emissions` ({ratio: (rows,
     num_real, gather_idx, out_loc, emit_pos)}), in one launch. See the reference's two. The
     token programs are out["positions"]'s rows (none when it is empty)."""
@@ -135,9 +140,9 @@ def step_metadata(rtt, req_slot, positions, seq_len, valid, prefix, chunk_start,
     e128 = emissions.get(128, (dummy, 0, dummy, dummy, dummy))
     _step_metadata_kernel[(T + E4 + E128,)](
         rtt, rtt.stride(0), rtt.shape[1] - 1, req_slot, positions, seq_len, valid, prefix, chunk_start,
-        padding_slot, T,
+        padding_slot, staging_start, T,
         out["positions"], out["token_rows"], out["raw_out_loc"], out["window_slots"], out["window_len"],
-        out["window_slots"].shape[1],
+        out["raw_keep_loc"], out["window_slots"].shape[1],
         out.get("c128_len", dummy), out.get("ring128", dummy),
         out.get("cand_len", dummy), out.get("topk_len", dummy), topk, out.get("ring4", dummy),
         e4[0], e4[1], e4[2], e4[3], e4[4], E4,
@@ -148,9 +153,11 @@ def step_metadata(rtt, req_slot, positions, seq_len, valid, prefix, chunk_start,
     return out
 
 
-def token_metadata(rtt, req_slot, positions, seq_len, valid, padding_slot, topk, out):
-    """See reference.token_metadata (the step kernel's token programs only)."""
-    return step_metadata(rtt, req_slot, positions, seq_len, valid, valid, valid, padding_slot, topk, out, {})
+def token_metadata(req_slot, positions, seq_len, valid, prefix, chunk_start, padding_slot, staging_start, topk, out):
+    """See reference.token_metadata (the step kernel's token programs only; the page table is
+    read by emissions alone, so a stand-in fills its argument)."""
+    return step_metadata(req_slot.view(1, -1), req_slot, positions, seq_len, valid, prefix, chunk_start, padding_slot,
+                         staging_start, topk, out, {})
 
 
 def emission_metadata(rtt, req_slot, positions, valid, prefix, chunk_start, rows, num_real,
@@ -160,6 +167,6 @@ def emission_metadata(rtt, req_slot, positions, valid, prefix, chunk_start, rows
         return
     empty = positions[:0]
     out = {"positions": empty, "token_rows": empty, "raw_out_loc": empty, "window_slots": gather_idx[:0],
-           "window_len": out_loc}  # no token programs run; these only fill the signature
-    step_metadata(rtt, req_slot, positions, positions, valid, prefix, chunk_start, padding_slot, 0, out,
+           "window_len": out_loc, "raw_keep_loc": out_loc}  # no token programs run; these only fill the signature
+    step_metadata(rtt, req_slot, positions, positions, valid, prefix, chunk_start, padding_slot, 0, 0, out,
                   {ratio: (rows, num_real, gather_idx, out_loc, emit_pos)})

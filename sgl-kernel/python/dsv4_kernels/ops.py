@@ -107,10 +107,12 @@ def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out):
     return impl.fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out)
 
 
-def token_metadata(rtt, req_slot, positions, seq_len, valid, padding_slot, topk, out):
+def token_metadata(req_slot, positions, seq_len, valid, prefix, chunk_start, padding_slot, staging_start, topk,
+                   out):
     """Every per-token metadata field of a step in one launch on CUDA (see reference)."""
     impl = _kernels("metadata") if _use_triton(positions) else reference
-    return impl.token_metadata(rtt, req_slot, positions, seq_len, valid, padding_slot, topk, out)
+    return impl.token_metadata(req_slot, positions, seq_len, valid, prefix, chunk_start, padding_slot, staging_start,
+                               topk, out)
 
 
 def emission_metadata(rtt, req_slot, positions, valid, prefix, chunk_start, rows, num_real,
@@ -121,12 +123,22 @@ def emission_metadata(rtt, req_slot, positions, valid, prefix, chunk_start, rows
                            padding_slot, ratio, gather_idx, out_loc, emit_pos)
 
 
-def step_metadata(rtt, req_slot, positions, seq_len, valid, prefix, chunk_start, padding_slot, topk, out,
-                  emissions):
+def step_metadata(rtt, req_slot, positions, seq_len, valid, prefix, chunk_start, padding_slot, staging_start, topk,
+                  out, emissions):
     """A step's token metadata and every ratio's emissions (see reference) in one launch on CUDA."""
     impl = _kernels("metadata") if _use_triton(positions) else reference
-    return impl.step_metadata(rtt, req_slot, positions, seq_len, valid, prefix, chunk_start, padding_slot, topk,
-                              out, emissions)
+    return impl.step_metadata(rtt, req_slot, positions, seq_len, valid, prefix, chunk_start, padding_slot,
+                              staging_start, topk, out, emissions)
+
+
+def keep_window_rows_(raw, staging_start, keep_loc):
+    """raw[keep_loc[t]] = raw[staging_start + t] for every t < keep_loc.numel(): each
+    request's last W new raw rows move from the step's staging rows into its ring, after the
+    attention has read every window (keep_loc: token_metadata's raw_keep_loc). One launch on
+    CUDA; capturable (decode graphs capture it with the attention core)."""
+    if _use_triton(raw):
+        return _kernels("window_ring").keep_window_rows_(raw, staging_start, keep_loc)
+    return reference.keep_window_rows_(raw, staging_start, keep_loc)
 
 
 # Per-token compressor plan (one pooled row per token; the kernel tests' metadata source):

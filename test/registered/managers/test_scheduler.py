@@ -183,6 +183,19 @@ def test_disabled_chunking_prefills_whole_prompts():
     assert all(res[r.rid]["output_ids"] == reference(r.input_ids, 2) for r in reqs)
 
 
+def test_no_step_carries_more_tokens_than_the_staging_rows_hold():
+    """Without chunking a step holds whole prompts up to ServerArgs.max_step_tokens (the raw-KV
+    staging rows: the context length here): a prompt that does not fit waits, unsplit."""
+    s = create_scheduler(chunked_prefill_size=-1)
+    assert s.max_step_tokens == s.server_args.max_step_tokens == 1024
+    reqs = create_requests(3, [700, 500, 300], max_new_tokens=2)
+    res = run(s, reqs)
+    prefills = [b.extend_seq_lens_cpu for b in s.model_runner.batches if b.forward_mode == EXTEND]
+    assert prefills[:2] == [[700], [500, 300]]
+    assert max(b.num_tokens for b in s.model_runner.batches) <= 1024
+    assert all(res[r.rid]["output_ids"] == reference(r.input_ids, 2) for r in reqs)
+
+
 # ---- mixed chunk and alternation --------------------------------------------------------
 
 

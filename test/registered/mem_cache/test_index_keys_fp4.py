@@ -22,18 +22,18 @@ from dsv4_harness import Session, run_step  # noqa: E402
 
 def test_release_pool_packs_indexer_keys_and_a_bf16_pool_does_not():
     cfg = get_preset("dsv4-tiny-fp8")  # index_head_dim 128, c4 layers 1 and 3
-    packed = DSV4KVPool(cfg, 1024, 2, torch.bfloat16, "cpu", index_keys_fp4=True)
+    packed = DSV4KVPool(cfg, 1024, 2, torch.bfloat16, "cpu", index_keys_fp4=True, max_step_tokens=16)
     assert {k: (v.dtype, tuple(v.shape)) for k, v in packed.indexer_keys.items()} == {
         1: (torch.uint8, (256, 68)), 3: (torch.uint8, (256, 68))}
     assert packed.decode_index_keys(packed.indexer_keys[1]).abs().max() == 0  # fresh rows read as zeros
-    plain = DSV4KVPool(cfg, 1024, 2, torch.bfloat16, "cpu")
+    plain = DSV4KVPool(cfg, 1024, 2, torch.bfloat16, "cpu", max_step_tokens=16)
     assert plain.index_key_layout is None and plain.indexer_keys[1].dtype == torch.bfloat16
     assert plain.nbytes() - packed.nbytes() == 2 * 256 * (256 - 68)
     assert kv_bytes_per_token(cfg, torch.bfloat16) - kv_bytes_per_token(cfg, torch.bfloat16, index_keys_fp4=True) \
         == 2 * (256 - 68) / 4
     with pytest.raises(ValueError, match="index_head_dim 48 must be a positive multiple of 32"):
         DSV4KVPool(get_preset("dsv4-tiny").__class__(**{**get_preset("dsv4-tiny").__dict__, "index_head_dim": 48}),
-                   256, 2, torch.float32, "cpu", index_keys_fp4=True)
+                   256, 2, torch.float32, "cpu", index_keys_fp4=True, max_step_tokens=16)
 
 
 class _ModelDtypeKeysPool(DSV4KVPool):

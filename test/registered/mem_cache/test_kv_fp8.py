@@ -7,7 +7,7 @@ import torch
 from dsv4_kernels.kv_fp8 import FP8KVLayout, round_nope_fp8
 
 from sglang.srt.configs.presets import get_preset
-from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool, kv_bytes_per_token
+from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool, kv_bytes_per_token, raw_ring_bytes_per_request
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.planning.memory_planner import kv_bytes_per_token as planner_kv_bytes_per_token
@@ -16,15 +16,16 @@ from sglang.test.runner_args import cpu_server_args
 
 def test_fp8_pool_holds_uint8_rows_for_every_kv_entry_and_float_indexer_keys():
     cfg = get_preset("dsv4-tiny-fp8")  # head_dim 128 = 64 nope + 64 rope; ratios 0, 4, 128, 4
-    pool = DSV4KVPool(cfg, 1024, 4, torch.bfloat16, "cpu", kv_cache_dtype="fp8_e4m3")
+    pool = DSV4KVPool(cfg, 1024, 4, torch.bfloat16, "cpu", kv_cache_dtype="fp8_e4m3", max_step_tokens=32)
     assert pool.fp8_layout == FP8KVLayout(128, 64, torch.bfloat16) and pool.nope_fp8
     row = 64 + 128 + 1 + 7  # e4m3 nope, bf16 rope, one scale, pad to 8
-    assert [tuple(t.shape) for t in pool.raw] == [(1024, row)] * 4
+    # raw KV: a ring of window (8) rows per request slot, then 32 staging rows
+    assert [tuple(t.shape) for t in pool.raw] == [(4 * 8 + 32, row)] * 4 and pool.staging_start == 32
     assert {k: tuple(v.shape) for k, v in pool.compressed.items()} == {1: (256, row), 2: (8, row), 3: (256, row)}
     assert all(t.dtype == torch.uint8 for t in [*pool.raw, *pool.compressed.values()])
     assert all(t.dtype == torch.bfloat16 for t in pool.indexer_keys.values())
     assert pool.decode_kv(pool.raw[0]).abs().max() == 0  # fresh rows read back as zeros
-    plain = DSV4KVPool(cfg, 1024, 4, torch.bfloat16, "cpu")
+    plain = DSV4KVPool(cfg, 1024, 4, torch.bfloat16, "cpu", max_step_tokens=32)
     kv_bytes = lambda p: sum(t.numel() * t.element_size() for t in [*p.raw, *p.compressed.values()])  # noqa: E731
     assert kv_bytes(plain) / kv_bytes(pool) == 256 / row
     assert plain.fp8_layout is None and not plain.nope_fp8
@@ -33,9 +34,9 @@ def test_fp8_pool_holds_uint8_rows_for_every_kv_entry_and_float_indexer_keys():
 def test_encode_kv_follows_the_pool_format():
     cfg = get_preset("dsv4-tiny-fp8")
     rows = torch.randn(5, 128)
-    fp8 = DSV4KVPool(cfg, 256, 2, torch.float32, "cpu", kv_cache_dtype="fp8_e4m3")
-    rounded = DSV4KVPool(cfg, 256, 2, torch.float32, "cpu", round_nope_fp8=True)
-    plain = DSV4KVPool(cfg, 256, 2, torch.float32, "cpu")
+    fp8 = DSV4KVPool(cfg, 256, 2, torch.float32, "cpu", kv_cache_dtype="fp8_e4m3", max_step_tokens=8)
+    rounded = DSV4KVPool(cfg, 256, 2, torch.float32, "cpu", round_nope_fp8=True, max_step_tokens=8)
+    plain = DSV4KVPool(cfg, 256, 2, torch.float32, "cpu", max_step_tokens=8)
     want = round_nope_fp8(rows, 64)
     assert torch.equal(fp8.decode_kv(fp8.encode_kv(rows, fp8.raw[0])), want)  # fp32 model: fp32 rope
     assert torch.equal(rounded.encode_kv(rows, rounded.raw[0]), want)
@@ -47,22 +48,28 @@ def test_a_head_split_without_whole_64_dim_nope_blocks_is_refused():
     tiny = get_preset("dsv4-tiny")  # head_dim 64, rope 16: 48 nope dims
     for kw in (dict(kv_cache_dtype="fp8_e4m3"), dict(round_nope_fp8=True)):
         with pytest.raises(ValueError, match="48 nope dims must be a positive multiple of 64"):
-            DSV4KVPool(tiny, 256, 2, torch.float32, "cpu", **kw)
+            DSV4KVPool(tiny, 256, 2, torch.float32, "cpu", max_step_tokens=8, **kw)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        DSV4KVPool(tiny, 256, 2, torch.float32, "cpu", kv_cache_dtype="fp8")
+        DSV4KVPool(tiny, 256, 2, torch.float32, "cpu", kv_cache_dtype="fp8", max_step_tokens=8)
+    with pytest.raises(ValueError, match="max_step_tokens must be positive"):
+        DSV4KVPool(tiny, 256, 2, torch.float32, "cpu", max_step_tokens=0)
 
 
 def test_bytes_per_token_in_both_modes():
     mini = get_preset("dsv4-mini")  # ratios 0,0,4,128,4,128,4,0; head 512 (448 + 64), index 128
-    # bf16: 8 raw rows of 1024 B + 3/4 of a c4 row + 2/128 of a c128 row + 3/4 of a 256 B key
-    assert kv_bytes_per_token(mini, torch.bfloat16) == 8 * 1024 + 3 * 1024 / 4 + 2 * 1024 / 128 + 3 * 256 / 4
+    # bf16: 3/4 of a c4 row of 1024 B + 2/128 of a c128 row + 3/4 of a 256 B key; raw KV is
+    # per request (a window ring), not per token
+    assert kv_bytes_per_token(mini, torch.bfloat16) == 3 * 1024 / 4 + 2 * 1024 / 128 + 3 * 256 / 4
     # fp8: the same with 584 B rows (448 e4m3 + 128 rope + 7 scales + 1 pad); keys stay bf16
-    assert kv_bytes_per_token(mini, torch.bfloat16, "fp8_e4m3") == 8 * 584 + 3 * 584 / 4 + 2 * 584 / 128 + 3 * 256 / 4
+    assert kv_bytes_per_token(mini, torch.bfloat16, "fp8_e4m3") == 3 * 584 / 4 + 2 * 584 / 128 + 3 * 256 / 4
     # what server_args sizes the cache with (the memory planner): the pool's count, whole bytes
-    assert (planner_kv_bytes_per_token(mini, "auto"), planner_kv_bytes_per_token(mini, "fp8_e4m3")) == (9168, 5312)
+    # (rounded up: 976 exactly, 639.125)
+    assert (planner_kv_bytes_per_token(mini, "auto"), planner_kv_bytes_per_token(mini, "fp8_e4m3")) == (976, 640)
+    # a request slot's rings: 128 rows on each of the 8 layers
+    assert raw_ring_bytes_per_request(mini, torch.bfloat16, "fp8_e4m3") == 8 * 128 * 584
     flash = get_preset("dsv4-flash-slice")
     ratio = kv_bytes_per_token(flash, torch.bfloat16, "fp8_e4m3") / kv_bytes_per_token(flash, torch.bfloat16)
-    assert 0.58 < ratio < 0.59  # rows shrink to 584/1024; the bf16 indexer keys do not
+    assert 0.65 < ratio < 0.66  # rows shrink to 584/1024; the bf16 indexer keys do not
 
 
 def _prefill_in_two_chunks(**over):
@@ -90,7 +97,8 @@ def test_fp8_cache_gives_the_model_what_release_rounding_with_a_float_cache_give
         assert torch.equal(fp8.kv_pool.decode_kv(fp8.kv_pool.raw[layer]), flt.kv_pool.raw[layer])
     for layer in (1, 2, 3):
         assert torch.equal(fp8.kv_pool.decode_kv(fp8.kv_pool.compressed[layer]), flt.kv_pool.compressed[layer])
-    cached = flt.kv_pool.raw[0][flt.req_to_token_pool.req_to_token[0, :150].long()]
+    W = flt.config.sliding_window
+    cached = flt.kv_pool.raw[0][:W]  # request slot 0's ring: positions 142..149
     assert torch.equal(round_nope_fp8(cached, 64), cached) and cached[:, :64].abs().min() < cached[:, :64].abs().max()
     torch.testing.assert_close(fp8_logits, flt_logits, rtol=0, atol=1e-5)
 

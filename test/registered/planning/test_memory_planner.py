@@ -82,25 +82,35 @@ def test_bf16_weight_bytes_equal_the_model_tensors():
     ("dsv4-flash-slice-fp8", "bfloat16", "weight_only", "auto", 256),
     ("dsv4-tiny-fp8", "float32", "release", "auto", 68),
 ])
-def test_the_planner_counts_the_pool_as_built(preset, dtype, numerics, kv_cache_dtype, key_bytes):
-    """The planner's count of the pool the model runner builds (its KV rows, the padding page
-    and the compressor rings of every request slot) is the pool's nbytes(), byte for byte."""
+@pytest.mark.parametrize("chunk, breakable", [(256, 0), (64, 512), (-1, 0)])
+def test_the_planner_counts_the_pool_as_built(preset, dtype, numerics, kv_cache_dtype, key_bytes, chunk, breakable):
+    """The planner's count of the pool the model runner builds is the pool's nbytes(), byte for
+    byte: compressed entries and indexer keys per token of context (plus the padding page),
+    compressor and raw window rings per request slot, and the staging rows of the largest step
+    those settings allow (no chunking: the context length)."""
     from sglang.srt.mem_cache.dsv4_kv_pool import DSV4KVPool
-    from sglang.srt.planning.memory_planner import kv_pool_bytes, kv_rows_bytes
+    from sglang.srt.planning.memory_planner import kv_pool_bytes, kv_rows_bytes, raw_window_plan_bytes, step_tokens
 
     config = get_preset(preset)
     s = dataclasses.replace(SERVING, weight_format=loaded_weight_format(config, dtype), model_dtype=dtype,
-                            quant_numerics=numerics, kv_cache_dtype=kv_cache_dtype, max_running_requests=3)
+                            quant_numerics=numerics, kv_cache_dtype=kv_cache_dtype, max_running_requests=3,
+                            context_length=1024, chunked_prefill_size=chunk if chunk > 0 else 1024,
+                            breakable_max_tokens=breakable)
     kv_tokens = 128 * 16
     release = numerics == "release" and config.is_quantized
     # as ModelRunner builds it: the tokens plus the padding page, one ring row per request + 1
     pool = DSV4KVPool(config, kv_tokens + 128, 3, getattr(torch, dtype), "cpu", kv_cache_dtype=kv_cache_dtype,
-                      round_nope_fp8=release, index_keys_fp4=release)
+                      round_nope_fp8=release, index_keys_fp4=release, max_step_tokens=step_tokens(s))
+    assert pool.staging_rows == max(chunk if chunk > 0 else 1024, breakable)
     assert pool.indexer_keys[next(iter(pool.indexer_keys))][0].nbytes == key_bytes
     assert pool.nbytes() == kv_pool_bytes(config, s, kv_tokens)
     rings = sum(t.nbytes for st in [*pool.compressor_state.values(), *pool.indexer_state.values()]
                 for t in (st.kv, st.score))
-    assert pool.nbytes() - rings == kv_rows_bytes(config, s, kv_tokens)
+    raw = sum(t.nbytes for t in pool.raw)
+    # raw KV: a window ring per request slot and one step's staging rows, on every layer
+    assert raw == raw_window_plan_bytes(config, s) == config.num_hidden_layers * (
+        3 * config.sliding_window + pool.staging_rows) * pool.raw[0][0].nbytes
+    assert pool.nbytes() - rings - raw == kv_rows_bytes(config, s, kv_tokens)
     assert rings == 4 * per_request_state_bytes(config, 0)  # context 0: no page-table row
     assert kv_rows_bytes(config, s, kv_tokens) <= (kv_tokens + 128) * kv_bytes_per_token(
         config, kv_cache_dtype, dtype, release) < kv_rows_bytes(config, s, kv_tokens) + kv_tokens + 128
@@ -111,11 +121,30 @@ def test_a_plan_counts_its_pool_exactly():
     s = dataclasses.replace(SERVING, context_length=8192, max_running_requests=16, breakable_max_tokens=0,
                             decode_graph_max_bs=0, kv_cache_dtype="fp8_e4m3")
     plan = plan_memory(mini, s, 40 * GiB)
-    from sglang.srt.planning.memory_planner import kv_rows_bytes
+    from sglang.srt.planning.memory_planner import kv_rows_bytes, raw_window_plan_bytes
 
     assert plan.kv_pool == kv_rows_bytes(mini, s, plan.kv_pool_tokens)
-    parts = plan.weights + plan.per_request_state + plan.rope_tables + plan.kv_pool + plan.graph_pool
+    assert plan.raw_window == raw_window_plan_bytes(mini, s)
+    parts = plan.weights + plan.per_request_state + plan.raw_window + plan.rope_tables + plan.kv_pool + plan.graph_pool
     assert parts + plan.activation_reserve + plan.headroom == 40 * GiB
+
+
+def test_flash_raw_kv_costs_a_ring_per_request_not_bytes_per_token():
+    """DeepSeek-V4-Flash with an FP8 KV cache: a token of context costs its compressed entries
+    and indexer keys only (3514.25 B with the release's packed FP4 keys, 4501.25 B with bf16
+    keys; a raw row per token on every layer would add 43 x 584 B), a request slot its 43
+    window rings of 128 rows (3.07 MiB)."""
+    from sglang.srt.mem_cache.dsv4_kv_pool import raw_ring_bytes_per_request
+
+    flash = get_preset("dsv4-flash")
+    # 21 c4 layers x (584 / 4 + 68 / 4) + 20 c128 layers x 584 / 128
+    assert kv_bytes_per_token(flash, "fp8_e4m3", index_keys_fp4=True) == 3515  # the pool's 3514.25, whole bytes
+    assert kv_bytes_per_token(flash, "fp8_e4m3") == 4502  # bf16 keys: 4501.25
+    assert raw_ring_bytes_per_request(flash, torch.bfloat16, "fp8_e4m3") == 43 * 128 * 584
+    plan = plan_memory(flash, dataclasses.replace(SERVING, dp_size=2, kv_cache_dtype="fp8_e4m3"), H200_USABLE_BYTES)
+    assert plan.kv_bytes_per_token == 3515  # release weights and numerics: packed keys
+    # 256 request slots' rings + 4096 staging rows (the largest breakable bucket) on 43 layers
+    assert plan.raw_window == 43 * 584 * (256 * 128 + 4096)
 
 
 def test_fp8_kv_entries_are_584_bytes():
@@ -127,12 +156,12 @@ def test_fp8_kv_entries_are_584_bytes():
     assert kv_row_bytes(512, 64, "fp8_e4m3", torch.bfloat16) == 584
     assert kv_row_bytes(512, 64, "auto", torch.bfloat16) == 1024
     flash = get_preset("dsv4-flash")
-    assert kv_bytes_per_token(flash, "fp8_e4m3") < 0.6 * kv_bytes_per_token(flash, "auto")
+    assert kv_bytes_per_token(flash, "fp8_e4m3") < 0.66 * kv_bytes_per_token(flash, "auto")  # bf16 index keys stay
     # and that count, rounded up to a whole byte, is what an FP8 pool holds per slot
     # (dsv4-mini: head 512 = 448 nope + 64 rope; 2/128 of a c128 row makes it fractional)
     mini, slots = get_preset("dsv4-mini"), 128 * 8
-    pool = DSV4KVPool(mini, slots, 2, torch.bfloat16, "cpu", kv_cache_dtype="fp8_e4m3")
-    kv = sum(t.numel() * t.element_size() for t in [*pool.raw, *pool.compressed.values(), *pool.indexer_keys.values()])
+    pool = DSV4KVPool(mini, slots, 2, torch.bfloat16, "cpu", kv_cache_dtype="fp8_e4m3", max_step_tokens=16)
+    kv = sum(t.numel() * t.element_size() for t in [*pool.compressed.values(), *pool.indexer_keys.values()])
     assert kv_bytes_per_token(mini, "fp8_e4m3") - 1 < kv / slots < kv_bytes_per_token(mini, "fp8_e4m3")
 
 
@@ -145,7 +174,7 @@ def test_flash_needs_two_h200():
     assert 75 * GiB < plan.weights < 90 * GiB  # ~77 GB of experts + the replicated part
     assert plan.kv_pool_tokens >= 65536 and plan.kv_pool_tokens % 128 == 0
     assert plan.headroom >= 0
-    parts = plan.weights + plan.per_request_state + plan.rope_tables + plan.kv_pool + plan.graph_pool
+    parts = plan.weights + plan.per_request_state + plan.raw_window + plan.rope_tables + plan.kv_pool + plan.graph_pool
     assert parts + plan.activation_reserve + plan.headroom == H200_USABLE_BYTES
 
 
@@ -164,8 +193,8 @@ def test_pro_needs_eight_or_more(pro):
 def test_a_plan_that_does_not_fit_names_the_flag():
     flash = get_preset("dsv4-flash")
     two = dataclasses.replace(SERVING, dp_size=2)
-    with pytest.raises(MemoryPlanError, match=r"--max-total-tokens 4000000 needs .* short by .* GiB"):
-        plan_memory(flash, dataclasses.replace(two, max_total_tokens=4_000_000), H200_USABLE_BYTES)
+    with pytest.raises(MemoryPlanError, match=r"--max-total-tokens 40000000 needs .* short by .* GiB"):
+        plan_memory(flash, dataclasses.replace(two, max_total_tokens=40_000_000), H200_USABLE_BYTES)
     with pytest.raises(MemoryPlanError, match=r"not enough memory for the KV cache: .* short by .*--context-length"):
         plan_memory(flash, dataclasses.replace(two, context_length=1048576, mem_fraction_static=0.65),
                     H200_USABLE_BYTES)
@@ -175,17 +204,18 @@ def test_a_plan_that_does_not_fit_names_the_flag():
 
 def test_kv_pool_follows_the_static_fraction_and_is_capped_by_use():
     mini = get_preset("dsv4-mini")
-    s = dataclasses.replace(SERVING, weight_format="bfloat16", context_length=8192, max_running_requests=64,
+    # 64 requests of 64K context: more KV than 4 GiB holds (a token of context costs 977 B)
+    s = dataclasses.replace(SERVING, weight_format="bfloat16", context_length=65536, max_running_requests=64,
                             breakable_max_tokens=0, decode_graph_max_bs=0)
     small = plan_memory(mini, dataclasses.replace(s, mem_fraction_static=0.5), 4 * GiB)
     big = plan_memory(mini, dataclasses.replace(s, mem_fraction_static=0.8), 4 * GiB)
     assert 0 < small.kv_pool_tokens < big.kv_pool_tokens
     per_token = kv_bytes_per_token(mini, "auto")
     padding_page = 128 * per_token  # the pool's page 0, held beside the tokens
-    assert big.kv_pool_tokens == (int(4 * GiB * 0.8) - big.weights - big.per_request_state - big.rope_tables
-                                  - padding_page) // per_token // 128 * 128
+    assert big.kv_pool_tokens == (int(4 * GiB * 0.8) - big.weights - big.per_request_state - big.raw_window
+                                  - big.rope_tables - padding_page) // per_token // 128 * 128
     huge = plan_memory(mini, s, 139 * GiB)
-    assert huge.kv_pool_tokens == 8192 * 64  # never more than the running requests can use
+    assert huge.kv_pool_tokens == 65536 * 64  # never more than the running requests can use
 
 
 def test_breakable_graph_pool_does_not_grow_with_the_context_length():

@@ -74,6 +74,9 @@ class Scheduler:
         self.max_running_requests = min(server_args.max_running_requests, self.pool.max_num_reqs)
         size = server_args.chunked_prefill_size
         self.chunked_prefill_size: Optional[int] = size if size and size > 0 else None
+        # the raw-KV staging rows hold one step (the pool is built with this bound): no step
+        # may carry more tokens
+        self.max_step_tokens = server_args.max_step_tokens
         self.enable_mixed_chunk = server_args.enable_mixed_chunk
         self.stream_interval = server_args.stream_interval
         self.vocab_size = model_runner.config.vocab_size
@@ -210,7 +213,8 @@ class Scheduler:
             decode, retracted = self._prepare_decode() if self.running else ([], False)
             # the chunk shrinks by the decode rows so the step stays near the chunk size, but
             # keeps at least one token so a large running set never starves the queue
-            budget = None if self.chunked_prefill_size is None else max(1, self.chunked_prefill_size - len(decode))
+            chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else self.max_step_tokens
+            budget = max(1, min(chunk, self.max_step_tokens) - len(decode))
             prefill = [] if retracted or not has_prefill else self._plan_prefill(budget, decode_allocated=bool(decode))
             return self._make_batch(prefill, decode)
         if has_prefill and not (self.running and self._last_was_prefill):
@@ -285,7 +289,8 @@ class Scheduler:
         # already mapped, when decode rows run in the same forward).
         extra = 1 if decode_allocated else 0
         reserve = sum(self.pool.pages_needed(r.req_pool_idx, r.seq_len + extra) for r in self.running)
-        tokens_left = float("inf") if token_budget is None else token_budget
+        # no chunking: whole prompts, as many as one step's staging rows hold
+        tokens_left = self.max_step_tokens if token_budget is None else min(token_budget, self.max_step_tokens)
         num_holders = len(self._holders())
         plan: List[Tuple[Req, int]] = []
         cache = self.prefix_caching
@@ -301,12 +306,14 @@ class Scheduler:
             match = cache.lookup(req) if is_new and cache is not None else None
             prefix = match.length if match is not None else req.prefix_len
             page_budget = self._available_pages() - reserve
-            if page_budget < 0:
+            pending = req.seq_len - prefix
+            # without chunking a prompt waits for a step it fits in whole
+            if page_budget < 0 or (self.chunked_prefill_size is None and plan and pending > tokens_left):
                 if match is not None:
                     cache.unlock(match)
                 break
             fits = (-(-prefix // self.page_size) + page_budget) * self.page_size - prefix
-            n = int(min(req.seq_len - prefix, tokens_left, fits))
+            n = int(min(pending, tokens_left, fits))
             if n > 0 and cache is not None:
                 n = cache.cut_chunk(req.seq_len, prefix, n)
             if n <= 0:

@@ -1,9 +1,27 @@
 """Per-layer DSV4 caches: raw (sliding-window) KV, c4 / c128 compressed KV, indexer keys,
 and the per-request ring state the compressors need for incremental compression.
 
-All pools are indexed by slots derived from the one request->token page table
-(see req_to_token_pool.py). Every raw token is kept (simple; see docs/architecture.md for
-the memory cost at long context and the ring alternative we left for later).
+The compressed pools and indexer keys are indexed by slots derived from the one
+request->token page table (see req_to_token_pool.py): they cost bytes per token of context.
+Raw KV does not: attention reads it only inside the sliding window (W = config.sliding_window
+positions), so each layer's raw tensor is
+
+    [max_num_reqs * W ring rows | max_step_tokens staging rows]
+
+Ring row req * W + p % W holds position p of request slot `req` once a step has finished;
+a step writes every new token's raw row into staging row t (its row in the batch: a static
+index, so graph segments write it without metadata that depends on the request layout). The
+attention of a layer reads each query's window from staging (this step's positions) and the
+ring (older ones), and then copies each request's last min(W, new tokens) staging rows into
+its ring (dsv4_kernels.ops.keep_window_rows_). Staging exists for ordering: an extend longer than one
+token would otherwise overwrite ring rows that its own earlier tokens still read.
+
+Compared with a ring for the padding request (where padded rows would read and write), the
+copy's targets for rows that are not kept (padding, and positions older than a request's
+last W) are their own staging rows: no dummy rows, no duplicate targets in the copy, and
+padded rows read nothing (empty windows). A reused request slot never reads its previous
+owner's ring rows: a window reaches back only to positions >= 0 of its own request, and every
+such position older than the step was written by that request's earlier steps.
 
 KV entries (raw and compressed) are rows of head_dim model-dtype values, or with
 kv_cache_dtype "fp8_e4m3" uint8 rows in dsv4_kernels.kv_fp8's layout (nope dims e4m3 with a
@@ -54,11 +72,21 @@ class DSV4KVPool:
 
     def __init__(self, config: DeepseekV4Config, num_slots: int, max_num_reqs: int,
                  dtype: torch.dtype, device: torch.device | str, num_layers: Optional[int] = None,
-                 kv_cache_dtype: str = "auto", round_nope_fp8: bool = False, index_keys_fp4: bool = False):
+                 kv_cache_dtype: str = "auto", round_nope_fp8: bool = False, index_keys_fp4: bool = False, *,
+                 max_step_tokens: int):
+        """num_slots: page-table slots (tokens of context: compressed entries and indexer keys);
+        max_num_reqs: request slots (a raw ring each); max_step_tokens: the most tokens one
+        forward step carries (staging rows; planning/step_tokens.py)."""
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        if max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be positive, got {max_step_tokens}")
         self.config = config
         self.num_slots = num_slots
+        self.window = config.sliding_window
+        # raw rows: request rings first, then the staging rows of one step
+        self.staging_start = max_num_reqs * self.window
+        self.staging_rows = max_step_tokens
         self.dtype = dtype
         self.device = torch.device(device)
         self.kv_cache_dtype = kv_cache_dtype
@@ -82,8 +110,8 @@ class DSV4KVPool:
         rows = max_num_reqs + 1  # + the padding request
         for layer in range(n_layers):
             r = config.layer_compress_ratio(layer)
-            # zeros, not empty: padded rows may read these and must stay finite
-            self.raw.append(self._kv_rows(num_slots))
+            # zeros, not empty: every row read back must stay finite
+            self.raw.append(self._kv_rows(self.staging_start + self.staging_rows))
             if r == 0:
                 continue
             self.compressed[layer] = self._kv_rows(num_slots // r)
@@ -140,17 +168,36 @@ def _new_state(ratio: int, dim: int, rows: int, device) -> CompressorState:
 
 def kv_bytes_per_token(config: DeepseekV4Config, dtype: torch.dtype, kv_cache_dtype: str = "auto",
                        index_keys_fp4: bool = False) -> float:
-    """KV bytes one token costs across layers, mirroring DSV4KVPool's layout: a raw KV row on
-    every layer, plus 1/r of a compressed entry (and of an indexer key on ratio-4 layers: a
-    packed FP4 row with index_keys_fp4, else index_head_dim model-dtype values)."""
+    """KV bytes one token of context costs across layers, mirroring DSV4KVPool's layout: 1/r of
+    a compressed entry on ratio-r layers (and of an indexer key on ratio-4 layers: a packed FP4
+    row with index_keys_fp4, else index_head_dim model-dtype values). Raw KV costs nothing per
+    token (raw_window_bytes: per request slot and per step token)."""
     row = kv_row_bytes(config.head_dim, config.qk_rope_head_dim, kv_cache_dtype, dtype)
     key = index_key_row_bytes(config.index_head_dim, index_keys_fp4, dtype)
     total = 0.0
     for layer in range(config.num_hidden_layers):
         r = config.layer_compress_ratio(layer)
-        total += row
         if r:
             total += row / r
         if r == 4:
             total += key / 4
     return total
+
+
+def raw_ring_bytes_per_request(config: DeepseekV4Config, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                               num_layers: Optional[int] = None) -> int:
+    """Bytes of one request slot's raw-KV rings: W = sliding_window rows on every layer."""
+    n_layers = config.num_hidden_layers if num_layers is None else num_layers
+    row = kv_row_bytes(config.head_dim, config.qk_rope_head_dim, kv_cache_dtype, dtype)
+    return n_layers * config.sliding_window * row
+
+
+def raw_window_bytes(config: DeepseekV4Config, dtype: torch.dtype, kv_cache_dtype: str, max_num_reqs: int,
+                     max_step_tokens: int, num_layers: Optional[int] = None) -> int:
+    """Bytes of DSV4KVPool's raw tensors: every request slot's rings plus the staging rows of
+    one step, on every layer. Independent of the context length and of the token count."""
+    n_layers = config.num_hidden_layers if num_layers is None else num_layers
+    row = kv_row_bytes(config.head_dim, config.qk_rope_head_dim, kv_cache_dtype, dtype)
+    return (max_num_reqs * raw_ring_bytes_per_request(config, dtype, kv_cache_dtype, n_layers)
+            + n_layers * max_step_tokens * row)
+

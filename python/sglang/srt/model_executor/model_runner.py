@@ -71,7 +71,8 @@ class ModelRunner:
                                                 args.page_size, self.device)
         self.kv_pool = DSV4KVPool(self.config, num_pages * args.page_size, args.max_running_requests, self.dtype, self.device,
                                   kv_cache_dtype=args.kv_cache_dtype, round_nope_fp8=args.quant_numerics == "release",
-                                  index_keys_fp4=args.quant_numerics == "release")
+                                  index_keys_fp4=args.quant_numerics == "release",
+                                  max_step_tokens=args.max_step_tokens)
         kernels, segment_kernels = resolve_kernels(args.attention_backend, args.segment_kernels, self.device)
         self.attn_backend = DeepseekV4AttnBackend(self.config, self.kv_pool, self.req_to_token_pool,
                                                   max_seq_len=self.max_context_len, kernels=kernels,

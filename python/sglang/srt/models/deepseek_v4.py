@@ -129,6 +129,7 @@ class DeepseekV4Attention(nn.Module):
             apply_rope_(q, cos, sin)
             kv = self.kv_norm(self.wkv(x))
             apply_rope_(kv, cos, sin)
+            # into the token's raw staging row (the break moves the window's rows to the rings),
             # in the pool's format: FP8 rows, or nope dims FP8-rounded (release numerics)
             raw = pool.raw[self.layer_id]
             reference.scatter_rows_(raw, meta.raw_out_loc, pool.encode_kv(kv, raw))

@@ -12,7 +12,9 @@ Weight bytes come from the model itself built on the meta device (planning/meta_
 every tensor's shape and the dtype it is held in. A release-format config builds the quantized
 modules the loader fills (layers/quantization: FP8 linears 1 B per element + an fp32 scale per
 128 x 128 block; FP4 routed experts 0.5 B per element + 1 B per 32), so their storage is
-counted as held, not re-derived. KV bytes per token are the pool's own count (dsv4_kv_pool.kv_bytes_per_token).
+counted as held, not re-derived. KV bytes per token are the pool's own count (dsv4_kv_pool.kv_bytes_per_token:
+compressed entries and indexer keys); raw KV is a fixed term, each request slot's window rings plus
+the staging rows of one step (dsv4_kv_pool.raw_window_bytes).
 Activations and graph pools are estimates (the largest tensors of one step), to be checked
 against the measured numbers start-up logs (model_executor/memory_report.py).
 """
@@ -36,7 +38,9 @@ from sglang.srt.layers.attention.dsv4.widths import (
 from sglang.srt.layers.quantization import QUANT_NUMERICS
 from sglang.srt.mem_cache.dsv4_kv_pool import KV_CACHE_DTYPES  # what the pool can hold (auto: model dtype)
 from sglang.srt.mem_cache.dsv4_kv_pool import kv_bytes_per_token as pool_kv_bytes_per_token
+from sglang.srt.mem_cache.dsv4_kv_pool import raw_window_bytes
 from sglang.srt.planning.meta_model import meta_tensors
+from sglang.srt.planning.step_tokens import max_step_tokens
 
 GiB = 1024**3
 # An H200 has 141 GB of HBM; CUDA reports about 139.8 GiB total, of which about 139 GiB can
@@ -133,11 +137,12 @@ def _elt(dtype: str) -> int:
 
 def kv_bytes_per_token(config, kv_cache_dtype: str = "auto", model_dtype: str = "bfloat16",
                        index_keys_fp4: bool = False) -> int:
-    """KV bytes one token costs across layers, whole bytes rounded up: DSV4KVPool's own count
-    (mem_cache/dsv4_kv_pool.kv_bytes_per_token: a raw row every layer, 1/r of a compressed row
-    on ratio-r layers, 1/4 of an indexer key on ratio-4 layers; FP8 rows in dsv4_kernels.kv_fp8's
-    layout, 584 B at head_dim 512 in bf16; indexer keys in the model dtype, or with
-    index_keys_fp4 (release numerics) packed FP4 rows, 68 B at index_head_dim 128)."""
+    """KV bytes one token of context costs across layers, whole bytes rounded up: DSV4KVPool's
+    own count (mem_cache/dsv4_kv_pool.kv_bytes_per_token: 1/r of a compressed row on ratio-r
+    layers, 1/4 of an indexer key on ratio-4 layers; FP8 rows in dsv4_kernels.kv_fp8's layout,
+    584 B at head_dim 512 in bf16; indexer keys in the model dtype, or with index_keys_fp4
+    (release numerics) packed FP4 rows, 68 B at index_head_dim 128). Raw KV is not per token:
+    `raw_window_plan_bytes`."""
     return math.ceil(pool_kv_bytes_per_token(config, getattr(torch, model_dtype), kv_cache_dtype, index_keys_fp4))
 
 
@@ -147,20 +152,37 @@ def index_keys_fp4(s: "PlanSettings") -> bool:
     return s.weight_format == "release" and s.quant_numerics == "release"
 
 
+def step_tokens(s: "PlanSettings") -> int:
+    """The most tokens one step carries under these settings (planning/step_tokens.py): the
+    pool's raw-KV staging rows."""
+    return max_step_tokens(chunked_prefill_size=s.chunked_prefill_size, context_length=s.context_length,
+                           max_running_requests=s.max_running_requests, breakable_max_tokens=s.breakable_max_tokens)
+
+
+def raw_window_plan_bytes(config, s: "PlanSettings") -> int:
+    """Raw KV under these settings: a window ring per request slot and one step's staging rows,
+    every layer (DSV4KVPool's raw tensors, exactly)."""
+    return raw_window_bytes(config, getattr(torch, s.model_dtype), s.kv_cache_dtype, s.max_running_requests,
+                            step_tokens(s))
+
+
 def kv_rows_bytes(config, s: "PlanSettings", kv_tokens: int) -> int:
-    """Exact bytes of the KV rows of the pool the model runner builds for `kv_tokens` tokens (a
-    whole number of pages): kv_tokens plus the padding page at the pool's own per-token count
-    (a page holds whole compressed rows, so the count is exact there)."""
+    """Exact bytes of the per-token KV rows (compressed entries and indexer keys) of the pool the
+    model runner builds for `kv_tokens` tokens (a whole number of pages): kv_tokens plus the
+    padding page at the pool's own per-token count (a page holds whole compressed rows, so the
+    count is exact there)."""
     slots = kv_tokens + s.page_size
     per_token = pool_kv_bytes_per_token(config, getattr(torch, s.model_dtype), s.kv_cache_dtype, index_keys_fp4(s))
     return int(slots * per_token)
 
 
 def kv_pool_bytes(config, s: "PlanSettings", kv_tokens: int) -> int:
-    """DSV4KVPool.nbytes() of the pool the model runner builds for `kv_tokens` tokens: its KV rows
-    (kv_rows_bytes) and the compressor rings of max_running_requests + 1 request rows (+ the
-    padding request)."""
-    return kv_rows_bytes(config, s, kv_tokens) + compressor_ring_bytes(config) * (s.max_running_requests + 1)
+    """DSV4KVPool.nbytes() of the pool the model runner builds for `kv_tokens` tokens: its
+    per-token KV rows (kv_rows_bytes), its raw window rings and staging rows
+    (raw_window_plan_bytes) and the compressor rings of max_running_requests + 1 request rows
+    (+ the padding request)."""
+    return (kv_rows_bytes(config, s, kv_tokens) + raw_window_plan_bytes(config, s)
+            + compressor_ring_bytes(config) * (s.max_running_requests + 1))
 
 
 def compressor_ring_bytes(config) -> int:
@@ -236,6 +258,7 @@ class MemoryPlan:
     weights_routed_experts: int
     weights_tensor_core_copies: int  # derived after load (bf16 models): tensor_core_copy_bytes
     per_request_state: int  # compressor rings + page table, all request slots
+    raw_window: int  # raw KV: every request slot's window rings + one step's staging rows
     rope_tables: int
     kv_bytes_per_token: int
     kv_pool_tokens: int
@@ -250,7 +273,8 @@ class MemoryPlan:
                 f"{g(self.weights_routed_experts)}, tensor-core split weights (net) "
                 f"{g(self.weights_tensor_core_copies)}), "
                 f"KV pool {g(self.kv_pool)} ({self.kv_pool_tokens} tokens x "
-                f"{self.kv_bytes_per_token} B), request state {g(self.per_request_state)}, rope tables "
+                f"{self.kv_bytes_per_token} B), raw window KV {g(self.raw_window)}, request state "
+                f"{g(self.per_request_state)}, rope tables "
                 f"{g(self.rope_tables)}, graph pool {g(self.graph_pool)}, activation reserve "
                 f"{g(self.activation_reserve)}, headroom {g(self.headroom)} of {g(self.free_memory)} free "
                 f"(--mem-fraction-static {self.mem_fraction_static})")
@@ -298,6 +322,7 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
     tensor_core_copies = tensor_core_copy_bytes(config, s.model_dtype)
     weights_gpu = w.per_gpu(s.dp_size) + tensor_core_copies
     state = per_request_state_bytes(config, s.context_length) * (s.max_running_requests + 1)
+    raw_window = raw_window_plan_bytes(config, s)
     rope = rope_table_bytes(config, s.context_length)
     per_token = kv_bytes_per_token(config, s.kv_cache_dtype, s.model_dtype, index_keys_fp4(s))
     padding_page = s.page_size * per_token  # the pool's page 0, never handed out
@@ -309,11 +334,11 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
         + attention_break_bytes(config, s.decode_graph_max_bs, s.context_length) if s.decode_graph_max_bs else 0)
     # Eager steps and the eager breaks of replays: segments of the largest step (when not
     # replayed from the pool) and the break at the full context length.
-    step_tokens = max(s.chunked_prefill_size, s.breakable_max_tokens, 1)
-    reserve = seg(step_tokens, s.max_running_requests) + attention_break_bytes(config, step_tokens, s.context_length)
+    largest_step = max(s.chunked_prefill_size, s.breakable_max_tokens, 1)
+    reserve = seg(largest_step, s.max_running_requests) + attention_break_bytes(config, largest_step, s.context_length)
 
     static_budget = int(free_memory * s.mem_fraction_static)
-    fixed = weights_gpu + state + rope
+    fixed = weights_gpu + state + raw_window + rope
     if weights_gpu > free_memory:
         raise MemoryPlanError(
             f"weights need {weights_gpu / GiB:.1f} GiB per GPU at --dp-size {s.dp_size}, {free_memory / GiB:.1f} GiB "
@@ -329,8 +354,8 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
         raise MemoryPlanError(
             f"not enough memory for the KV cache: --mem-fraction-static {s.mem_fraction_static} gives "
             f"{static_budget / GiB:.1f} GiB for weights + KV, which need {need / GiB:.1f} GiB (weights "
-            f"{weights_gpu / GiB:.1f}, request state {state / GiB:.1f} for --max-running-requests "
-            f"{s.max_running_requests}, KV for one --context-length {s.context_length} request "
+            f"{weights_gpu / GiB:.1f}, request state {state / GiB:.1f} and raw window KV {raw_window / GiB:.1f} for "
+            f"--max-running-requests {s.max_running_requests}, KV for one --context-length {s.context_length} request "
             f"{min_kv * per_token / GiB:.1f}): short by {(need - static_budget) / GiB:.1f} GiB; {fix}lower "
             f"--context-length or --max-running-requests, or raise --dp-size")
     kv_tokens = (static_budget - fixed - padding_page) // per_token // s.page_size * s.page_size
@@ -358,7 +383,7 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
         free_memory=free_memory, mem_fraction_static=s.mem_fraction_static, weights=weights_gpu,
         weights_replicated=w.replicated, weights_routed_experts=weights_gpu - tensor_core_copies - w.replicated,
         weights_tensor_core_copies=tensor_core_copies,
-        per_request_state=state, rope_tables=rope, kv_bytes_per_token=per_token, kv_pool_tokens=kv_tokens,
+        per_request_state=state, raw_window=raw_window, rope_tables=rope, kv_bytes_per_token=per_token, kv_pool_tokens=kv_tokens,
         kv_pool=kv, graph_pool=graph, activation_reserve=reserve,
         headroom=free_memory - fixed - kv - graph - reserve,
     )

@@ -52,6 +52,8 @@ class DeepseekV4AttnBackend(AttentionBackend):
             window=self.config.sliding_window,
             index_topk=self.config.index_topk,
             ratios=self.ratios,
+            raw_staging_start=self.kv_pool.staging_start,
+            raw_staging_rows=self.kv_pool.staging_rows,
             fixed_max_seq_len=self.max_seq_len if static else None,
             max_num_reqs=rtp.max_num_reqs,
             # Triton builders wherever the attention core runs on Triton (a few launches
@@ -107,12 +109,17 @@ class DeepseekV4AttnBackend(AttentionBackend):
             kv_b = self.kv_pool.compressed[layer_id]
             idx_b = meta.page_table_list(rtp.req_to_token, 128, n, rtp.padding_slot)
             len_b = match_num_queries(a.c128_len, n, 0)
-        args = (q[:n], self.kv_pool.raw[layer_id], match_num_queries(a.window_slots, n),
+        raw = self.kv_pool.raw[layer_id]
+        args = (q[:n], raw, match_num_queries(a.window_slots, n),
                 match_num_queries(a.window_len, n, 0), kv_b, idx_b, len_b, sink, self.scale)
         # Triton: one launch per layer; torch: the kernels' plain-torch reference
         impl = kernel_ops if self.kernels == "triton" else kernel_reference
         # An FP8 KV cache (kv_pool.fp8_layout) is dequantized as its rows are gathered.
         impl.sparse_attn_with_sink(*args, out=output[:n], kv_layout=self.kv_pool.fp8_layout)
+        # Every window of this layer is read: each request's last `window` new rows move from
+        # staging into its ring, where the next steps read them. The live rows only (the
+        # metadata is bucket-sized); full decode graphs capture this with the core.
+        kernel_ops.keep_window_rows_(raw, self.kv_pool.staging_start, a.raw_keep_loc[:min(n, meta.num_tokens)])
 
     # ---- full decode CUDA graph hooks ------------------------------------------------------
     def init_forward_metadata_capture_cuda_graph(self, forward_batch) -> DSV4Metadata:

@@ -145,6 +145,25 @@ def run_long_prefills(runners, chunk: int, total_len: int, num_reqs: int = 2) ->
     return report
 
 
+def run_scripted(runners, script, atol_unpadded: float = 1e-4) -> Report:
+    """Batches given as lists of (request name, new tokens); a name's first row starts a new
+    request (freed once the script ends)."""
+    graph_runner = runners[0].breakable_runner
+    padded_runner = _padded_view(runners[1], graph_runner)
+    report, reqs = Report(), {}
+    for step, rows in enumerate(script):
+        batch = []
+        for name, n in rows:
+            if name not in reqs:
+                reqs[name] = Req([m.req_to_token_pool.alloc_req() for m in runners])
+            batch.append((reqs[name], n))
+        _run_and_compare(runners, graph_runner, padded_runner, batch, report, step, atol_unpadded)
+        report.batches += 1
+    for r in list(reqs.values()):
+        _free(runners, [r], r)
+    return report
+
+
 def _run_and_compare(runners, graph_runner, padded_runner, batch, report, step, atol_unpadded) -> None:
     """One batch on the three runners (replay, padded eager, unpadded eager); mismatches into
     `report`; every request's length advanced."""

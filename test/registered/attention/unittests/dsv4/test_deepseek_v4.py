@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from breakable_equivalence import make_runners, run_equivalence, run_long_prefills  # noqa: E402
+from breakable_equivalence import make_runners, run_equivalence, run_long_prefills, run_scripted  # noqa: E402
 
 from sglang.srt.configs.presets import get_preset  # noqa: E402
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend  # noqa: E402
@@ -70,9 +70,9 @@ class TestDSV4BreakableCudaGraphMetadataContract:
             new_tensor: torch.Tensor = None  # forgot to declare its class
 
         assert fc.unclassified_fields(WithNewField) == ["WithNewField.new_tensor"]
-        a = WithNewField(*[torch.zeros(2, 3)] * 3, 1, new_tensor=torch.zeros(2))
+        a = WithNewField(*[torch.zeros(2, 3)] * 4, 1, new_tensor=torch.zeros(2))
         with pytest.raises(fc.MetadataContractError, match="new_tensor: field has no breakable-cuda-graph class"):
-            a.refresh_for_breakable_cuda_graph_replay_(WithNewField(*[torch.ones(2, 3)] * 3, 1, new_tensor=torch.ones(2)))
+            a.refresh_for_breakable_cuda_graph_replay_(WithNewField(*[torch.ones(2, 3)] * 4, 1, new_tensor=torch.ones(2)))
 
     def test_refresh_follows_each_field_class(self, tiny_runner):
         backend = tiny_runner.attn_backend
@@ -96,6 +96,7 @@ class TestDSV4BreakableCudaGraphMetadataContract:
         assert captured.attn is attn_obj  # nested metadata keeps its identity...
         assert captured.attn.window_slots is fresh.attn.window_slots  # ...its assign fields are the replay's
         assert captured.attn.c128_len is fresh.attn.c128_len
+        assert captured.attn.raw_keep_loc is fresh.attn.raw_keep_loc  # the break's ring move, the replay's
         assert captured.token_rows is fresh.token_rows
         assert captured.indexer.cand_width == fresh.indexer.cand_width == 29 // 4  # the replay's longest sequence
         assert captured.indexer.topk_slots is topk_before  # produced: untouched
@@ -109,7 +110,8 @@ class TestDSV4BreakableCudaGraphMetadataContract:
                                   full_graph=True)
         fresh = backend._build(_batch(tiny_runner, [list(range(7, 30)), list(range(9, 38))], prefixes=[0, 0]),
                                static=True, full_graph=True)
-        held = {name: getattr(captured.attn, name) for name in ("window_slots", "window_len", "c128_len")}
+        held = {name: getattr(captured.attn, name) for name in ("window_slots", "window_len", "raw_keep_loc",
+                                                                "c128_len")}
         token_rows = captured.token_rows
         assert not torch.equal(held["window_len"], fresh.attn.window_len)
 
@@ -201,6 +203,26 @@ def test_replay_equals_eager_past_positions_128_and_512_and_replays_the_smallest
     assert set(expected) == {str(b) for b in BUCKETS}
 
 
+def test_replay_equals_eager_with_extends_longer_than_the_window_beside_decode_rows():
+    """dsv4-tiny's window is 8: extends of W - 1, W, W + 1 and several windows long, chunked
+    continuations and decode rows in the same batches, so every replayed step reads windows
+    from both the staging rows and the rings, and moves rows into the rings, in the break."""
+    runners = make_runners(BUCKETS)
+    assert runners[0].config.sliding_window == 8
+    script = [
+        [("a", 30), ("b", 5)],
+        [("a", 9), ("c", 8), ("b", 1)],
+        [("c", 7), ("d", 40), ("a", 1), ("b", 1)],
+        [("a", 17), ("e", 3), ("b", 1), ("c", 1), ("d", 1)],
+        [("d", 100), ("e", 1), ("a", 1), ("b", 1), ("c", 1)],
+        [("b", 2), ("a", 1), ("c", 1), ("d", 1), ("e", 1)],
+    ]
+    report = run_scripted(runners, script)
+    assert report.mismatches == [], report.mismatches[:5]
+    assert report.batches == len(script) and report.modes == {"EXTEND": 1, "MIXED": len(script) - 1}
+    assert runners[0].breakable_runner.num_replays == len(script)
+
+
 def test_the_attention_break_op_gets_the_live_token_count_not_the_bucket(monkeypatch):
     """Replaying a 16-token bucket for 7 live tokens: the break op hands the backend n = 7 (the
     padding is neither attended nor paid for), while q keeps the bucket's 16 rows."""
@@ -268,7 +290,9 @@ def test_harness_catches_a_refresh_that_assigns_a_copy_field(monkeypatch):
     def assigns_copy_fields(self, captured, forward_batch, static_forward_batch=None):
         fresh = self._build(static_forward_batch, static=True)  # new storage, not `into`
         DSV4Metadata.refresh_for_breakable_cuda_graph_replay_(captured, fresh)
-        captured.raw_out_loc = fresh.raw_out_loc  # the bug: replace instead of copy_
+        # the bug: replace instead of copy_ (positions: RoPE inside segments; raw_out_loc, a
+        # staging row per batch row, changes only where the live rows end)
+        captured.positions = fresh.positions
         self.forward_metadata = captured
 
     runners = make_runners(BUCKETS)

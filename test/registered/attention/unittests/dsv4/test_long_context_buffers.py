@@ -99,7 +99,8 @@ def _step_metadata_at(context, **kw):
         rtp.ensure_capacity(s, context)
     fb = build_forward_batch(ForwardMode.MIXED, slots, [context - 64, context - 1], [[5] * 64, [7]], "cpu")
     return build_dsv4_metadata(fb, rtp.req_to_token, padding_slot=rtp.padding_slot, page_size=128, window=128,
-                               index_topk=512, ratios={4, 128}, max_num_reqs=2, **kw)
+                               index_topk=512, ratios={4, 128}, max_num_reqs=2, raw_staging_start=2 * 128,
+                               raw_staging_rows=65, **kw)
 
 
 @pytest.mark.parametrize("graph", ["eager", "breakable", "full"])

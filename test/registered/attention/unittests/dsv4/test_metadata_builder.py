@@ -76,7 +76,7 @@ def test_building_into_a_captured_metadata_fills_copy_fields_in_place(runner):
     for k in copy_fields:
         assert got[k] is before[k], f"{k} must keep the captured storage"
     # Read by the eager break only: new storage (and the live batch's widths).
-    for k in ("attn.window_slots", "attn.c128_len", "token_rows"):
+    for k in ("attn.window_slots", "attn.raw_keep_loc", "attn.c128_len", "token_rows"):
         assert got[k] is not before[k], f"{k} is an assign field: new storage"
     assert (fresh.indexer.cand_width, fresh.attn.c128_width) == ((64 + 30) // 4, 1)  # widths are at least 1
     for k in reference:

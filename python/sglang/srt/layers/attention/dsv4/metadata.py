@@ -59,8 +59,13 @@ class DSV4AttnMetadata(_Refreshable):
     """Read only by the eager attention break: replaced wholesale at replay. The c128 entries
     of token t are i < c128_len[t], read through the page table (page_table_list)."""
 
-    window_slots: torch.Tensor = assign_field()  # [T, window] raw slots, left-aligned, -1 pad
+    # [T, window] raw rows of each query's window, left-aligned, -1 pad: this step's positions
+    # in their staging rows, older ones in the request's ring (DSV4KVPool)
+    window_slots: torch.Tensor = assign_field()
     window_len: torch.Tensor = assign_field()  # [T]
+    # [T] ring row the token's staging row moves to once the layer's windows are read (its own
+    # staging row when it is not among its request's last `window` positions, and for padding)
+    raw_keep_loc: torch.Tensor = assign_field()
     c128_len: torch.Tensor = assign_field()  # [T]
     # host int: the live batch's longest sequence // 128 (full decode graphs: context // 128)
     c128_width: int = assign_field()
@@ -75,7 +80,7 @@ class DSV4Metadata(_Refreshable):
     # batch's longest sequence.
     max_seq_len: int = static_field()
     num_tokens: int = static_field()
-    raw_out_loc: torch.Tensor = copy_field()  # [T] raw-KV write slot; -1 for padding rows
+    raw_out_loc: torch.Tensor = copy_field()  # [T] raw-KV write row: the token's staging row; -1 for padding rows
     positions: torch.Tensor = copy_field()  # [T]
     # [T] page-table row of each token (padding rows: the padding request); read by the break
     token_rows: torch.Tensor = assign_field()

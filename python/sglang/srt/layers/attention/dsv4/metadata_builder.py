@@ -84,7 +84,7 @@ def max_emissions(num_tokens: int, ratio: int, max_num_reqs: int) -> int:
 
 
 def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, page_size: int,
-                        window: int, index_topk: int, ratios: set,
+                        window: int, index_topk: int, ratios: set, raw_staging_start: int, raw_staging_rows: int,
                         fixed_max_seq_len: Optional[int] = None,
                         max_num_reqs: Optional[int] = None, use_kernels: bool = False,
                         into: Optional[DSV4Metadata] = None, into_all: bool = False,
@@ -96,9 +96,16 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
     (`full_graph`: decode graphs capture the attention core too): fixed_max_seq_len / ratio.
     use_kernels: dsv4_kernels.ops (Triton on CUDA tensors) instead of the torch reference.
     into: a captured metadata of the same shapes whose copy-field tensors (every tensor with
-    into_all) are filled in place and returned inside the new object."""
+    into_all) are filled in place and returned inside the new object.
+    raw_staging_start / raw_staging_rows: where the raw-KV staging rows begin in every layer's
+    raw tensor, and how many there are (DSV4KVPool): batch row t stages at start + t, so a
+    step carries at most raw_staging_rows tokens."""
     rtt = req_to_token
     T = fb.num_tokens
+    if T > raw_staging_rows:
+        raise ValueError(f"a step of {T} tokens exceeds the {raw_staging_rows} raw-KV staging rows the pool was "
+                         "built with (the most tokens one step carries: ServerArgs.max_step_tokens); raise "
+                         "--chunked-prefill-size or split the batch")
     dev = rtt.device
     if fixed_max_seq_len is None:
         max_seq = max(fb.seq_lens_cpu, default=1)
@@ -126,6 +133,7 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
         "raw_out_loc": take(cap and cap.raw_out_loc, (T,), i32),
         "window_slots": take(cap_attn and cap_attn.window_slots, (T, window), i32, assign=True),
         "window_len": take(cap_attn and cap_attn.window_len, (T,), i32, assign=True),
+        "raw_keep_loc": take(cap_attn and cap_attn.raw_keep_loc, (T,), i32, assign=True),
         "c128_len": take(cap_attn and cap_attn.c128_len, (T,), i32, assign=True),
         "ring128": take(cap and cap.c128_compressor and cap.c128_compressor.ring_write_loc, (T,), i32),
     }
@@ -146,7 +154,7 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
         compressors[r] = DSV4CompressorMetadata(r, gather_idx, out_loc, emit_pos, out[f"ring{r}"])
     # every field of the step in one launch with Triton (the reference: the same math in torch)
     impl.step_metadata(rtt, fb.token_req_slot, fb.positions, H.seq_len, H.valid, H.prefix, H.chunk_start,
-                       padding_slot, index_topk, out, emissions)
+                       padding_slot, raw_staging_start, index_topk, out, emissions)
 
     indexer = None
     if 4 in ratios:
@@ -162,7 +170,8 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
         raw_out_loc=out["raw_out_loc"],
         positions=out["positions"],
         token_rows=out["token_rows"],
-        attn=DSV4AttnMetadata(out["window_slots"], out["window_len"], out["c128_len"], c128_width),
+        attn=DSV4AttnMetadata(out["window_slots"], out["window_len"], out["raw_keep_loc"], out["c128_len"],
+                              c128_width),
         indexer=indexer,
         c4_compressor=compressors.get(4),
         c128_compressor=compressors.get(128),
