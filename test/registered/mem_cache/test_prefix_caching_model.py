@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from sglang.srt.managers import prefix_caching
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.model_executor.model_runner import ModelRunner
@@ -108,24 +109,51 @@ def test_shared_prefixes_ending_around_page_boundaries_give_the_uncached_outputs
     assert stats["prefix_cache_hit_rate"] == pytest.approx(stats["prefix_cache_hit_tokens"] / stats["prefix_cache_lookup_tokens"])
 
 
-def test_second_chat_turn_reuses_the_first_turns_prompt_and_answer(runner):
+def _chat(runner, caching):
+    """A first turn whose decode passes position 256, then a second turn extending its prompt
+    and answer: both turns' outputs."""
     rng = random.Random(1)
     vocab = runner.config.vocab_size
     prompt1, message = _ids(rng, 200, vocab), _ids(rng, 30, vocab)
-    turn1 = _req("t1", prompt1, max_new_tokens=70)  # its decode passes position 256
+    serving = Serving(runner, caching=caching)
+    first = serving.run([_req("t1", prompt1, max_new_tokens=70)])["t1"]
+    second = serving.run([_req("t2", prompt1 + first[0] + message, max_new_tokens=6)])
+    serving.close()
+    return first, second
 
-    def chat(caching):
-        serving = Serving(runner, caching=caching)
-        first = serving.run([turn1])["t1"]
-        second = serving.run([_req("t2", prompt1 + first[0] + message, max_new_tokens=6)])
-        serving.close()
-        return first, second
 
-    out1_plain, expect = chat(caching=False)
-    out1, got = chat(caching=True)
+def test_second_chat_turn_reuses_the_first_turns_prompt_and_answer(runner):
+    out1_plain, expect = _chat(runner, caching=False)
+    out1, got = _chat(runner, caching=True)
     assert out1[0] == out1_plain[0] and out1[2] == 0
     _same_outputs(got, expect)
     assert got["t2"][2] == 2 * P  # the state the first turn took in decode at position 256
+
+
+def test_a_resume_without_the_window_rows_would_read_stale_raw_kv(runner, monkeypatch):
+    """The cached prefix (256) is longer than dsv4-tiny's window (8): the second turn's first
+    windows read positions 248..255 from its own window ring. Restoring everything but those
+    rows (the slot's ring keeps what the first turn left there: its positions up to 270) gives
+    other logprobs than the cache-free run, so the equality above depends on them."""
+    W = runner.kv_pool.window
+    assert 2 * P > W
+
+    def restore_all_but_the_window(kv_pool, slot, state):
+        ring = kv_pool.window_rows(slot, range(W))[0]
+        kept = [raw[ring].clone() for raw in kv_pool.raw]
+        real_restore(kv_pool, slot, state)
+        for raw, rows in zip(kv_pool.raw, kept):
+            raw[ring].copy_(rows)
+
+    real_restore = prefix_caching.restore_resume_state
+    _, expect = _chat(runner, caching=False)
+    monkeypatch.setattr(prefix_caching, "restore_resume_state", restore_all_but_the_window)
+    _, got = _chat(runner, caching=True)
+    assert got["t2"][2] == 2 * P
+    gaps = [abs(a - b) for a, b in zip(got["t2"][1], expect["t2"][1])]
+    assert max(gaps) > 5e-4  # five times the tolerance the equality tests allow
+    with pytest.raises(AssertionError):
+        _same_outputs(got, expect)
 
 
 @pytest.mark.parametrize("chunk", [P, 512])

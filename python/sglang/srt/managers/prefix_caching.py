@@ -17,8 +17,9 @@ cached prefix, when its resume states are taken, and what it inserts into the ra
   page holds when it releases its KV (finish, abort, failure, retraction).
 
 Memory: a node that ends a cached insertion holds one ResumeState in host memory
-(resume_state.py: 840 KiB for DeepSeek-V4-Flash, whatever the page size); nodes made by
-splits hold none. Pages are the pool's own: cached pages are evicted before anything else
+(resume_state.py: the window's raw rows on every layer and the ratio-4 compressor rings'
+last block, 3.89 MiB for DeepSeek-V4-Flash with its FP8 KV cache at any boundary past the
+window); nodes made by splits hold none. Pages are the pool's own: cached pages are evicted before anything else
 is refused, so caching never lowers what the pool admits.
 """
 

@@ -21,7 +21,9 @@ copy's targets for rows that are not kept (padding, and positions older than a r
 last W) are their own staging rows: no dummy rows, no duplicate targets in the copy, and
 padded rows read nothing (empty windows). A reused request slot never reads its previous
 owner's ring rows: a window reaches back only to positions >= 0 of its own request, and every
-such position older than the step was written by that request's earlier steps.
+such position older than the step was written by that request's earlier steps, or, for a
+request resumed from a cached prefix of length L, restored into its ring with the prefix
+(positions [L - W, L): mem_cache/resume_state.py).
 
 KV entries (raw and compressed) are rows of head_dim model-dtype values, or with
 kv_cache_dtype "fp8_e4m3" uint8 rows in dsv4_kernels.kv_fp8's layout (nope dims e4m3 with a
@@ -120,6 +122,18 @@ class DSV4KVPool:
                 self.indexer_keys[layer] = self._index_key_rows(num_slots // r)
                 self.indexer_state[layer] = _new_state(r, Di, rows, device)
 
+    def window_rows(self, req_slot: int, positions: range) -> List[slice]:
+        """The rows of every layer's raw tensor that hold `positions` (at most W consecutive
+        ones) in request slot `req_slot`'s window ring, as at most two contiguous slices in
+        position order."""
+        num_rings = self.staging_start // self.window
+        if not 0 <= req_slot < num_rings:
+            raise ValueError(f"request slot {req_slot} has no window ring (slots 0..{num_rings - 1})")
+        if len(positions) > self.window or positions.step != 1:
+            raise ValueError(f"a window ring holds at most {self.window} consecutive positions, got {positions}")
+        base = req_slot * self.window
+        return [slice(base + s.start, base + s.stop) for s in ring_slices(self.window, positions)]
+
     def _kv_rows(self, n: int) -> torch.Tensor:
         if self.fp8_layout is not None:  # all-zero bytes read back as 0.0 (scale 2^-127)
             return torch.zeros(n, self.fp8_layout.row_bytes, dtype=torch.uint8, device=self.device)
@@ -153,6 +167,19 @@ class DSV4KVPool:
         for st in list(self.compressor_state.values()) + list(self.indexer_state.values()):
             ts += [st.kv, st.score]
         return sum(t.numel() * t.element_size() for t in ts)
+
+
+def ring_slices(size: int, positions: range) -> List[slice]:
+    """Offsets of consecutive `positions` (at most `size`) in a ring of `size` rows where
+    position p sits at p % size: at most two contiguous slices, in position order (slices, not
+    an index tensor: copying them needs no host-to-device upload)."""
+    out, q = [], positions.start
+    while q < positions.stop:
+        lo = q % size
+        n = min(positions.stop - q, size - lo)
+        out.append(slice(lo, lo + n))
+        q += n
+    return out
 
 
 def _new_state(ratio: int, dim: int, rows: int, device) -> CompressorState:

@@ -1,11 +1,12 @@
 """Prefix cache: a radix tree over token ids whose edges are whole KV pages.
 
 A node owns (holds, in the page allocator's counts) the pages of its edge, and with them every
-cache that lives in those pages: raw KV, c4 / c128 compressed entries and indexer keys (the
-slot of position p is page * page_size + p % page_size; compressed entries at slot // ratio).
-The compressors' per-request ring state cannot be rebuilt from pages, so a node may also hold
-the `ResumeState` at its end; a prefix matches only up to a node end that has one. Nodes made
-by splitting an edge have none (the state in the middle of an edge was never taken).
+cache that lives in those pages: c4 / c128 compressed entries and indexer keys (the slot of
+position p is page * page_size + p % page_size; compressed entries at slot // ratio).
+Raw KV (per-request window rings) and the compressors' per-request ring state cannot be
+rebuilt from pages, so a node may also hold the `ResumeState` at its end; a prefix matches only
+up to a node end that has one. Nodes made by splitting an edge have none (the state in the
+middle of an edge was never taken).
 
 Locks: a request using a cached prefix locks its node, which counts on the node and every
 ancestor; a locked node is never evicted. Eviction frees unlocked leaves, least recently used
