@@ -1,6 +1,8 @@
-"""Maps (request slot, position) -> raw KV slot; one page table per request shared by every cache.
+"""Maps (request slot, position) -> token slot; one page table per request shared by every cache.
 
-Raw slot of position p = page * page_size + p % page_size. Because pages are aligned to
+Token ("raw") slot of position p = page * page_size + p % page_size. Raw KV itself is not stored
+at it (it lives in per-request window rings, dsv4_kv_pool.py); the slot names the position so
+that the compressed entries and indexer keys derive theirs. Because pages are aligned to
 page_size (a multiple of 128), the last token of compressed block i (ratio r) sits at a raw
 slot s with s // r unique to that block, so the compressed entry lives at slot s // r of the
 ratio-r pool: no separate page tables for the c4 / c128 / indexer pools.
