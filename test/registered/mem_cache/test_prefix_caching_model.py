@@ -43,10 +43,10 @@ def _req(rid, ids, max_new_tokens=4):
 class Serving:
     """A scheduler over the shared runner; `run` serves a wave of requests to the end."""
 
-    def __init__(self, runner, caching, **kw):
-        args = dict(TINY, max_running_requests=runner.server_args.max_running_requests,
+    def __init__(self, runner, caching, base=TINY, **kw):
+        args = dict(base, max_running_requests=runner.server_args.max_running_requests,
                     enable_prefix_caching=caching, **kw)
-        self.s = Scheduler(ServerArgs(**args).resolve(cuda_available=False), runner)
+        self.s = Scheduler(ServerArgs(**args).resolve(cuda_available=args.get("device") == "cuda"), runner)
         self.free = self.s.pool.num_free_pages
 
     def run(self, reqs):
@@ -200,3 +200,50 @@ def test_resumed_extends_replay_from_breakable_graphs_with_the_eager_outputs():
     assert got["y"][2] == 2 * P
     for kind in ("breakable_replays", "decode_graph_replays"):
         assert after[kind] > before[kind], kind
+
+
+# ---- on an H200: dsv4-mini in bf16, FP8 KV, breakable CUDA graphs and mixed chunks -----------
+
+GPU_MINI = dict(model_path="dsv4-mini", device="cuda", dtype="bfloat16", context_length=4096,
+                max_total_tokens=64 * 1024, page_size=P, kv_cache_dtype="fp8_e4m3")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_cached_extends_replayed_from_graphs_give_the_uncached_outputs():
+    """The same runner (real CUDA graphs) serves a wave of prompts sharing prefixes that end at
+    every offset mod 4 around page boundaries, a second wave of chat turns extending the first
+    wave's prompts and answers, once without and once with prefix caching. Greedy tokens are
+    identical; logprobs agree to bf16 rounding (a resumed extend runs other batch shapes)."""
+    torch.manual_seed(0)
+    runner = ModelRunner(cpu_server_args(**GPU_MINI, max_running_requests=16, enable_breakable_cuda_graph=True,
+                                         breakable_cuda_graph_tokens=[64, 256, 1024], cuda_graph_max_bs=16))
+    vocab = runner.config.vocab_size
+    rng = random.Random(11)
+    base = _ids(rng, 3 * P + 40, vocab)
+    shared = [P - 1, P, P + 1, P + 2, 2 * P + 3, 3 * P - 2, 3 * P, 3 * P + 1]
+    firsts = [_req(f"a{s}", base[:s] + _ids(rng, 400 - s, vocab), max_new_tokens=24) for s in shared]
+    seconds = [_req(f"b{s}", base[:s] + _ids(rng, 37, vocab), max_new_tokens=24) for s in shared]
+    kw = dict(base=GPU_MINI, chunked_prefill_size=256, enable_mixed_chunk=True)
+
+    def serve(caching):
+        serving = Serving(runner, caching=caching, **kw)
+        out = {**serving.run(firsts), **serving.run(seconds)}
+        turns = [_req(f"t{s}", firsts[i].input_ids + out[f"a{s}"][0] + _ids(random.Random(s), 20, vocab),
+                      max_new_tokens=16) for i, s in enumerate(shared)]
+        out.update(serving.run(turns))
+        serving.close()
+        return out
+
+    before = runner.get_stats()
+    expect = serve(caching=False)
+    got = serve(caching=True)
+    after = runner.get_stats()
+    runner.shutdown()
+    assert set(got) == set(expect)
+    for rid in expect:
+        assert got[rid][0] == expect[rid][0], rid
+        torch.testing.assert_close(torch.tensor(got[rid][1]), torch.tensor(expect[rid][1]), atol=5e-2, rtol=0)
+    assert all(got[f"t{s}"][2] >= 3 * P for s in shared)  # each chat turn resumes past its first prompt
+    assert sum(v[2] for v in got.values()) > 0 == sum(v[2] for v in expect.values())
+    assert after["breakable_replays"] > before["breakable_replays"]
