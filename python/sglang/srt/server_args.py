@@ -21,6 +21,9 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model dtype; unset: default_
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SEGMENT_KERNELS = ("auto", "on", "off")
 MOE_BACKENDS = ("auto", "torch", "triton", "humming")  # layers/moe/backends/
+SPECULATIVE_ALGORITHMS = (None, "mtp")  # speculative/
+SPECULATIVE_DEFAULT_STEPS = 3
+SPECULATIVE_MAX_STEPS = 4
 SCHEDULE_POLICIES = ("fcfs",)
 # auto: cache_aware with --enable-prefix-caching and --dp-size > 1, else round_robin
 LOAD_BALANCE_METHODS = ("auto", "round_robin", "least_loaded", "cache_aware")
@@ -84,6 +87,9 @@ class ServerArgs:
     debug_cuda_graph: bool = False
     segment_kernels: str = "auto"
     moe_backend: str = "auto"
+    # speculative decoding
+    speculative_algorithm: Optional[str] = None
+    speculative_num_steps: Optional[int] = None  # None: SPECULATIVE_DEFAULT_STEPS when speculating
     # data parallel attention and multi-node
     enable_dp_attention: bool = False
     dp_size: int = 1
@@ -183,6 +189,9 @@ class ServerArgs:
             )
         moe_backend = resolve_moe_backend(self.moe_backend, device, getattr(torch, dtype), segment_kernels,
                                           fp4_experts=model_config.fp4_experts)
+        if self.speculative_algorithm is not None and model_config.num_mtp_layers == 0:
+            raise ValueError(f"--speculative-algorithm mtp drafts with the model's MTP layers, and {self.model_path!r} "
+                             "has none (num_nextn_predict_layers 0, or no compress ratio listed for them)")
         return dataclasses.replace(
             self,
             load_balance_method=resolve_load_balance_method(self),
@@ -200,6 +209,10 @@ class ServerArgs:
             attention_backend=attention_backend,
             segment_kernels="on" if segment_kernels else "off",
             moe_backend=moe_backend,
+            speculative_num_steps=(self.speculative_num_steps or SPECULATIVE_DEFAULT_STEPS)
+            if self.speculative_algorithm is not None else None,
+            # the host needs each step's accepted tokens before it can build the next
+            disable_overlap_schedule=self.disable_overlap_schedule or self.speculative_algorithm is not None,
             breakable_cuda_graph_max_tokens=breakable_max,
             cuda_graph_max_bs=self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick],
             resolved=True,
@@ -347,6 +360,7 @@ def _validate(a: ServerArgs) -> None:
                          "it needs --enable-prefix-caching")
     if not isinstance(a.load_balance_max_imbalance, int) or a.load_balance_max_imbalance < 0:
         raise ValueError(f"--load-balance-max-imbalance must be an integer >= 0, got {a.load_balance_max_imbalance!r}")
+    _validate_speculative(a)
     if a.dp_size > 1 and not a.enable_dp_attention:
         raise ValueError("--dp-size > 1 needs --enable-dp-attention (DP here is data-parallel attention)")
     if a.nnodes < 1:
@@ -372,6 +386,23 @@ def _validate(a: ServerArgs) -> None:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {a.shutdown_timeout}")
     if a.watchdog_timeout <= 0:
         raise ValueError(f"--watchdog-timeout must be positive, got {a.watchdog_timeout}")
+
+
+def _validate_speculative(a: ServerArgs) -> None:
+    if a.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+        raise ValueError(f"--speculative-algorithm must be one of {', '.join(map(str, SPECULATIVE_ALGORITHMS[1:]))} "
+                         f"(or unset), got {a.speculative_algorithm!r}")
+    if a.speculative_num_steps is not None and a.speculative_algorithm is None:
+        raise ValueError("--speculative-num-steps needs --speculative-algorithm mtp")
+    steps = a.speculative_num_steps
+    if steps is not None and (not isinstance(steps, int) or not 1 <= steps <= SPECULATIVE_MAX_STEPS):
+        raise ValueError(f"--speculative-num-steps must be an integer in [1, {SPECULATIVE_MAX_STEPS}], "
+                         f"got {a.speculative_num_steps!r}")
+    # combinations speculative decoding does not run with yet: refused here, before anything loads
+    for on, what in ((a.speculative_algorithm is not None and a.enable_dp_attention, "--enable-dp-attention"),
+                     (a.speculative_algorithm is not None and a.enable_prefix_caching, "--enable-prefix-caching")):
+        if on:
+            raise ValueError(f"--speculative-algorithm mtp does not run with {what} yet")
 
 
 # Choice fields whose unset value (None) resolve() replaces with a default of its own.
@@ -487,6 +518,14 @@ _HELP = {
     "moe_dispatcher": "how DP ranks exchange MoE rows (each holds 1/dp of the routed experts): gather "
                       "(all-gather every rank's rows, run the local experts, reduce-scatter the sums; "
                       "captured in graphs)",
+    "speculative_algorithm": "mtp: speculative decoding with the model's own MTP layer: it drafts "
+                             "--speculative-num-steps tokens per running request, one target step verifies them "
+                             "all (an extend: breakable graphs replay it) and keeps the longest prefix the target "
+                             "agrees with (greedy), or accepts by the speculative-sampling rule (temperature > 0), "
+                             "so outputs follow the target's distribution. Runs without overlap scheduling; not "
+                             "yet with DP attention or prefix caching. Unset: off",
+    "speculative_num_steps": f"tokens the MTP layer drafts per step, 1..{SPECULATIVE_MAX_STEPS} (default "
+                             f"{SPECULATIVE_DEFAULT_STEPS} with --speculative-algorithm)",
     "nnodes": "nodes the DP ranks span (--dp-size must be a multiple)",
     "node_rank": "this node's index; node 0 runs the HTTP server, the others only their DP ranks",
     "dist_init_addr": "host:port of node 0 for the torch.distributed rendezvous; node 0's DP "
@@ -507,12 +546,12 @@ _CHOICES = {
     "quant_numerics": QUANT_NUMERICS, "kv_cache_dtype": KV_CACHE_DTYPES,
     "schedule_policy": SCHEDULE_POLICIES, "load_balance_method": LOAD_BALANCE_METHODS,
     "dp_idle_policy": DP_IDLE_POLICIES, "log_level": LOG_LEVELS, "moe_dispatcher": MOE_DISPATCHERS,
-    "segment_kernels": SEGMENT_KERNELS, "moe_backend": MOE_BACKENDS,
+    "segment_kernels": SEGMENT_KERNELS, "moe_backend": MOE_BACKENDS, "speculative_algorithm": SPECULATIVE_ALGORITHMS[1:],
     "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS,
 }
 _INT_FIELDS = {"load_balance_max_imbalance", "num_layers", "random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
                "chunked_prefill_size", "breakable_cuda_graph_max_tokens", "cuda_graph_max_bs", "dp_size", "nnodes",
-               "node_rank", "stream_interval", "max_request_bytes"}
+               "node_rank", "stream_interval", "max_request_bytes", "speculative_num_steps"}
 _FLOAT_FIELDS = {"mem_fraction_static", "watchdog_timeout", "shutdown_timeout"}
 
 

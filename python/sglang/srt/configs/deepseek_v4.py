@@ -111,6 +111,12 @@ class DeepseekV4Config:
     def num_layers_with_mtp(self) -> int:
         return self.num_hidden_layers + self.num_nextn_predict_layers
 
+    @property
+    def num_mtp_layers(self) -> int:
+        """MTP layers the model builds: those compress_ratios lists (a checkpoint's MTP weights
+        load into them)."""
+        return self.num_nextn_predict_layers if len(self.compress_ratios) > self.num_hidden_layers else 0
+
     def layer_compress_ratio(self, layer_id: int) -> int:
         """Compress ratio of a layer; ids past num_hidden_layers are MTP layers, when listed."""
         if not 0 <= layer_id < len(self.compress_ratios):

@@ -93,3 +93,32 @@ def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], uniform
     target = u * cdf[:, -1]
     choice = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=vocab - 1)
     return sorted_ids.gather(1, choice).squeeze(1)
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each (non-greedy) row samples from, in vocabulary order [B, V] fp32,
+    normalised: the same temperature / top-k / top-p / min-p filtering as _sample_rows.
+    Speculative sampling compares the target's and the draft's with it."""
+    dev = logits.device
+    vocab = logits.shape[-1]
+    table = to_device_async(torch.tensor([[p.temperature, min(p.top_k, vocab) if p.top_k > 0 else vocab, p.top_p,
+                                           p.min_p] for p in params], dtype=torch.float32), dev)
+    temps, top_ks, top_ps, min_ps = table[:, 0], table[:, 1].long(), table[:, 2], table[:, 3]
+    sorted_logits, sorted_ids = torch.sort(logits.float() / temps[:, None], dim=-1, descending=True, stable=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    probs = probs * (torch.arange(vocab, device=dev)[None, :] < top_ks[:, None])
+    cum = torch.cumsum(probs, dim=-1)
+    threshold = torch.where(top_ps >= 1, torch.full_like(top_ps, float("inf")), top_ps * cum[:, -1])
+    probs = probs * ((cum - probs) < threshold[:, None])
+    probs = probs * (probs >= min_ps[:, None] * probs[:, :1])
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, sorted_ids, probs)
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws from normalised rows [B, V] (vocabulary order) with uniforms [B] in
+    [0, 1) (CPU): int64 ids [B]. A token of zero mass is never drawn."""
+    cdf = torch.cumsum(probs, dim=-1)
+    u = to_device_async(uniforms.float(), probs.device) * cdf[:, -1]
+    choice = torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=probs.shape[-1] - 1)
+    return choice.squeeze(1)

@@ -47,6 +47,10 @@ class Req:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache, summed over admissions
     cache_node: Optional[object] = None  # the radix-tree node this request keeps locked
     resume_state: Optional[object] = None  # its latest ResumeState (at a page boundary)
+    # speculative decoding (speculative/mtp.py): tokens the MTP layer drafted for the next
+    # step, and with sampling their draft distributions [k, vocab]
+    spec_drafts: List[int] = field(default_factory=list)
+    spec_draft_probs: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         assert len(self.origin_input_ids) > 0, "a request needs at least one prompt token"
@@ -84,21 +88,28 @@ class Req:
 
 @dataclass
 class ScheduleBatch:
-    """One forward's requests: prefill chunks first, then decode rows (one token each)."""
+    """One forward's requests: prefill chunks first, then decode rows (one token each, plus
+    its drafts under speculative decoding)."""
 
     reqs: List[Req]
     extend_lens: List[int]  # tokens fed per request this step
     num_prefill_reqs: int  # the leading reqs are prefill chunks, the rest decode rows
+    drafts: Optional[List[List[int]]] = None  # per decode row: the draft tokens it feeds after its own
 
     def __post_init__(self):
         assert self.reqs and len(self.reqs) == len(self.extend_lens)
         assert all(n >= 1 for n in self.extend_lens)
-        assert all(n == 1 for n in self.extend_lens[self.num_prefill_reqs :]), "decode rows feed one token"
+        drafts = self.drafts or [[]] * (len(self.reqs) - self.num_prefill_reqs)
+        assert len(drafts) == len(self.reqs) - self.num_prefill_reqs
+        assert [n - 1 for n in self.extend_lens[self.num_prefill_reqs:]] == [len(d) for d in drafts], \
+            "decode rows feed one token and their drafts"
 
     @property
     def forward_mode(self) -> ForwardMode:
         if self.num_prefill_reqs == len(self.reqs):
             return ForwardMode.EXTEND
+        if self.drafts and any(self.drafts):  # verify rows: extends of several tokens
+            return ForwardMode.MIXED if self.num_prefill_reqs else ForwardMode.EXTEND
         return ForwardMode.MIXED if self.num_prefill_reqs else ForwardMode.DECODE
 
     @property
@@ -108,6 +119,8 @@ class ScheduleBatch:
     def completes(self, i: int) -> bool:
         """Whether row i feeds the request's last pending token (then its logits are sampled);
         a chunk that is not the request's final chunk samples nothing."""
+        if i >= self.num_prefill_reqs:
+            return True
         return self.reqs[i].prefix_len + self.extend_lens[i] == self.reqs[i].seq_len
 
     def has_placeholders(self) -> bool:
@@ -115,11 +128,13 @@ class ScheduleBatch:
         return any(r.pending_ids for r in self.reqs)
 
     def to_forward_batch(self, device) -> ForwardBatch:
+        drafts = [[]] * self.num_prefill_reqs + (self.drafts or [[]] * (len(self.reqs) - self.num_prefill_reqs))
         return build_forward_batch(
             self.forward_mode,
             req_pool_indices=[r.req_pool_idx for r in self.reqs],
             prefix_lens=[r.prefix_len for r in self.reqs],
-            new_token_ids=[r.token_slice(r.prefix_len, r.prefix_len + n) for r, n in zip(self.reqs, self.extend_lens)],
+            new_token_ids=[r.token_slice(r.prefix_len, r.prefix_len + n - len(d)) + d
+                           for r, n, d in zip(self.reqs, self.extend_lens, drafts)],
             device=device,
         )
 

@@ -56,6 +56,7 @@ from sglang.srt.managers.prefix_caching import make_prefix_caching
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, check_finished, eos_ids_of
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.speculative import make_speculator
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ class Scheduler:
         self.future_map = FutureMap(self.pool.slots.capacity, self.device)
         self._inflight: Optional[LaunchedStep] = None  # launched, sampled ids not read yet
         self.prefix_caching = make_prefix_caching(server_args, model_runner)  # None when off
+        self.speculator = make_speculator(server_args, model_runner)  # None when off
+        if self.speculator is not None and self.scripted is not None:
+            raise ValueError("scripted test outputs do not combine with speculative decoding")
 
         self.waiting: Deque[Req] = collections.deque()
         self.running: List[Req] = []  # prefilled requests, decoding
@@ -184,6 +188,10 @@ class Scheduler:
             from sglang.srt.model_executor.forward_batch_info import build_forward_batch
 
             fb = build_forward_batch(ForwardMode.IDLE, [], [], [], self.device)
+        if self.speculator is not None and batch is not None and dp_sync is None:
+            self.num_forwards[batch.forward_mode] += 1
+            self._last_was_prefill = batch.num_prefill_reqs == len(batch.reqs)
+            return self.speculator.run(self, batch)
         if dp_sync is None:
             logits = self.model_runner.forward(fb).next_token_logits
         else:
@@ -210,19 +218,20 @@ class Scheduler:
     def _schedule(self) -> Optional[ScheduleBatch]:
         has_prefill = self.chunked_req is not None or bool(self.waiting)
         if self.enable_mixed_chunk:
-            decode, retracted = self._prepare_decode() if self.running else ([], False)
+            decode, retracted, drafts = self._prepare_decode() if self.running else ([], False, [])
             # the chunk shrinks by the decode rows so the step stays near the chunk size, but
             # keeps at least one token so a large running set never starves the queue
             chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else self.max_step_tokens
-            budget = max(1, min(chunk, self.max_step_tokens) - len(decode))
+            budget = max(1, min(chunk, self.max_step_tokens) - len(decode) - sum(map(len, drafts)))
             prefill = [] if retracted or not has_prefill else self._plan_prefill(budget, decode_allocated=bool(decode))
-            return self._make_batch(prefill, decode)
+            return self._make_batch(prefill, decode, drafts)
         if has_prefill and not (self.running and self._last_was_prefill):
             prefill = self._plan_prefill(self.chunked_prefill_size, decode_allocated=False)
             if prefill:
                 return self._make_batch(prefill, [])
         if self.running:
-            batch = self._make_batch([], self._prepare_decode()[0])
+            decode, _, drafts = self._prepare_decode()
+            batch = self._make_batch([], decode, drafts)
             if batch is not None or not has_prefill:
                 return batch
             # every running request is finishing on its in-flight tokens (overlap): prefill now
@@ -230,13 +239,16 @@ class Scheduler:
         return None
 
     @staticmethod
-    def _make_batch(prefill: List[Tuple[Req, int]], decode: List[Req]) -> Optional[ScheduleBatch]:
+    def _make_batch(prefill: List[Tuple[Req, int]], decode: List[Req],
+                    drafts: Optional[List[List[int]]] = None) -> Optional[ScheduleBatch]:
         if not prefill and not decode:
             return None
+        drafts = drafts or [[] for _ in decode]
         return ScheduleBatch(
             reqs=[r for r, _ in prefill] + decode,
-            extend_lens=[n for _, n in prefill] + [1] * len(decode),
+            extend_lens=[n for _, n in prefill] + [1 + len(d) for d in drafts],
             num_prefill_reqs=len(prefill),
+            drafts=drafts if any(drafts) else None,
         )
 
     # ---- KV budget -------------------------------------------------------------------
@@ -252,12 +264,26 @@ class Scheduler:
     def _holders(self) -> List[Req]:
         return self.running + ([self.chunked_req] if self.chunked_req is not None else [])
 
-    def _prepare_decode(self) -> Tuple[List[Req], bool]:
-        """Map the next position of every running request, retracting the newest holders
-        until that fits. Returns (decode rows, whether anything was retracted)."""
+    def _num_drafts(self, req: Req, num_decode: int) -> int:
+        """Drafts a decode row feeds: what the MTP layer proposed, within the step's token
+        bound, the request's remaining tokens (one comes from the target anyway) and the
+        context."""
+        if self.speculator is None or not req.spec_drafts:
+            return 0
+        # a mixed step keeps at least one prefill token
+        per_row = (self.max_step_tokens - int(self.enable_mixed_chunk)) // max(num_decode, 1) - 1
+        return max(0, min(len(req.spec_drafts), per_row, req.sampling_params.max_new_tokens - req.num_generated - 1,
+                          self.context_length - req.seq_len))
+
+    def _prepare_decode(self) -> Tuple[List[Req], bool, List[List[int]]]:
+        """Map the next position of every running request (and of its drafts), retracting the
+        newest holders until that fits. Returns (decode rows, whether anything was
+        retracted, each row's drafts)."""
         retracted = False
         while self.running:
-            need = sum(self.pool.pages_needed(r.req_pool_idx, r.seq_len) for r in self._decodable())
+            rows = self._decodable()
+            need = sum(self.pool.pages_needed(r.req_pool_idx, r.seq_len + self._num_drafts(r, len(rows)))
+                       for r in rows)
             if need <= self._available_pages():
                 break
             if self._inflight is not None:
@@ -273,9 +299,11 @@ class Scheduler:
             self._retract(max(holders, key=lambda r: r.arrival_seq))
             retracted = True
         decode = self._decodable()
+        drafts = []
         for r in decode:
-            self.pool.ensure_capacity(r.req_pool_idx, r.seq_len)
-        return decode, retracted
+            drafts.append(self.speculator.drafts_for(r, self._num_drafts(r, len(decode))) if self.speculator else [])
+            self.pool.ensure_capacity(r.req_pool_idx, r.seq_len + len(drafts[-1]))
+        return decode, retracted, drafts
 
     def _decodable(self) -> List[Req]:
         """Running requests that need another token: one whose in-flight tokens reach its
@@ -287,7 +315,7 @@ class Scheduler:
         """Admit chunks FCFS and allocate their slots and pages. Returns (req, num_tokens)."""
         # Keep pages for each running request's next decode token (one past the row this step
         # already mapped, when decode rows run in the same forward).
-        extra = 1 if decode_allocated else 0
+        extra = (1 if decode_allocated else 0) + (self.speculator.num_steps if self.speculator else 0)
         reserve = sum(self.pool.pages_needed(r.req_pool_idx, r.seq_len + extra) for r in self.running)
         # no chunking: whole prompts, as many as one step's staging rows hold
         tokens_left = self.max_step_tokens if token_budget is None else min(token_budget, self.max_step_tokens)
@@ -341,6 +369,7 @@ class Scheduler:
         assert not req.pending_ids, "resolve the in-flight step before retracting (outputs re-prefill)"
         logger.info("retracting %s (%d tokens) to free KV pages", req.rid, req.seq_len)
         self._release_kv(req)
+        req.spec_drafts, req.spec_draft_probs = [], None  # drafted for KV it no longer holds
         req.num_retractions += 1
         self.counters["retracted"] += 1
         self.waiting.appendleft(req)  # newest first, so the front ends up oldest-first
@@ -489,4 +518,5 @@ class Scheduler:
             "num_forced_resolves": self.counters["forced_resolves"],
             "prefix_caching": self.prefix_caching is not None,
             **(self.prefix_caching.get_stats() if self.prefix_caching is not None else {}),
+            **(self.speculator.get_stats() if self.speculator is not None else {}),
         }

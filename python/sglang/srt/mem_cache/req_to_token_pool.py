@@ -82,6 +82,16 @@ class ReqToTokenPool:
         rows = torch.from_numpy((pages[:, None] * ps + np.arange(ps, dtype=np.int32)).reshape(-1)[: cols - start])
         self.req_to_token[req_slot, start:cols] = to_device_async(rows, self.req_to_token.device)
 
+    def truncate(self, req_slot: int, new_len: int) -> None:
+        """Keep positions [0, new_len) mapped and give back the pages past them (speculative
+        positions that were rejected). Their page-table entries are left as they are: nothing
+        reads past a request's length, and the next ensure_capacity rewrites them."""
+        owned = self._pages_of[req_slot]
+        keep = -(-new_len // self.page_size)
+        if keep < len(owned):
+            self.pages.free(owned[keep:])
+            del owned[keep:]
+
     def pages_of(self, req_slot: int) -> List[int]:
         """The request's pages in position order (a copy)."""
         return list(self._pages_of[req_slot])

@@ -69,10 +69,17 @@ class ModelRunner:
         num_pages = 1 + -(-args.max_total_tokens // args.page_size)  # + the padding page
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.max_context_len, num_pages,
                                                 args.page_size, self.device)
+        # speculative decoding runs the MTP layers: they keep caches like any layer
+        self.num_mtp_layers = self.config.num_mtp_layers if args.speculative_algorithm is not None else 0
         self.kv_pool = DSV4KVPool(self.config, num_pages * args.page_size, args.max_running_requests, self.dtype, self.device,
+                                  num_layers=self.config.num_hidden_layers + self.num_mtp_layers,
                                   kv_cache_dtype=args.kv_cache_dtype, round_nope_fp8=args.quant_numerics == "release",
                                   index_keys_fp4=args.quant_numerics == "release",
                                   max_step_tokens=args.max_step_tokens)
+        if self.num_mtp_layers:  # before capture: graphs write the streams into this buffer
+            c = self.config
+            self.model.streams_out = torch.empty(args.max_step_tokens, c.hc_mult, c.hidden_size, dtype=self.dtype,
+                                                 device=self.device)
         kernels, segment_kernels = resolve_kernels(args.attention_backend, args.segment_kernels, self.device)
         self.attn_backend = DeepseekV4AttnBackend(self.config, self.kv_pool, self.req_to_token_pool,
                                                   max_seq_len=self.max_context_len, kernels=kernels,
@@ -157,6 +164,13 @@ class ModelRunner:
         """Run the batch on `path` (graph kind + bucket, or eager). Without one, the runner
         decides for itself as a world of one; under DP attention every rank passes the path
         the ranks agreed on (model_executor/dp_sync.dp_step), idle ranks with an empty batch."""
+        return compute_logits(self.model, self.forward_hidden(forward_batch, path), forward_batch)
+
+    @torch.inference_mode()
+    def forward_hidden(self, forward_batch: ForwardBatch, path: Optional[StepPath] = None) -> torch.Tensor:
+        """forward() up to the final hidden states (at least num_live_tokens rows: a graph's
+        are its bucket's); callers that need logits of other rows than each request's last
+        (speculative verification) take them from here."""
         fb = forward_batch
         if path is None:
             path = decide_step_path((describe(fb),), self.graph_tables)
@@ -166,7 +180,7 @@ class ModelRunner:
             self._count_dp_step(path)
         runner = self.graph_runners.get(path.kind)
         if runner is not None:
-            return compute_logits(self.model, runner.replay_hidden(fb, path.size), fb)
+            return runner.replay_hidden(fb, path.size)
         if path.kind != PathKind.EAGER:
             raise ValueError(f"forward() got path {path.kind.name} but no such graphs were captured")
         fallback_of = self.graph_runners.get(path.wanted)
@@ -175,8 +189,17 @@ class ModelRunner:
         self.stats["forward_eager"] += 1
         self.attn_backend.init_forward_metadata(fb)
         with forward_context(fb, self.attn_backend, dp_moe=self.dp_moe(path.size)):
-            hidden = self.model(fb.input_ids, fb.input_embeds)
-        return compute_logits(self.model, hidden, fb)
+            return self.model(fb.input_ids, fb.input_embeds)
+
+    @torch.inference_mode()
+    def forward_mtp(self, forward_batch: ForwardBatch, streams: torch.Tensor, k: int = 0) -> tuple:
+        """MTP layer k, eagerly, over the batch (its input_ids: the token after each position)
+        and the residual streams [T, hc, d] of each position: (output streams, final hidden)."""
+        fb = forward_batch
+        self.stats["forward_mtp"] = self.stats.get("forward_mtp", 0) + 1
+        self.attn_backend.init_forward_metadata(fb)
+        with forward_context(fb, self.attn_backend):
+            return self.model.forward_mtp(k, streams, fb.input_ids)
 
     def _count_dp_step(self, path: StepPath) -> None:
         key = {PathKind.BREAKABLE: "dp_breakable_steps", PathKind.DECODE_GRAPH: "dp_decode_graph_steps",

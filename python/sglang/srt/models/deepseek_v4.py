@@ -189,9 +189,11 @@ class DeepseekV4DecoderLayer(nn.Module):
 
 
 class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
-    """A multi-token-prediction layer (`mtp.{k}.*`): a decoder layer plus the projections that
-    mix the next token's embedding into the hidden state, and its own head mixing. Loaded so
-    checkpoints round-trip; never run (speculative decoding is out of scope)."""
+    """A multi-token-prediction layer (`mtp.{k}.*`): a decoder layer whose input mixes the
+    target's residual streams at position p with the embedding of token p + 1, and whose
+    output streams collapse through its own hc head and final norm; the logits come from
+    the target's head. Its attention keeps its own caches (layer id num_hidden_layers + k in
+    the KV pool) like any layer's."""
 
     def __init__(self, config, layer_id: int, dtype: torch.dtype, rope_tables: dict, quant: QuantMode = BF16,
                  expert_range=None):
@@ -204,8 +206,18 @@ class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
 
-    def forward(self, *args, **kwargs):
-        raise NotImplementedError("MTP layers are loaded but not run: speculative decoding is not supported")
+    def forward(self, streams: torch.Tensor, next_ids: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
+        """streams [T, hc, d]: the residual streams before the head (the target's last layer,
+        or this layer's own output when it drafts again); next_ids [T]: the token after each
+        position, next_embeds [T, d] its embedding. Returns this layer's output streams."""
+        T, hc, d = streams.shape
+        e = self.e_proj(self.enorm(next_embeds))
+        h = self.h_proj(self.hnorm(streams).reshape(T * hc, d)).view(T, hc, d)
+        return super().forward(h + e.unsqueeze(1), next_ids)
+
+    def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """What the shared head reads: the streams collapsed by this layer's hc head, normed."""
+        return self.norm(self.hc_head(streams))
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -229,7 +241,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=torch.float32)
-        n_mtp = c.num_nextn_predict_layers if len(c.compress_ratios) > c.num_hidden_layers else 0
+        n_mtp = c.num_mtp_layers
         self.mtp = nn.ModuleList(DeepseekV4MTPLayer(c, c.num_hidden_layers + k, dtype, self.rope_tables, quant,
                                                     expert_range) for k in range(n_mtp))
         for p in self.parameters():
@@ -237,6 +249,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         # the head as bf16, derived after load when its values are bf16 (the release's are):
         # not a parameter or buffer, the loader and random init fill those by name
         self.head_bf16: torch.Tensor | None = None
+        # [max tokens, hc, d]: when set (speculative decoding), every forward leaves its last
+        # layer's residual streams here, the MTP layer's input (inside graphs too: a static buffer)
+        self.streams_out: torch.Tensor | None = None
 
     def use_tensor_core_gemms(self, enabled: bool = True) -> None:
         """Post-load step (ModelRunner calls it once the weights are in place on their device):
@@ -245,9 +260,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         products, accumulated in fp32 (layers/tensor_core_gemm.py; the compressors' fp32
         weights are replaced by three bf16 terms that hold them exactly); fp32 models and CPU
         keep the fp32 GEMMs. enabled=False restores the fp32 weights and GEMMs; a repeated call
-        changes nothing. Allocates: never inside graph capture; load weights before, not after.
-        MTP layers are never run, so get nothing."""
-        for module in self.layers.modules():
+        changes nothing. Allocates: never inside graph capture; load weights before, not after."""
+        for module in list(self.layers.modules()) + list(self.mtp.modules()):
             if hasattr(module, "use_tensor_core_gemms"):
                 module.use_tensor_core_gemms(self.dtype, enabled)
         self._use_bf16_head(enabled and tensor_core_eligible(self.dtype, self.head.weight.device))
@@ -255,10 +269,10 @@ class DeepseekV4ForCausalLM(nn.Module):
     def use_moe_backend(self, name: str) -> None:
         """Post-load step (ModelRunner calls it with the resolved --moe-backend): the FP4 routed
         experts of every layer multiply with that backend from now on (layers/moe/backends/;
-        humming moves the weights into its own layout here, once). bf16 experts, and the MTP
-        layers (never run), keep what they have. Never inside graph capture."""
+        humming moves the weights into its own layout here, once), the MTP layers' too; bf16
+        experts keep what they have. Never inside graph capture."""
         backend = make_fp4_backend(name)  # one object: its tuned configurations are read once
-        for module in self.layers.modules():
+        for module in list(self.layers.modules()) + list(self.mtp.modules()):
             if isinstance(module, Fp4RoutedExperts):
                 module.use_backend(backend)
 
@@ -296,7 +310,17 @@ class DeepseekV4ForCausalLM(nn.Module):
         h = x.unsqueeze(1).repeat(1, self.config.hc_mult, 1)
         for layer in self.layers:
             h = layer(h, input_ids)
+        if self.streams_out is not None:
+            self.streams_out[:h.shape[0]].copy_(h)
         return self.norm(self.hc_head(h))
+
+    def forward_mtp(self, k: int, streams: torch.Tensor, next_ids: torch.Tensor) -> tuple:
+        """MTP layer k over streams [T, hc, d] and the next tokens [T]: (its output streams,
+        its final hidden states [T, d] for compute_logits). Runs inside forward_context() on
+        the layer's own caches."""
+        layer = self.mtp[k]
+        out = layer(streams, next_ids, self.embed(next_ids))
+        return out, layer.final_hidden(out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, vocab] of the final hidden states [T, d]."""

@@ -37,7 +37,8 @@ class DeepseekV4AttnBackend(AttentionBackend):
         self.req_to_token_pool = req_to_token_pool
         # Candidate-list width used whenever shapes must be static (graph capture/replay).
         self.max_seq_len = max_seq_len
-        self.ratios = {config.layer_compress_ratio(i) for i in range(config.num_hidden_layers)} - {0}
+        # every layer the pool holds caches for (MTP layers too, when they run)
+        self.ratios = {config.layer_compress_ratio(i) for i in range(len(kv_pool.raw))} - {0}
         self.scale = config.head_dim ** -0.5
         self.forward_metadata: Optional[DSV4Metadata] = None
 

@@ -1,0 +1,276 @@
+"""MTP speculative decoding: the model's own MTP layer drafts, one target step verifies.
+
+One speculative step over a batch (prefill chunks and decode rows, the scheduler's batch):
+1. Each decode row feeds its last token and the k drafts the MTP layer proposed for it: an
+   extend row of k + 1 tokens (graphs replay it like any extend). Before the forward, the
+   ring rows the drafts' positions overwrite are copied (ring_snapshot.py).
+2. The target's logits at every row of a decode request decide how many drafts it keeps:
+   greedy rows keep the longest prefix equal to the target's argmax, sampled rows accept
+   draft i with probability min(1, p(d) / q(d)) and resample a rejection from
+   max(0, p - q) (Leviathan et al.), so outputs follow the target's distribution; every
+   row gains one token from the target (the correction or the bonus). Rejected positions'
+   ring rows are written back; their pages beyond the accepted length are returned.
+3. The MTP layer then runs over every position whose target residual streams this step
+   computed and whose next token is now known (prefill positions with the prompt's next
+   token or the sampled one; decode rows' accepted positions). Position p reads the target
+   streams at p and the token at p + 1; its output at each request's last position drafts
+   the first token of the next step.
+4. Draft steps 2..k feed the MTP layer its own output streams and the previous draft, one
+   position further each time. Those positions are tentative in the MTP layer's rings too:
+   they are written back once the drafts are taken (step 3 of the next step writes them
+   for real).
+
+The host needs the accepted lengths before it can build the next batch, so speculative
+steps run without overlap scheduling.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, List, Optional
+
+import torch
+
+from sglang.srt.layers.logprobs import token_logprobs
+from sglang.srt.layers.sampler import sample_from_probs, sampling_probs
+from sglang.srt.managers.overlap import LaunchedStep
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
+from sglang.srt.speculative.ring_snapshot import RingSnapshot
+
+logger = logging.getLogger(__name__)
+
+# (request, position of its first draft, drafts the MTP layer proposed) -> the drafts to verify.
+# Test-only: drives acceptance (all, none, a chosen prefix) on random-weight models.
+DraftOverride = Callable[[Req, int, List[int]], List[int]]
+
+
+class MTPSpeculator:
+    def __init__(self, model_runner, num_steps: int):
+        self.runner = model_runner
+        self.num_steps = num_steps
+        cfg = model_runner.config
+        self.target_layers = list(range(cfg.num_hidden_layers))
+        self.mtp_layers = list(range(cfg.num_hidden_layers, cfg.num_hidden_layers + model_runner.num_mtp_layers))
+        if len(self.mtp_layers) == 0:
+            raise ValueError("speculative decoding needs a model runner built with its MTP layers")
+        self.draft_override: Optional[DraftOverride] = None
+        self.stats = {"spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+
+    # ---- what the scheduler asks ---------------------------------------------------------
+
+    def drafts_for(self, req: Req, max_drafts: int) -> List[int]:
+        """The drafts a decode row feeds this step (at most max_drafts; none before the MTP
+        layer has drafted for it)."""
+        drafts = req.spec_drafts[:max(0, max_drafts)]
+        if self.draft_override is not None and drafts:
+            drafts = list(self.draft_override(req, req.seq_len, drafts))[:len(drafts)]
+        return drafts
+
+    def get_stats(self) -> dict:
+        rows, drafted, accepted = (self.stats[k] for k in ("spec_verify_rows", "spec_draft_tokens",
+                                                           "spec_accepted_tokens"))
+        return dict(self.stats, spec_accept_rate=accepted / drafted if drafted else 0.0,
+                    spec_mean_accepted_per_row=accepted / rows if rows else 0.0)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, sched, batch: ScheduleBatch) -> LaunchedStep:
+        """Forward, verify, advance the requests' KV bookkeeping and draft for the next step.
+        Returns the step with every output token already known (host ids)."""
+        runner, pool = self.runner, sched.pool
+        n_pre = batch.num_prefill_reqs
+        drafts = batch.drafts or [[] for _ in batch.reqs[n_pre:]]
+        spans = [(r.req_pool_idx, r.prefix_len + 1, len(d)) for r, d in zip(batch.reqs[n_pre:], drafts) if d]
+        snapshot = RingSnapshot(runner.kv_pool, self.target_layers, spans) if spans else None
+        fb = batch.to_forward_batch(sched.device)
+        hidden = runner.forward_hidden(fb)
+        T = fb.num_live_tokens
+        streams = runner.model.streams_out[:T].clone()  # the MTP forwards below reuse nothing of it
+
+        # rows whose logits are read: each completing prefill chunk's last, every decode row's
+        starts = [0]
+        for n in batch.extend_lens:
+            starts.append(starts[-1] + n)
+        finished_at_prefill = []
+        sample_rows, owners = [], []  # logits rows, and (request index, offset within its verify row)
+        for i, req in enumerate(batch.reqs):
+            if i < n_pre:
+                if batch.completes(i):
+                    if req.sampling_params.max_new_tokens == 0:
+                        finished_at_prefill.append(req)
+                    else:
+                        sample_rows.append(starts[i + 1] - 1)
+                        owners.append((i, 0))
+            else:
+                for m in range(batch.extend_lens[i]):
+                    sample_rows.append(starts[i] + m)
+                    owners.append((i, m))
+        logits = runner.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.int64).to(hidden.device)]) \
+            if sample_rows else None
+        row_of = {o: j for j, o in enumerate(owners)}
+
+        out_tokens = self._accept(sched, batch, drafts, logits, row_of)  # {request index: [tokens]}
+
+        if snapshot is not None:  # rejected positions: their ring rows as before the step
+            snapshot.restore([(r.req_pool_idx, r.prefix_len + 1 + len(out_tokens[n_pre + j]) - 1,
+                               len(d) - (len(out_tokens[n_pre + j]) - 1))
+                              for j, (r, d) in enumerate(zip(batch.reqs[n_pre:], drafts)) if d])
+
+        # ---- the step's outputs, as the scheduler's LaunchedStep ----
+        step = LaunchedStep()
+        for req in finished_at_prefill:
+            sched._finish(req, {"type": "length", "length": 0}, count="finished")
+            step.early_outs.append(sched._token_out(req))
+        mtp_rows = []  # (request index, first position, next ids, stream rows) for the MTP extend
+        flat_ids, flat_logit_rows = [], []
+        for i, req in enumerate(batch.reqs):
+            n = batch.extend_lens[i]
+            if i < n_pre:
+                toks = out_tokens.get(i, [])
+                if batch.completes(i) and not toks:
+                    req.prefix_len += n  # finished at prefill: freed above
+                    continue
+                # the token after each position: the prompt's, and after a completed prompt the sampled one
+                end = req.prefix_len + n
+                nxt = req.token_slice(req.prefix_len + 1, end) + toks[:1] if toks else \
+                    req.token_slice(req.prefix_len + 1, end + 1)
+                mtp_rows.append((i, req.prefix_len, nxt, list(range(starts[i], starts[i] + n))))
+                req.prefix_len += n
+                if sched.prefix_caching is not None:
+                    sched.prefix_caching.after_forward(req, prefill=True)
+            else:
+                toks = out_tokens[i]
+                L = req.prefix_len
+                mtp_rows.append((i, L, toks, list(range(starts[i], starts[i] + len(toks)))))
+                req.prefix_len = L + len(toks)
+                pool.truncate(req.req_pool_idx, req.prefix_len)  # pages only rejected positions used
+            for m, tok in enumerate(toks):
+                flat_ids.append(tok)
+                flat_logit_rows.append(row_of[(i, m)])
+                req.pending_ids.append(-(len(flat_ids)))
+                step.reqs.append(req)
+                step.placeholders.append(-(len(flat_ids)))
+            if i < n_pre and toks:
+                sched.running.append(req)  # its prefill just completed: it decodes from now on
+
+        if flat_ids:
+            ids = torch.tensor(flat_ids, dtype=torch.int64)
+            step.host_ids = ids
+            reqs = step.reqs
+            step.logprob_rows = [j for j, r in enumerate(reqs) if r.return_logprob]
+            if step.logprob_rows:
+                rows = torch.tensor([flat_logit_rows[j] for j in step.logprob_rows], dtype=torch.int64)
+                lp = token_logprobs(logits[rows.to(logits.device)], ids[step.logprob_rows].to(logits.device),
+                                   max(reqs[j].top_logprobs_num for j in step.logprob_rows))
+                step.host_logprobs = tuple(t.cpu() if t is not None else None for t in lp)
+
+        self._draft(sched, batch, streams, mtp_rows)
+        return step
+
+    # ---- verification ------------------------------------------------------------------
+
+    def _accept(self, sched, batch, drafts, logits, row_of) -> dict:
+        """{request index: its output tokens this step} for every row that samples: accepted
+        drafts, then the target's own token."""
+        n_pre = batch.num_prefill_reqs
+        out = {}
+        if logits is None:
+            return out
+        argmax = logits.argmax(dim=-1).tolist()
+        for i, req in enumerate(batch.reqs):
+            if (i, 0) not in row_of:
+                continue
+            d = drafts[i - n_pre] if i >= n_pre else []
+            params = req.sampling_params
+            if params.is_greedy:
+                j = 0
+                while j < len(d) and d[j] == argmax[row_of[(i, j)]]:
+                    j += 1
+                out[i] = d[:j] + [argmax[row_of[(i, j)]]]
+            else:
+                out[i] = self._accept_sampled(sched, req, d, logits, [row_of[(i, m)] for m in range(len(d) + 1)])
+            if i >= n_pre:
+                self.stats["spec_verify_rows"] += 1
+                self.stats["spec_draft_tokens"] += len(d)
+                self.stats["spec_accepted_tokens"] += len(out[i]) - 1
+        return out
+
+    def _uniform(self, sched, req) -> torch.Tensor:
+        return torch.rand(1, generator=req.generator if req.generator is not None else sched.sampler.generator)
+
+    def _accept_sampled(self, sched, req, d, logits, rows) -> List[int]:
+        params = req.sampling_params
+        rows_t = torch.tensor(rows, dtype=torch.int64).to(logits.device)
+        p = sampling_probs(logits[rows_t], [params] * len(rows))
+        q = req.spec_draft_probs
+        for m, tok in enumerate(d):
+            ratio = (p[m, tok] / q[m, tok]).item() if q[m, tok] > 0 else 0.0
+            if self._uniform(sched, req).item() < min(1.0, ratio):
+                continue
+            residual = (p[m] - q[m]).clamp_(min=0)
+            if residual.sum() <= 0:  # p == q: any rejection is a draw from p itself
+                residual = p[m]
+            tok_new = sample_from_probs((residual / residual.sum())[None], self._uniform(sched, req)).item()
+            return d[:m] + [tok_new]
+        bonus = sched.sampler(logits[rows_t[len(d):len(d) + 1]], [params], [req.generator]).item()
+        return list(d) + [bonus]
+
+    # ---- drafting -------------------------------------------------------------------------
+
+    def _draft(self, sched, batch, streams: torch.Tensor, mtp_rows) -> None:
+        """Run the MTP layer over this step's committed positions, then draft k tokens for
+        every request that decodes next."""
+        if not mtp_rows:
+            return
+        runner, k = self.runner, self.num_steps
+        dev = sched.device
+        reqs = [batch.reqs[i] for i, *_ in mtp_rows]
+        fb = build_forward_batch(ForwardMode.EXTEND, [r.req_pool_idx for r in reqs], [L for _, L, _, _ in mtp_rows],
+                                 [nxt for _, _, nxt, _ in mtp_rows], dev)
+        rows = torch.tensor([j for *_, js in mtp_rows for j in js], dtype=torch.int64).to(dev)
+        out_streams, final = runner.forward_mtp(fb, streams[rows])
+        last = fb.last_token_indices()
+        # who drafts: requests that decode next step (a finished or mid-prompt one does not)
+        drafting = [j for j, r in enumerate(reqs) if r in sched.running and not r.finished]
+        for r in reqs:
+            r.spec_drafts, r.spec_draft_probs = [], None
+        if not drafting or k == 0:
+            return
+        sel = torch.tensor(drafting, dtype=torch.int64).to(dev)
+        cur_streams = out_streams[last[sel]]
+        cur_logits = runner.model.compute_logits(final[last[sel]])
+        dreqs = [reqs[j] for j in drafting]
+        # the MTP layer's tentative positions: seq_len - 1 (this step's last token, now
+        # prefix_len) and on, one per further draft
+        spans = [(r.req_pool_idx, r.prefix_len, k - 1) for r in dreqs] if k > 1 else []
+        snapshot = RingSnapshot(runner.kv_pool, self.mtp_layers, spans) if spans else None
+        probs = [[] for _ in dreqs]
+        for step in range(k):
+            toks = self._draft_tokens(sched, dreqs, cur_logits, probs)
+            for r, t in zip(dreqs, toks):
+                r.spec_drafts.append(t)
+            if step == k - 1:
+                break
+            fb = build_forward_batch(ForwardMode.DECODE, [r.req_pool_idx for r in dreqs],
+                                     [r.prefix_len + step for r in dreqs], [[t] for t in toks], dev)
+            cur_streams, final = runner.forward_mtp(fb, cur_streams)
+            cur_logits = runner.model.compute_logits(final)
+        if snapshot is not None:
+            snapshot.restore(spans)
+        for r, pr in zip(dreqs, probs):
+            if pr:
+                r.spec_draft_probs = torch.stack(pr)
+
+    def _draft_tokens(self, sched, reqs, logits, probs) -> List[int]:
+        greedy = logits.argmax(dim=-1).tolist()
+        out = []
+        for j, r in enumerate(reqs):
+            if r.sampling_params.is_greedy:
+                out.append(greedy[j])
+                continue
+            q = sampling_probs(logits[j:j + 1], [r.sampling_params])[0]
+            probs[j].append(q)
+            out.append(sample_from_probs(q[None], self._uniform(sched, r)).item())
+        return out
