@@ -217,7 +217,8 @@ def test_gpu_cached_extends_replayed_from_graphs_give_the_uncached_outputs():
     identical; logprobs agree to bf16 rounding (a resumed extend runs other batch shapes)."""
     torch.manual_seed(0)
     runner = ModelRunner(cpu_server_args(**GPU_MINI, max_running_requests=16, enable_breakable_cuda_graph=True,
-                                         breakable_cuda_graph_tokens=[64, 256, 1024], cuda_graph_max_bs=16))
+                                         breakable_cuda_graph_tokens=[64, 256, 1024],
+                                         breakable_cuda_graph_max_tokens=1024, cuda_graph_max_bs=16))
     vocab = runner.config.vocab_size
     rng = random.Random(11)
     base = _ids(rng, 3 * P + 40, vocab)

@@ -111,6 +111,7 @@ def test_large_prefill_runs_the_one_dot_per_step_fp4_moe_in_a_breakable_graph(mo
     def runner(breakable):
         return ModelRunner(cpu_server_args(model_path="dsv4-mini-fp8", dtype="bfloat16", device="cuda",
                                            context_length=8192, max_total_tokens=16384, max_running_requests=2,
+                                           chunked_prefill_size=n,  # the step's raw-KV staging rows
                                            quant_numerics="release", moe_backend="triton",
                                            enable_breakable_cuda_graph=breakable, breakable_cuda_graph_max_tokens=n,
                                            breakable_cuda_graph_tokens=[n] if breakable else None))

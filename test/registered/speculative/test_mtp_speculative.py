@@ -348,3 +348,66 @@ def test_the_acceptance_rule_draws_from_the_target_distribution():
     print(f"first token: total variation {tv:.4f}; accepted {accepted:.3f} (expected {expect_accepted:.3f})")
     assert tv < 0.02 and abs(accepted - expect_accepted) < 0.02
     assert 0.5 * (bonus / bonus.sum() - torch.softmax(p_logits[1], -1)).abs().sum().item() < 0.04
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_verify_replayed_from_breakable_graphs_gives_the_plain_outputs(dtype):
+    """On CUDA with real breakable graphs: drafts wrong at varying offsets (partial
+    acceptance) and the MTP layer's own drafts give the plain run's greedy tokens. In fp32
+    exactly; in bf16 a verify row computes its positions in other batch shapes than decode
+    rows do, so the tokens may part where the plain run's top two were a near tie (a logprob
+    gap under 0.05): every divergence must be at such a position."""
+    gpu = dict(device="cuda", dtype=dtype, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[16, 64])
+    lengths = LENGTHS
+    reqs = lambda: [GenerateReqInput(rid=f"r{n}", input_ids=p, return_logprob=True, top_logprobs_num=2,  # noqa: E731
+                                     sampling_params=SamplingParams(max_new_tokens=32, temperature=0.0,
+                                                                    ignore_eos=True))
+                    for n, p in zip(lengths, _prompts(lengths))]
+
+    def serve(runner, override=None):
+        args = dict(BASE, **gpu)
+        if runner.num_mtp_layers:
+            args.update(speculative_algorithm="mtp", speculative_num_steps=3)
+        s = Scheduler(ServerArgs(**args).resolve(cuda_available=True), runner)
+        if override is not None:
+            s.speculator.draft_override = override
+        for r in reqs():
+            s.add_request(r)
+        res = {}
+        while s.has_work():
+            for o in s.step():
+                ids, tops = res.get(o.rid, ([], []))
+                res[o.rid] = (ids + o.new_token_ids, tops + o.new_top_logprobs)
+        return res, s.get_stats()
+
+    plain = ModelRunner(cpu_server_args(**dict(BASE, **gpu)))
+    expect, _ = serve(plain)
+    plain.shutdown()
+    spec = ModelRunner(cpu_server_args(**dict(BASE, **gpu, speculative_algorithm="mtp", speculative_num_steps=3)))
+    prompts = {tuple(p): f"r{n}" for n, p in zip(lengths, _prompts(lengths))}
+
+    def wrong_at_pos_mod_3(req, pos, drafts):
+        out = expect[prompts[tuple(req.origin_input_ids)]][0]
+        d = list(out[pos - len(req.origin_input_ids):][:len(drafts)])
+        d += [2] * (len(drafts) - len(d))
+        d[pos % 3 if pos % 3 < len(d) else 0] ^= 1
+        return d
+
+    for override in (wrong_at_pos_mod_3, None):
+        got, stats = serve(spec, override)
+        assert set(got) == set(expect)
+        parted = 0
+        for rid, (ids, _) in expect.items():
+            m = next((i for i, (a, b) in enumerate(zip(got[rid][0], ids)) if a != b), None)
+            if m is None:
+                assert len(got[rid][0]) == len(ids)
+                continue
+            assert dtype == "bfloat16", (rid, m)
+            (lp1, _), (lp2, _) = expect[rid][1][m][:2]
+            assert lp1 - lp2 < 0.05, (rid, m, lp1 - lp2)
+            parted += 1
+        assert stats["breakable_replays"] > 0 and stats["spec_draft_tokens"] > 0
+        print(f"{dtype}: accept rate {stats['spec_accept_rate']:.2f}, {parted} of {len(expect)} requests part at a near tie")
+    spec.shutdown()
