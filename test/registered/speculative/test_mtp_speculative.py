@@ -350,6 +350,21 @@ def test_the_acceptance_rule_draws_from_the_target_distribution():
     assert 0.5 * (bonus / bonus.sum() - torch.softmax(p_logits[1], -1)).abs().sum().item() < 0.04
 
 
+def test_a_simulated_accept_length_keeps_that_many_drafts_on_average(monkeypatch):
+    """Benchmarks pin the accepted length (random weights accept almost nothing): each verify
+    row keeps floor(x + u) drafts, so the mean per row is x."""
+    from sglang.srt.speculative import mtp
+
+    monkeypatch.setenv(mtp.SIMULATE_ENV, "1.5")
+    runner = _runner(speculative_algorithm="mtp", speculative_num_steps=3)
+    reqs = [_req(f"r{n}", p, n=40) for n, p in zip(LENGTHS, _prompts(LENGTHS))]
+    _, stats = _serve(runner, reqs)
+    assert stats["spec_mean_accepted_per_row"] == pytest.approx(1.5, abs=0.15)
+    monkeypatch.setenv(mtp.SIMULATE_ENV, "4")
+    with pytest.raises(ValueError, match=r"\[0, 3\]"):
+        mtp.MTPSpeculator(runner, 3)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -27,6 +27,8 @@ steps run without overlap scheduling.
 from __future__ import annotations
 
 import logging
+import os
+import random
 from typing import Callable, List, Optional
 
 import torch
@@ -44,6 +46,12 @@ logger = logging.getLogger(__name__)
 # Test-only: drives acceptance (all, none, a chosen prefix) on random-weight models.
 DraftOverride = Callable[[Req, int, List[int]], List[int]]
 
+# Benchmarks only: with random weights the drafts are almost never accepted, so throughput
+# runs pin a mean accepted length instead (as published DSV4 speculative benchmarks do): each
+# greedy row keeps floor(x + u) of its drafts, u uniform, whatever the target says. Drafting
+# and verification cost what they really cost; the tokens are not the model's.
+SIMULATE_ENV = "SGLANG_SIMULATE_ACCEPT_LENGTH"
+
 
 class MTPSpeculator:
     def __init__(self, model_runner, num_steps: int):
@@ -55,6 +63,14 @@ class MTPSpeculator:
         if len(self.mtp_layers) == 0:
             raise ValueError("speculative decoding needs a model runner built with its MTP layers")
         self.draft_override: Optional[DraftOverride] = None
+        simulate = os.environ.get(SIMULATE_ENV)
+        self.simulate_accept_length = float(simulate) if simulate else None
+        if self.simulate_accept_length is not None:
+            if not 0 <= self.simulate_accept_length <= num_steps:
+                raise ValueError(f"{SIMULATE_ENV}={simulate}: must be in [0, {num_steps}] (--speculative-num-steps)")
+            logger.warning("%s=%s: drafts are accepted by a simulated rule, not by the model (benchmarks only)",
+                           SIMULATE_ENV, simulate)
+            self._rng = random.Random(0)
         self.stats = {"spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
 
     # ---- what the scheduler asks ---------------------------------------------------------
@@ -188,6 +204,8 @@ class MTPSpeculator:
                 j = 0
                 while j < len(d) and d[j] == argmax[row_of[(i, j)]]:
                     j += 1
+                if self.simulate_accept_length is not None:
+                    j = min(len(d), int(self.simulate_accept_length + self._rng.random()))
                 out[i] = d[:j] + [argmax[row_of[(i, j)]]]
             else:
                 out[i] = self._accept_sampled(sched, req, d, logits, [row_of[(i, m)] for m in range(len(d) + 1)])
