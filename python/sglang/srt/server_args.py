@@ -238,6 +238,7 @@ class ServerArgs:
             decode_graph_max_bs=0 if self.disable_cuda_graph else min(
                 self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick], max_running),
             mem_fraction_static=self.mem_fraction_static, max_total_tokens=None,  # sized by this plan
+            mtp_layers=model_config.num_mtp_layers if self.speculative_algorithm is not None else 0,
         )
         return plan_memory(model_config, settings, free)
 

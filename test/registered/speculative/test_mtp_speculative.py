@@ -365,6 +365,24 @@ def test_a_simulated_accept_length_keeps_that_many_drafts_on_average(monkeypatch
         mtp.MTPSpeculator(runner, 3)
 
 
+def test_the_memory_planner_counts_the_mtp_layers_rings_and_streams(spec_runner):
+    import dataclasses
+
+    from sglang.srt.planning.memory_planner import PlanSettings, raw_window_plan_bytes
+
+    a = spec_runner.server_args
+    s = PlanSettings(weight_format="float32", model_dtype="float32", quant_numerics=a.quant_numerics,
+                     kv_cache_dtype=a.kv_cache_dtype, dp_size=1, page_size=a.page_size, context_length=a.context_length,
+                     max_running_requests=a.max_running_requests, chunked_prefill_size=a.chunked_prefill_size,
+                     mem_fraction_static=0.8, max_total_tokens=None, mtp_layers=spec_runner.num_mtp_layers)
+    pool = spec_runner.kv_pool
+    assert len(pool.raw) == spec_runner.config.num_hidden_layers + 1
+    built = sum(t.nbytes for t in pool.raw) + spec_runner.model.streams_out.nbytes
+    assert raw_window_plan_bytes(spec_runner.config, s) == built
+    assert raw_window_plan_bytes(spec_runner.config, dataclasses.replace(s, mtp_layers=0)) == \
+        sum(t.nbytes for t in pool.raw[:-1])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

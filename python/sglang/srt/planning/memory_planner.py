@@ -161,9 +161,14 @@ def step_tokens(s: "PlanSettings") -> int:
 
 def raw_window_plan_bytes(config, s: "PlanSettings") -> int:
     """Raw KV under these settings: a window ring per request slot and one step's staging rows,
-    every layer (DSV4KVPool's raw tensors, exactly)."""
-    return raw_window_bytes(config, getattr(torch, s.model_dtype), s.kv_cache_dtype, s.max_running_requests,
-                            step_tokens(s))
+    every layer (DSV4KVPool's raw tensors, exactly); when speculating, the MTP layers' too and
+    the residual streams every forward leaves for them (model.streams_out)."""
+    dtype = getattr(torch, s.model_dtype)
+    steps = step_tokens(s)
+    raw = raw_window_bytes(config, dtype, s.kv_cache_dtype, s.max_running_requests, steps,
+                           num_layers=config.num_hidden_layers + s.mtp_layers)
+    streams = steps * config.hc_mult * config.hidden_size * dtype.itemsize if s.mtp_layers else 0
+    return raw + streams
 
 
 def kv_rows_bytes(config, s: "PlanSettings", kv_tokens: int) -> int:
@@ -299,6 +304,7 @@ class PlanSettings:
     chunked_prefill_size: int  # tokens per prefill step (no chunking: the context length)
     breakable_max_tokens: int = 0  # largest breakable-graph bucket; 0: breakable graphs off
     decode_graph_max_bs: int = 0  # largest decode-graph batch; 0: decode graphs off
+    mtp_layers: int = 0  # MTP layers that run (speculative decoding): their caches and input streams
     mem_fraction_static: float
     max_total_tokens: Optional[int]  # the user's KV size; None: what the fraction leaves
 

@@ -62,6 +62,8 @@ class MTPSpeculator:
         self.mtp_layers = list(range(cfg.num_hidden_layers, cfg.num_hidden_layers + model_runner.num_mtp_layers))
         if len(self.mtp_layers) == 0:
             raise ValueError("speculative decoding needs a model runner built with its MTP layers")
+        if len(self.mtp_layers) > 1:
+            logger.info("%d MTP modules: the first drafts every step; the others stay idle", len(self.mtp_layers))
         self.draft_override: Optional[DraftOverride] = None
         simulate = os.environ.get(SIMULATE_ENV)
         self.simulate_accept_length = float(simulate) if simulate else None
