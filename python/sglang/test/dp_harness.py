@@ -256,6 +256,70 @@ def dp_scheduler_rank_main(rank: int, world: int, port: int, out_dir: str, stop_
         destroy_dp_groups()
 
 
+def dp_speculative_rank_main(rank: int, world: int, port: int, out_dir: str, ckpt: str, timeout_s: float = 60.0) -> None:
+    """One DP rank serving DeepSeek's conformance checkpoint (it has an MTP layer) through the
+    real Scheduler in lockstep, breakable graphs on the emulator: plain decoding, then MTP
+    speculation with the MTP layer's own drafts, then with drafts that are the plain tokens
+    except at an offset varying with the position (partial acceptance). Rank 1 serves one
+    short request: idle for most steps, it still joins every forward. Saves each run's
+    outputs, agreed paths, idle forwards and speculation counters."""
+    torch.set_num_threads(1)
+    with _errors_to(os.path.join(out_dir, f"rank{rank}.err")):
+        import torch.distributed as dist
+
+        from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
+        from sglang.srt.managers.scheduler import Scheduler
+        from sglang.srt.model_executor.dp_sync import DPStepSync
+        from sglang.srt.model_executor.model_runner import ModelRunner
+        from sglang.srt.server_args import ServerArgs
+        from sglang.test.runner_args import cpu_server_args
+
+        groups = init_dp_groups(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s)
+        cfg = dict(model_path=ckpt, context_length=512, max_total_tokens=4096, max_running_requests=6,
+                   chunked_prefill_size=32, enable_mixed_chunk=True, dp_size=world, enable_dp_attention=True)
+        graphs = dict(enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=list(BUCKETS), cuda_graph_max_bs=4)
+        spec = dict(speculative_algorithm="mtp", speculative_num_steps=3)
+        out = {}
+        for name, extra in (("plain", {}), ("mtp", spec), ("partial", spec)):
+            runner = ModelRunner(cpu_server_args(**cfg, **graphs, **extra), cuda_graph_on_cpu=True)
+            sched = Scheduler(ServerArgs(**cfg, **extra, device="cpu").resolve(cuda_available=False), runner)
+            sync = DPStepSync(groups.cpu_group, rank, world, runner.graph_tables)
+            reqs = dp_scheduler_requests(rank, runner.config.vocab_size)
+            if name == "partial":
+                plain = {r.rid: out["plain"]["results"][r.rid][0] for r in reqs}
+
+                def wrong_at_pos_mod_3(req, pos, drafts, plain=plain):
+                    d = list(plain[req.rid][pos - len(req.origin_input_ids):][:len(drafts)])
+                    d += [2] * (len(drafts) - len(d))
+                    d[pos % 3 % len(d)] ^= 1
+                    return d
+                sched.speculator.draft_override = wrong_at_pos_mod_3
+            for r in reqs:
+                sched.add_request(r)
+            results, paths = {}, []
+            while True:
+                busy = torch.tensor([int(sched.has_work())], dtype=torch.int64)
+                dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=groups.cpu_group)
+                if not busy.item():
+                    break
+                for o in sched.step(sync):
+                    ids, _ = results.get(o.rid, ([], None))
+                    results[o.rid] = (ids + o.new_token_ids, o.finish_reason)
+                paths.append(sync.last_path)
+            stats = sched.get_stats()
+            out[name] = dict(results=results, paths=paths, idle_forwards=sched.num_forwards[ForwardMode.IDLE],
+                             free_pages=(stats["num_free_pages"], stats["num_total_pages"]),
+                             spec={k: v for k, v in stats.items() if k.startswith("spec_")},
+                             breakable_replays=stats.get("breakable_replays", 0))
+            runner.shutdown()
+            del runner, sched, sync
+            gc.collect()
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        del groups
+        gc.collect()
+        destroy_dp_groups()
+
+
 # ---- scripted DP steps: ranks with different inputs (consensus tests) --------------------------
 
 def script_infos(script, rank: int):

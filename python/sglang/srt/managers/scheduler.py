@@ -188,10 +188,14 @@ class Scheduler:
             from sglang.srt.model_executor.forward_batch_info import build_forward_batch
 
             fb = build_forward_batch(ForwardMode.IDLE, [], [], [], self.device)
-        if self.speculator is not None and batch is not None and dp_sync is None:
+        if self.speculator is not None:
+            step = self.speculator.run(self, batch, fb, dp_sync)  # None: idle here, or nobody had work
+            if batch is None:
+                self.num_forwards[ForwardMode.IDLE] += step is not None
+                return None
             self.num_forwards[batch.forward_mode] += 1
             self._last_was_prefill = batch.num_prefill_reqs == len(batch.reqs)
-            return self.speculator.run(self, batch)
+            return step
         if dp_sync is None:
             logits = self.model_runner.forward(fb).next_token_logits
         else:

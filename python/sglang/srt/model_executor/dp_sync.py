@@ -124,6 +124,12 @@ class DPStepSync:
         raise DPConsensusError(f"DP ranks disagree on the step path at {when}: {taken}" + (f"; {why}" if why else ""))
 
 
+def agree_path(fb: ForwardBatch, sync: DPStepSync, decide_fn=decide_step_path) -> Optional[StepPath]:
+    """The consensus half of dp_step: the step's path, or None when no rank has work."""
+    path = sync.decide(sync.exchange(describe(fb)), decide_fn)
+    return None if path.kind == PathKind.IDLE else path
+
+
 def dp_step(model_runner, fb: ForwardBatch, sync: DPStepSync,
             decide_fn=decide_step_path) -> Tuple[StepPath, Optional[LogitsOutput]]:
     """One DP-attention step of one rank: exchange descriptions, agree the path, run it.

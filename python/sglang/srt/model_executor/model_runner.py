@@ -192,13 +192,18 @@ class ModelRunner:
             return self.model(fb.input_ids, fb.input_embeds)
 
     @torch.inference_mode()
-    def forward_mtp(self, forward_batch: ForwardBatch, streams: torch.Tensor, k: int = 0) -> tuple:
+    def forward_mtp(self, forward_batch: ForwardBatch, streams: torch.Tensor, k: int = 0,
+                    dp_pad_tokens: Optional[int] = None) -> tuple:
         """MTP layer k, eagerly, over the batch (its input_ids: the token after each position)
-        and the residual streams [T, hc, d] of each position: (output streams, final hidden)."""
+        and the residual streams [T, hc, d] of each position: (output streams, final hidden).
+        Under DP attention every rank calls it, idle ones with an empty batch, with the same
+        dp_pad_tokens (at least any rank's token count): the MTP layer's MoE is collective."""
         fb = forward_batch
+        if self.dp_groups is not None and dp_pad_tokens is None:
+            raise ValueError("forward_mtp under DP attention needs dp_pad_tokens (the same on every rank)")
         self.stats["forward_mtp"] = self.stats.get("forward_mtp", 0) + 1
         self.attn_backend.init_forward_metadata(fb)
-        with forward_context(fb, self.attn_backend):
+        with forward_context(fb, self.attn_backend, dp_moe=self.dp_moe(dp_pad_tokens) if dp_pad_tokens else None):
             return self.model.forward_mtp(k, streams, fb.input_ids)
 
     def _count_dp_step(self, path: StepPath) -> None:

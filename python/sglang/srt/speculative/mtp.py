@@ -94,16 +94,36 @@ class MTPSpeculator:
     # ---- one step --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, sched, batch: ScheduleBatch) -> LaunchedStep:
+    def run(self, sched, batch: Optional[ScheduleBatch], fb, dp_sync=None) -> Optional[LaunchedStep]:
         """Forward, verify, advance the requests' KV bookkeeping and draft for the next step.
-        Returns the step with every output token already known (host ids)."""
+        Returns the step with every output token already known (host ids).
+
+        Under DP attention (dp_sync) every rank calls this every step, an idle one with no
+        batch and an empty `fb`: the ranks agree the target's path, and then run the same
+        sequence of MTP forwards (the extend, then k - 1 draft steps; empty where a rank has
+        nothing to draft), whose MoE is collective. Returns None on an idle rank, or when no
+        rank had work."""
         runner, pool = self.runner, sched.pool
+        self.dp_pad, path = None, None
+        if dp_sync is not None:
+            from sglang.srt.model_executor.dp_sync import agree_path
+            from sglang.srt.model_executor.forward_batch_info import DPInfo
+
+            path = agree_path(fb, dp_sync)
+            if path is None:
+                return None
+            fb.dp = DPInfo(global_num_tokens_cpu=list(path.global_num_tokens), dp_rank=dp_sync.dp_rank)
+            # every MTP forward of this step carries at most this many rows on any rank
+            self.dp_pad = max(max(path.global_num_tokens), 1)
+            if batch is None:
+                runner.forward_hidden(fb, path)
+                self._idle_mtp_forwards(sched)
+                return LaunchedStep()
         n_pre = batch.num_prefill_reqs
         drafts = batch.drafts or [[] for _ in batch.reqs[n_pre:]]
         spans = [(r.req_pool_idx, r.prefix_len + 1, len(d)) for r, d in zip(batch.reqs[n_pre:], drafts) if d]
         snapshot = RingSnapshot(runner.kv_pool, self.target_layers, spans) if spans else None
-        fb = batch.to_forward_batch(sched.device)
-        hidden = runner.forward_hidden(fb)
+        hidden = runner.forward_hidden(fb, path)
         T = fb.num_live_tokens
         streams = runner.model.streams_out[:T].clone()  # the MTP forwards below reuse nothing of it
 
@@ -243,6 +263,8 @@ class MTPSpeculator:
         """Run the MTP layer over this step's committed positions, then draft k tokens for
         every request that decodes next."""
         if not mtp_rows:
+            if self.dp_pad is not None:
+                self._idle_mtp_forwards(sched)
             return
         runner, k = self.runner, self.num_steps
         dev = sched.device
@@ -250,13 +272,15 @@ class MTPSpeculator:
         fb = build_forward_batch(ForwardMode.EXTEND, [r.req_pool_idx for r in reqs], [L for _, L, _, _ in mtp_rows],
                                  [nxt for _, _, nxt, _ in mtp_rows], dev)
         rows = torch.tensor([j for *_, js in mtp_rows for j in js], dtype=torch.int64).to(dev)
-        out_streams, final = runner.forward_mtp(fb, streams[rows])
+        out_streams, final = runner.forward_mtp(fb, streams[rows], dp_pad_tokens=self.dp_pad)
         last = fb.last_token_indices()
         # who drafts: requests that decode next step (a finished or mid-prompt one does not)
         drafting = [j for j, r in enumerate(reqs) if r in sched.running and not r.finished]
         for r in reqs:
             r.spec_drafts, r.spec_draft_probs = [], None
-        if not drafting or k == 0:
+        if not drafting:
+            if self.dp_pad is not None:
+                self._idle_mtp_forwards(sched, extend=False)
             return
         sel = torch.tensor(drafting, dtype=torch.int64).to(dev)
         cur_streams = out_streams[last[sel]]
@@ -275,13 +299,22 @@ class MTPSpeculator:
                 break
             fb = build_forward_batch(ForwardMode.DECODE, [r.req_pool_idx for r in dreqs],
                                      [r.prefix_len + step for r in dreqs], [[t] for t in toks], dev)
-            cur_streams, final = runner.forward_mtp(fb, cur_streams)
+            cur_streams, final = runner.forward_mtp(fb, cur_streams, dp_pad_tokens=self.dp_pad)
             cur_logits = runner.model.compute_logits(final)
         if snapshot is not None:
             snapshot.restore(spans)
         for r, pr in zip(dreqs, probs):
             if pr:
                 r.spec_draft_probs = torch.stack(pr)
+
+    def _idle_mtp_forwards(self, sched, extend: bool = True) -> None:
+        """Under DP attention, the MTP forwards of a step this rank has nothing for: empty
+        batches that still join the MoE collectives of the ranks that draft."""
+        runner, cfg = self.runner, self.runner.config
+        empty = torch.empty(0, cfg.hc_mult, cfg.hidden_size, dtype=runner.dtype, device=sched.device)
+        for _ in range(int(extend) + self.num_steps - 1):
+            fb = build_forward_batch(ForwardMode.IDLE, [], [], [], sched.device)
+            runner.forward_mtp(fb, empty, dp_pad_tokens=self.dp_pad)
 
     def _draft_tokens(self, sched, reqs, logits, probs) -> List[int]:
         greedy = logits.argmax(dim=-1).tolist()
