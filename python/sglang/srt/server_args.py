@@ -400,8 +400,6 @@ def _validate_speculative(a: ServerArgs) -> None:
         raise ValueError(f"--speculative-num-steps must be an integer in [1, {SPECULATIVE_MAX_STEPS}], "
                          f"got {a.speculative_num_steps!r}")
     # combinations speculative decoding does not run with yet: refused here, before anything loads
-    if a.speculative_algorithm is not None and a.enable_prefix_caching:
-        raise ValueError("--speculative-algorithm mtp does not run with --enable-prefix-caching yet")
 
 
 # Choice fields whose unset value (None) resolve() replaces with a default of its own.
@@ -521,8 +519,8 @@ _HELP = {
                              "--speculative-num-steps tokens per running request, one target step verifies them "
                              "all (an extend: breakable graphs replay it) and keeps the longest prefix the target "
                              "agrees with (greedy), or accepts by the speculative-sampling rule (temperature > 0), "
-                             "so outputs follow the target's distribution. Runs without overlap scheduling; not "
-                             "yet with prefix caching. Unset: off",
+                             "so outputs follow the target's distribution. Runs without overlap scheduling. Unset: "
+                             "off",
     "speculative_num_steps": f"tokens the MTP layer drafts per step, 1..{SPECULATIVE_MAX_STEPS} (default "
                              f"{SPECULATIVE_DEFAULT_STEPS} with --speculative-algorithm)",
     "nnodes": "nodes the DP ranks span (--dp-size must be a multiple)",

@@ -172,8 +172,6 @@ def test_rejected_drafts_leave_the_rings_as_a_plain_step_would(plain_runner, spe
 def test_speculation_needs_mtp_layers_and_refuses_combinations():
     with pytest.raises(ValueError, match="has none"):
         ServerArgs(model_path="dsv4-tiny", speculative_algorithm="mtp").resolve(cuda_available=False)
-    with pytest.raises(ValueError, match="prefix caching|--enable-prefix-caching"):
-        ServerArgs(model_path=CKPT, speculative_algorithm="mtp", enable_prefix_caching=True)
     with pytest.raises(ValueError, match=r"\[1, 4\]"):
         ServerArgs(model_path=CKPT, speculative_algorithm="mtp", speculative_num_steps=5)
     with pytest.raises(ValueError, match="needs --speculative-algorithm"):
@@ -348,6 +346,51 @@ def test_the_acceptance_rule_draws_from_the_target_distribution():
     print(f"first token: total variation {tv:.4f}; accepted {accepted:.3f} (expected {expect_accepted:.3f})")
     assert tv < 0.02 and abs(accepted - expect_accepted) < 0.02
     assert 0.5 * (bonus / bonus.sum() - torch.softmax(p_logits[1], -1)).abs().sum().item() < 0.04
+
+
+def test_prefix_caching_with_speculation_gives_the_plain_outputs(spec_runner, plain_runner):
+    """Shared prefixes and a second chat turn over the first turn's answer (a state taken in
+    a speculative decode step: drafts stop at page boundaries so one lands there), with the
+    MTP layer's own drafts and partly accepted ones: the outputs of plain decoding without a
+    cache, and the second turn resumes from the first turn's pages."""
+    rng = random.Random(4)
+    base = [rng.randrange(2, 512) for _ in range(260)]
+    # answers of 60 tokens: those of the prompts past 200 cross position 256 while decoding
+    firsts = lambda: [_req(f"a{s}", base[:s] + [rng2.randrange(2, 512) for _ in range(30)], n=60)  # noqa: E731
+                      for s, rng2 in ((s, random.Random(s)) for s in (127, 128, 200, 220, 256))]
+    plain, _ = _serve(plain_runner, firsts())
+    turns = lambda out: [_req(f"t{r.rid}", r.input_ids + out[r.rid][0] + [7, 8, 9], n=12)  # noqa: E731
+                         for r in firsts()]
+    plain.update(_serve(plain_runner, turns(plain))[0])
+    prompts = {tuple(r.input_ids): r.rid for r in firsts() + turns(plain)}
+
+    def wrong_at_pos_mod_3(req, pos, drafts):
+        out = plain[prompts[tuple(req.origin_input_ids)]][0]
+        d = list(out[pos - len(req.origin_input_ids):][:len(drafts)])
+        d += [2] * (len(drafts) - len(d))
+        d[pos % 3 % len(d)] ^= 1
+        return d
+
+    for override in (None, wrong_at_pos_mod_3):
+        args = dict(BASE, max_running_requests=64, speculative_algorithm="mtp", speculative_num_steps=3,
+                    enable_prefix_caching=True)
+        s = Scheduler(ServerArgs(**args).resolve(cuda_available=False), spec_runner)
+        s.speculator.draft_override = override
+        got, cached = {}, {}
+        for wave in (firsts(), None):
+            for r in wave if wave is not None else turns(plain):
+                s.add_request(r)
+            while s.has_work():
+                for o in s.step():
+                    ids, lps = got.get(o.rid, ([], []))
+                    got[o.rid] = (ids + o.new_token_ids, lps + (o.new_logprobs or []))
+                    cached[o.rid] = o.cached_tokens
+        _same(got, plain)
+        # each turn resumes at least from the first turn's last page boundary before its answer ends
+        for r in firsts():
+            assert cached[f"t{r.rid}"] >= (len(r.input_ids) + 59) // 128 * 128 > 0, (r.rid, cached[f"t{r.rid}"])
+        assert s.get_stats()["spec_draft_tokens"] > 0
+        s.prefix_caching.tree.reset()
 
 
 def test_a_simulated_accept_length_keeps_that_many_drafts_on_average(monkeypatch):

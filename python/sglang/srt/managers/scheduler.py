@@ -276,8 +276,13 @@ class Scheduler:
             return 0
         # a mixed step keeps at least one prefill token
         per_row = (self.max_step_tokens - int(self.enable_mixed_chunk)) // max(num_decode, 1) - 1
-        return max(0, min(len(req.spec_drafts), per_row, req.sampling_params.max_new_tokens - req.num_generated - 1,
-                          self.context_length - req.seq_len))
+        n = min(len(req.spec_drafts), per_row, req.sampling_params.max_new_tokens - req.num_generated - 1,
+                self.context_length - req.seq_len)
+        if self.prefix_caching is not None:
+            # never past the next page boundary: the accepted length then lands on it at some
+            # step, where the prefix cache takes its state
+            n = min(n, self.page_size - 1 - req.prefix_len % self.page_size)
+        return max(0, n)
 
     def _prepare_decode(self) -> Tuple[List[Req], bool, List[List[int]]]:
         """Map the next position of every running request (and of its drafts), retracting the

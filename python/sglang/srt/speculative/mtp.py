@@ -176,8 +176,6 @@ class MTPSpeculator:
                     req.token_slice(req.prefix_len + 1, end + 1)
                 mtp_rows.append((i, req.prefix_len, nxt, list(range(starts[i], starts[i] + n))))
                 req.prefix_len += n
-                if sched.prefix_caching is not None:
-                    sched.prefix_caching.after_forward(req, prefill=True)
             else:
                 toks = out_tokens[i]
                 L = req.prefix_len
@@ -205,6 +203,12 @@ class MTPSpeculator:
                 step.host_logprobs = tuple(t.cpu() if t is not None else None for t in lp)
 
         self._draft(sched, batch, streams, mtp_rows)
+        if sched.prefix_caching is not None:
+            # states are taken once the MTP layer's rows of the same positions are written
+            # (a resume restores its window ring too), and after the rollback
+            for i, req in enumerate(batch.reqs):
+                if req.req_pool_idx is not None:
+                    sched.prefix_caching.after_forward(req, prefill=i < n_pre)
         return step
 
     # ---- verification ------------------------------------------------------------------
