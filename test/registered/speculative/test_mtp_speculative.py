@@ -230,6 +230,29 @@ def test_stop_tokens_and_max_tokens_cut_accepted_drafts(spec_runner, plain_runne
     assert got["stop"][0] == out[:first + 1] and got["len"][0] == out[:7]
 
 
+def test_an_abort_between_speculative_steps_frees_everything(spec_runner, expected):
+    args = dict(BASE, max_running_requests=64, speculative_algorithm="mtp", speculative_num_steps=3)
+    s = Scheduler(ServerArgs(**args).resolve(cuda_available=False), spec_runner)
+    s.speculator.draft_override = _oracle(expected, lambda pos: pos % 3)
+    free = s.pool.num_free_pages
+    for n, p in zip(LENGTHS[:3], _prompts(LENGTHS)[:3]):
+        s.add_request(_req(f"r{n}", p))
+    got = {}
+    while not (s.running and len(s.running[0].output_ids) >= 5):
+        for o in s.step():
+            got[o.rid] = got.get(o.rid, []) + o.new_token_ids
+    victim = s.running[0].rid
+    assert s.running[0].spec_drafts  # it holds drafts and speculative pages
+    assert s.abort_request(victim)
+    while s.has_work():
+        for o in s.step():
+            got[o.rid] = got.get(o.rid, []) + o.new_token_ids
+    assert s.pool.num_free_pages == free and s.pool.slots.num_free == s.pool.slots.capacity
+    for rid, ids in got.items():
+        if rid != victim:
+            assert ids == expected[rid][0]
+
+
 def test_mixed_chunks_and_retraction_keep_the_outputs(spec_runner, plain_runner):
     """Verify rows share a forward with a prefill chunk (--enable-mixed-chunk), and a KV pool
     too small for every request retracts some mid-decode (their drafts are dropped and drafted
