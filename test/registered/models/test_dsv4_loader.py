@@ -179,11 +179,13 @@ def test_mtp_tensors_are_skipped(source, tmp_path):
     assert torch.equal(_logits(with_mtp), _logits(plain))
 
 
-def test_mtp_layers_of_a_real_checkpoint_load_exactly_and_refuse_to_run(dsv4_reference_dir):
+def test_mtp_layers_of_a_real_checkpoint_load_exactly_and_run_only_when_speculating(dsv4_reference_dir):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
     from sglang.srt.model_loader.key_mapping import checkpoint_to_param
 
     ckpt = dsv4_reference_dir / "conformance-tiny"
-    model = ModelRunner(cpu_server_args(model_path=str(ckpt), context_length=512, max_total_tokens=1024)).model
+    runner = ModelRunner(cpu_server_args(model_path=str(ckpt), context_length=512, max_total_tokens=1024))
+    model = runner.model
     assert len(model.mtp) == 1  # num_nextn_predict_layers, with its compress_ratios entry
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
@@ -194,5 +196,7 @@ def test_mtp_layers_of_a_real_checkpoint_load_exactly_and_refuse_to_run(dsv4_ref
             name, expert = checkpoint_to_param(key)
             dst = params[name] if expert is None else params[name][expert]
             assert torch.equal(dst, f.get_tensor(key).to(dst.dtype)), key
-    with pytest.raises(NotImplementedError, match="speculative decoding"):
-        model.mtp[0](torch.zeros(1, 4, 128), torch.zeros(1, dtype=torch.long))
+    assert len(runner.kv_pool.raw) == 4 and model.streams_out is None  # no caches for them without speculation
+    fb = build_forward_batch(ForwardMode.EXTEND, [0], [0], [[5]], "cpu")
+    with pytest.raises(ValueError, match="--speculative-algorithm mtp"):
+        runner.forward_mtp(fb, torch.zeros(1, 4, 128))

@@ -456,8 +456,9 @@ def test_gpu_verify_replayed_from_breakable_graphs_gives_the_plain_outputs(dtype
     """On CUDA with real breakable graphs: drafts wrong at varying offsets (partial
     acceptance) and the MTP layer's own drafts give the plain run's greedy tokens. In fp32
     exactly; in bf16 a verify row computes its positions in other batch shapes than decode
-    rows do, so the tokens may part where the plain run's top two were a near tie (a logprob
-    gap under 0.05): every divergence must be at such a position."""
+    rows do, so the tokens may part where the plain run's top two were a near tie: a logprob
+    gap under 0.3, the spread of one request's bf16 logits across batch shapes measured on an
+    H200 (test/registered/models/test_dsv4_gpu.py); every divergence must be at such a position."""
     gpu = dict(device="cuda", dtype=dtype, enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[16, 64])
     lengths = LENGTHS
     reqs = lambda: [GenerateReqInput(rid=f"r{n}", input_ids=p, return_logprob=True, top_logprobs_num=2,  # noqa: E731
@@ -505,7 +506,7 @@ def test_gpu_verify_replayed_from_breakable_graphs_gives_the_plain_outputs(dtype
                 continue
             assert dtype == "bfloat16", (rid, m)
             (lp1, _), (lp2, _) = expect[rid][1][m][:2]
-            assert lp1 - lp2 < 0.05, (rid, m, lp1 - lp2)
+            assert lp1 - lp2 < 0.3, (rid, m, lp1 - lp2)
             parted += 1
         assert stats["breakable_replays"] > 0 and stats["spec_draft_tokens"] > 0
         print(f"{dtype}: accept rate {stats['spec_accept_rate']:.2f}, {parted} of {len(expect)} requests part at a near tie")

@@ -199,6 +199,9 @@ class ModelRunner:
         Under DP attention every rank calls it, idle ones with an empty batch, with the same
         dp_pad_tokens (at least any rank's token count): the MTP layer's MoE is collective."""
         fb = forward_batch
+        if not self.num_mtp_layers:
+            raise ValueError("the MTP layers run only with --speculative-algorithm mtp (without it the KV pool "
+                             "holds no caches for them)")
         if self.dp_groups is not None and dp_pad_tokens is None:
             raise ValueError("forward_mtp under DP attention needs dp_pad_tokens (the same on every rank)")
         self.stats["forward_mtp"] = self.stats.get("forward_mtp", 0) + 1
