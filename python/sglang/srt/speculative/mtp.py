@@ -168,8 +168,7 @@ class MTPSpeculator:
             if i < n_pre:
                 toks = out_tokens.get(i, [])
                 if batch.completes(i) and not toks:
-                    req.prefix_len += n  # finished at prefill: freed above
-                    continue
+                    continue  # finished at prefill (max_new_tokens 0): released above
                 # the token after each position: the prompt's, and after a completed prompt the sampled one
                 end = req.prefix_len + n
                 nxt = req.token_slice(req.prefix_len + 1, end) + toks[:1] if toks else \
