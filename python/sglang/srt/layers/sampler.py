@@ -65,19 +65,35 @@ def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], uniform
     """Filtered sampling for non-greedy rows; uniforms: [S] in [0, 1) on the CPU."""
     dev = logits.device
     vocab = logits.shape[-1]
-    # one upload: temperature, top_k (a top_k past the vocabulary means all of it: it may be
-    # any JSON integer; exact in float32 below 2^24), top_p, min_p, uniform
-    table = torch.tensor([[p.temperature, min(p.top_k, vocab) if p.top_k > 0 else vocab, p.top_p, p.min_p]
-                          for p in params], dtype=torch.float32)
-    table = to_device_async(torch.cat([table, uniforms.float()[:, None]], dim=1), dev)
+    # one upload: the filter parameters and the uniforms
+    table = to_device_async(torch.cat([_param_table(params, vocab), uniforms.float()[:, None]], dim=1), dev)
     temps, top_ps, min_ps, u = table[:, 0], table[:, 2], table[:, 3], table[:, 4]
     top_ks = table[:, 1].long()
 
+    sorted_ids, probs = _filtered_sorted(logits, temps, top_ks, top_ps, min_ps)
+    # inverse CDF on the unnormalised kept mass: first index whose cumulative mass exceeds u
+    cdf = torch.cumsum(probs, dim=-1)
+    target = u * cdf[:, -1]
+    choice = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=vocab - 1)
+    return sorted_ids.gather(1, choice).squeeze(1)
+
+
+def _param_table(params: Sequence[SamplingParams], vocab: int) -> torch.Tensor:
+    """[S, 4] fp32 on the CPU: temperature, top_k (a top_k past the vocabulary means all of it:
+    it may be any JSON integer; exact in float32 below 2^24), top_p, min_p."""
+    return torch.tensor([[p.temperature, min(p.top_k, vocab) if p.top_k > 0 else vocab, p.top_p, p.min_p]
+                         for p in params], dtype=torch.float32)
+
+
+def _filtered_sorted(logits, temps, top_ks, top_ps, min_ps):
+    """(ids in descending order of logit, their unnormalised kept mass) after temperature,
+    top-k, top-p and min-p, each on the distribution the previous one left."""
+    vocab = logits.shape[-1]
     x = logits.float() / temps[:, None]
     # stable: among equal logits the lower id ranks first, matching argmax's tie-break
     sorted_logits, sorted_ids = torch.sort(x, dim=-1, descending=True, stable=True)
     probs = torch.softmax(sorted_logits, dim=-1)
-    ranks = torch.arange(vocab, device=dev)
+    ranks = torch.arange(vocab, device=logits.device)
     probs = probs * (ranks[None, :] < top_ks[:, None])
     # top-p on the top-k distribution: keep the smallest prefix whose mass reaches top_p of
     # what top-k kept (the first token always stays: its exclusive mass is 0). Rows with
@@ -87,30 +103,15 @@ def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], uniform
     threshold = torch.where(top_ps >= 1, torch.full_like(top_ps, float("inf")), top_ps * cum[:, -1])
     probs = probs * (exclusive < threshold[:, None])
     # min-p is relative to the most likely token, so renormalisation does not change it
-    probs = probs * (probs >= min_ps[:, None] * probs[:, :1])
-    # inverse CDF on the unnormalised kept mass: first index whose cumulative mass exceeds u
-    cdf = torch.cumsum(probs, dim=-1)
-    target = u * cdf[:, -1]
-    choice = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=vocab - 1)
-    return sorted_ids.gather(1, choice).squeeze(1)
+    return sorted_ids, probs * (probs >= min_ps[:, None] * probs[:, :1])
 
 
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The distribution each (non-greedy) row samples from, in vocabulary order [B, V] fp32,
-    normalised: the same temperature / top-k / top-p / min-p filtering as _sample_rows.
-    Speculative sampling compares the target's and the draft's with it."""
-    dev = logits.device
-    vocab = logits.shape[-1]
-    table = to_device_async(torch.tensor([[p.temperature, min(p.top_k, vocab) if p.top_k > 0 else vocab, p.top_p,
-                                           p.min_p] for p in params], dtype=torch.float32), dev)
-    temps, top_ks, top_ps, min_ps = table[:, 0], table[:, 1].long(), table[:, 2], table[:, 3]
-    sorted_logits, sorted_ids = torch.sort(logits.float() / temps[:, None], dim=-1, descending=True, stable=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    probs = probs * (torch.arange(vocab, device=dev)[None, :] < top_ks[:, None])
-    cum = torch.cumsum(probs, dim=-1)
-    threshold = torch.where(top_ps >= 1, torch.full_like(top_ps, float("inf")), top_ps * cum[:, -1])
-    probs = probs * ((cum - probs) < threshold[:, None])
-    probs = probs * (probs >= min_ps[:, None] * probs[:, :1])
+    normalised: _sample_rows' filtering. Speculative sampling compares the target's and the
+    draft's with it."""
+    table = to_device_async(_param_table(params, logits.shape[-1]), logits.device)
+    sorted_ids, probs = _filtered_sorted(logits, table[:, 0], table[:, 1].long(), table[:, 2], table[:, 3])
     probs = probs / probs.sum(dim=-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(1, sorted_ids, probs)
 

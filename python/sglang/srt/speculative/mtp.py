@@ -125,7 +125,8 @@ class MTPSpeculator:
         snapshot = RingSnapshot(runner.kv_pool, self.target_layers, spans) if spans else None
         hidden = runner.forward_hidden(fb, path)
         T = fb.num_live_tokens
-        streams = runner.model.streams_out[:T].clone()  # the MTP forwards below reuse nothing of it
+        # read before the next target forward rewrites it (the MTP forwards leave it alone)
+        streams = runner.model.streams_out[:T]
 
         # rows whose logits are read: each completing prefill chunk's last, every decode row's
         starts = [0]
