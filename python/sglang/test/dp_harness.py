@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
+from sglang.test.speculative_drafts import reference_drafts
 
 TINY_DP = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=32768, max_running_requests=10)
 BUCKETS = (8, 16, 32, 48)
@@ -200,6 +201,23 @@ def dp_scheduler_requests(rank: int, vocab: int):
     return reqs
 
 
+def _serve_in_lockstep(sched, sync, group) -> Tuple[dict, list]:
+    """Step every rank's scheduler until no rank has work: ({rid: (ids, finish reason)}, the
+    agreed path of every step)."""
+    import torch.distributed as dist
+
+    results, paths = {}, []
+    while True:
+        busy = torch.tensor([int(sched.has_work())], dtype=torch.int64)
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=group)
+        if not busy.item():
+            return results, paths
+        for o in sched.step(sync):
+            ids, _ = results.get(o.rid, ([], None))
+            results[o.rid] = (ids + o.new_token_ids, o.finish_reason)
+        paths.append(sync.last_path)
+
+
 def dp_scheduler_rank_main(rank: int, world: int, port: int, out_dir: str, stop_token_of: Optional[dict] = None,
                            timeout_s: float = 60.0) -> None:
     """One DP rank running the real Scheduler (dsv4-tiny, breakable and decode graphs on the
@@ -208,8 +226,6 @@ def dp_scheduler_rank_main(rank: int, world: int, port: int, out_dir: str, stop_
     and the idle steps this rank joined. `stop_token_of` (rid -> token) adds stop tokens."""
     torch.set_num_threads(1)
     with _errors_to(os.path.join(out_dir, f"rank{rank}.err")):
-        import torch.distributed as dist
-
         from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
         from sglang.srt.model_executor.dp_sync import DPStepSync
         from sglang.srt.managers.scheduler import Scheduler
@@ -235,16 +251,7 @@ def dp_scheduler_rank_main(rank: int, world: int, port: int, out_dir: str, stop_
                     r.sampling_params.stop_token_ids = [stop_token_of[r.rid]]
                     r.sampling_params.ignore_eos = False
                 sched.add_request(r)
-            results, paths = {}, []
-            while True:
-                busy = torch.tensor([int(sched.has_work())], dtype=torch.int64)
-                dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=groups.cpu_group)
-                if not busy.item():
-                    break
-                for o in sched.step(sync):
-                    ids, _ = results.get(o.rid, ([], None))
-                    results[o.rid] = (ids + o.new_token_ids, o.finish_reason)
-                paths.append(sync.last_path)
+            results, paths = _serve_in_lockstep(sched, sync, groups.cpu_group)
             stats = sched.get_stats()
             out[overlap] = dict(results=results, paths=paths, idle_forwards=sched.num_forwards[ForwardMode.IDLE],
                                 overlap_steps=stats["num_overlap_steps"], dropped=stats["num_dropped_tokens"],
@@ -265,8 +272,6 @@ def dp_speculative_rank_main(rank: int, world: int, port: int, out_dir: str, ckp
     outputs, agreed paths, idle forwards and speculation counters."""
     torch.set_num_threads(1)
     with _errors_to(os.path.join(out_dir, f"rank{rank}.err")):
-        import torch.distributed as dist
-
         from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
         from sglang.srt.managers.scheduler import Scheduler
         from sglang.srt.model_executor.dp_sync import DPStepSync
@@ -286,26 +291,11 @@ def dp_speculative_rank_main(rank: int, world: int, port: int, out_dir: str, ckp
             sync = DPStepSync(groups.cpu_group, rank, world, runner.graph_tables)
             reqs = dp_scheduler_requests(rank, runner.config.vocab_size)
             if name == "partial":
-                plain = {r.rid: out["plain"]["results"][r.rid][0] for r in reqs}
-
-                def wrong_at_pos_mod_3(req, pos, drafts, plain=plain):
-                    d = list(plain[req.rid][pos - len(req.origin_input_ids):][:len(drafts)])
-                    d += [2] * (len(drafts) - len(d))
-                    d[pos % 3 % len(d)] ^= 1
-                    return d
-                sched.speculator.draft_override = wrong_at_pos_mod_3
+                plain = out["plain"]["results"]
+                sched.speculator.draft_override = reference_drafts(lambda req: plain[req.rid][0], lambda pos: pos % 3)
             for r in reqs:
                 sched.add_request(r)
-            results, paths = {}, []
-            while True:
-                busy = torch.tensor([int(sched.has_work())], dtype=torch.int64)
-                dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=groups.cpu_group)
-                if not busy.item():
-                    break
-                for o in sched.step(sync):
-                    ids, _ = results.get(o.rid, ([], None))
-                    results[o.rid] = (ids + o.new_token_ids, o.finish_reason)
-                paths.append(sync.last_path)
+            results, paths = _serve_in_lockstep(sched, sync, groups.cpu_group)
             stats = sched.get_stats()
             out[name] = dict(results=results, paths=paths, idle_forwards=sched.num_forwards[ForwardMode.IDLE],
                              free_pages=(stats["num_free_pages"], stats["num_total_pages"]),

@@ -20,6 +20,7 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 from sglang.test.runner_args import cpu_server_args
+from sglang.test.speculative_drafts import reference_drafts
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 CKPT = str(Path(os.environ.get("DSV4_REFERENCE_DIR") or Path(__file__).parents[2] / "data" / "dsv4-reference")
@@ -89,20 +90,9 @@ def expected(plain_runner):
 
 
 def _oracle(expected, wrong_at=None):
-    """Drafts equal to the target's greedy continuation; with wrong_at, the draft at that
-    offset (and so every later one) is replaced by another token."""
+    """Drafts from the plain greedy outputs (speculative_drafts.reference_drafts)."""
     prompts = {tuple(p): f"r{n}" for n, p in zip(LENGTHS, _prompts(LENGTHS))}
-
-    def override(req, first_pos, drafts):
-        out = expected[prompts[tuple(req.origin_input_ids)]][0]
-        start = first_pos - len(req.origin_input_ids)  # output index of the first draft
-        d = list(out[start:start + len(drafts)])
-        d += [2] * (len(drafts) - len(d))
-        if wrong_at is not None and wrong_at(first_pos) < len(d):
-            m = wrong_at(first_pos)
-            d[m] = (d[m] + 1) % 510 + 2
-        return d
-    return override
+    return reference_drafts(lambda req: expected[prompts[tuple(req.origin_input_ids)]][0], wrong_at)
 
 
 def test_mtp_drafts_give_the_plain_greedy_outputs(spec_runner, expected):
@@ -387,12 +377,8 @@ def test_prefix_caching_with_speculation_gives_the_plain_outputs(spec_runner, pl
     plain.update(_serve(plain_runner, turns(plain))[0])
     prompts = {tuple(r.input_ids): r.rid for r in firsts() + turns(plain)}
 
-    def wrong_at_pos_mod_3(req, pos, drafts):
-        out = plain[prompts[tuple(req.origin_input_ids)]][0]
-        d = list(out[pos - len(req.origin_input_ids):][:len(drafts)])
-        d += [2] * (len(drafts) - len(d))
-        d[pos % 3 % len(d)] ^= 1
-        return d
+    wrong_at_pos_mod_3 = reference_drafts(lambda req: plain[prompts[tuple(req.origin_input_ids)]][0],
+                                          lambda pos: pos % 3)
 
     for override in (None, wrong_at_pos_mod_3):
         args = dict(BASE, max_running_requests=64, speculative_algorithm="mtp", speculative_num_steps=3,
@@ -488,12 +474,8 @@ def test_gpu_verify_replayed_from_breakable_graphs_gives_the_plain_outputs(dtype
     spec = ModelRunner(cpu_server_args(**dict(BASE, **gpu, speculative_algorithm="mtp", speculative_num_steps=3)))
     prompts = {tuple(p): f"r{n}" for n, p in zip(lengths, _prompts(lengths))}
 
-    def wrong_at_pos_mod_3(req, pos, drafts):
-        out = expect[prompts[tuple(req.origin_input_ids)]][0]
-        d = list(out[pos - len(req.origin_input_ids):][:len(drafts)])
-        d += [2] * (len(drafts) - len(d))
-        d[pos % 3 if pos % 3 < len(d) else 0] ^= 1
-        return d
+    wrong_at_pos_mod_3 = reference_drafts(lambda req: expect[prompts[tuple(req.origin_input_ids)]][0],
+                                          lambda pos: pos % 3)
 
     for override in (wrong_at_pos_mod_3, None):
         got, stats = serve(spec, override)
