@@ -201,6 +201,30 @@ def dp_scheduler_requests(rank: int, vocab: int):
     return reqs
 
 
+def run_ranks(target, world: int, out_dir: str, *args, join_timeout_s: float = 400.0, **kwargs) -> dict:
+    """Spawn `world` processes of target(rank, world, port, out_dir, *args, **kwargs), wait, and
+    return {rank: what it saved in rank{r}.pt}; a hung rank or one that wrote rank{r}.err
+    fails the calling test with that error."""
+    import torch.multiprocessing as mp
+
+    from sglang.test.server_process import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, out_dir, *args), kwargs=kwargs) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=join_timeout_s)
+    assert all(not p.is_alive() for p in procs), "a DP rank hung"
+    out = {}
+    for r in range(world):
+        err = os.path.join(out_dir, f"rank{r}.err")
+        assert not os.path.exists(err), open(err).read()
+        out[r] = torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+    return out
+
+
 def _serve_in_lockstep(sched, sync, group) -> Tuple[dict, list]:
     """Step every rank's scheduler until no rank has work: ({rid: (ids, finish reason)}, the
     agreed path of every step)."""

@@ -3,28 +3,12 @@ emulator): the consensus for step N+1 runs before step N is processed, yet every
 the same path every step, the idle rank still joins, and outputs equal those without overlap."""
 
 import pytest
-import torch
-import torch.multiprocessing as mp
 
-from sglang.test.dp_harness import dp_scheduler_rank_main
-from sglang.test.server_process import free_port
+from sglang.test.dp_harness import dp_scheduler_rank_main, run_ranks
 
 
 def _run(tmp_path, **kw):
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=dp_scheduler_rank_main, args=(r, 2, port, str(tmp_path)), kwargs=kw) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert all(not p.is_alive() for p in procs), "a DP rank hung"
-    out = {}
-    for r in range(2):
-        err = tmp_path / f"rank{r}.err"
-        assert not err.exists(), err.read_text() if err.exists() else ""
-        out[r] = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
-    return out
+    return run_ranks(dp_scheduler_rank_main, 2, str(tmp_path), join_timeout_s=300, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -6,30 +6,14 @@ decoding on every rank with the MTP layer's drafts and with partly accepted ones
 import os
 from pathlib import Path
 
-import torch
-import torch.multiprocessing as mp
-
-from sglang.test.dp_harness import dp_speculative_rank_main
-from sglang.test.server_process import free_port
+from sglang.test.dp_harness import dp_speculative_rank_main, run_ranks
 
 CKPT = str(Path(os.environ.get("DSV4_REFERENCE_DIR") or Path(__file__).parents[2] / "data" / "dsv4-reference")
            / "conformance-tiny")
 
 
 def test_dp_ranks_speculate_in_step_and_match_plain_decoding(tmp_path):
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=dp_speculative_rank_main, args=(r, 2, port, str(tmp_path), CKPT)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=400)
-    assert all(not p.is_alive() for p in procs), "a DP rank hung"
-    out = {}
-    for r in range(2):
-        err = tmp_path / f"rank{r}.err"
-        assert not err.exists(), err.read_text() if err.exists() else ""
-        out[r] = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+    out = run_ranks(dp_speculative_rank_main, 2, str(tmp_path), CKPT)
     for rank in range(2):
         plain = out[rank]["plain"]
         assert len(plain["results"]) == (5 if rank == 0 else 1)
