@@ -16,6 +16,7 @@ import torch
 
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.model_executor.graph_dispatch import PathKind
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
@@ -270,6 +271,37 @@ def test_verify_steps_replay_from_breakable_graphs_with_the_eager_outputs(expect
     got, stats = _serve(runner, reqs, override=_oracle(expected, lambda pos: pos % 3))
     _same(got, expected)
     assert stats["breakable_replays"] > before
+
+
+def test_mtp_forwards_replay_from_their_own_graphs_with_the_eager_drafts(spec_runner, expected):
+    """With graphs (the CPU emulator's decode graphs, breakable graphs), the MTP layer's
+    draft steps replay decode graphs and its pass over the committed positions replays
+    breakable graphs up to a decode step's size; drafts, and so acceptance, equal the eager
+    MTP layer's, and the outputs stay the plain ones."""
+    graphs = ModelRunner(cpu_server_args(**dict(BASE, speculative_algorithm="mtp", speculative_num_steps=3,
+                                                enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[16, 64],
+                                                cuda_graph_max_bs=8)), cuda_graph_on_cpu=True)
+    assert graphs.mtp_graph_runners[PathKind.BREAKABLE].buckets == [1, 2, 4, 8, 12, 16, 24, 32]
+    assert graphs.mtp_graph_runners[PathKind.DECODE_GRAPH].buckets == [1, 2, 4, 8]
+    reqs = lambda: [_req(f"r{n}", p) for n, p in zip(LENGTHS, _prompts(LENGTHS))]  # noqa: E731
+    oracle = _oracle(expected, lambda pos: pos % 3)
+
+    def recording(log):
+        def override(req, pos, drafts):
+            log[(req.rid, pos)] = list(drafts)
+            return oracle(req, pos, drafts)
+        return override
+
+    eager_drafts, graph_drafts = {}, {}
+    eager, _ = _serve(spec_runner, reqs(), override=recording(eager_drafts), max_running_requests=8)
+    got, stats = _serve(graphs, reqs(), override=recording(graph_drafts), max_running_requests=8)
+    _same(got, expected)
+    _same(eager, expected)
+    assert len(graph_drafts) > 50 and graph_drafts == eager_drafts
+    assert stats["mtp_decode_graph_replays"] > 0 and stats["mtp_breakable_replays"] > 0
+    # prefill chunks of 64 tokens are wider than the largest MTP bucket: those passes ran eagerly
+    assert stats["mtp_breakable_fallbacks"] == {"too_many_tokens": stats["mtp_breakable_fallbacks"]["too_many_tokens"]}
+    graphs.shutdown()
 
 
 def _exact_first_pairs(runner, prompt, params):

@@ -98,6 +98,10 @@ class GraphRunner:
         """Context the capture runs in (break ops splitting or inline)."""
         return nullcontext()
 
+    def _model_forward(self, static_fb: ForwardBatch, bucket: int):
+        """What the graph captures: the target model over the static batch (its hidden states)."""
+        return self.model(static_fb.input_ids, self._graph_embeds(bucket))
+
     @property
     def num_replays(self) -> int:
         return sum(self.replays_by_bucket.values())
@@ -134,7 +138,6 @@ class GraphRunner:
         static_fb = self._capture_batch(bucket)
         metadata = self.init_capture_metadata(static_fb)
         dp_moe = self.model_runner.dp_moe(bucket)  # DP: the MoE collectives are captured too
-        embeds = self._graph_embeds(bucket)
         with torch.inference_mode(), forward_context(static_fb, self.attn_backend, self._live_rows(None, bucket),
                                                      dp_moe), self._capture_mode():
             # Warm-up outside the capture (JIT compiles, cuBLAS workspaces, allocator blocks for
@@ -142,12 +145,12 @@ class GraphRunner:
             # first time, once for the others. Warm-ups were most of the capture time at Flash
             # dims (three eager forwards per bucket).
             for _ in range(2 if self.device.type == "cuda" and not self.graphs else 1):
-                self.model(static_fb.input_ids, embeds)
+                self._model_forward(static_fb, bucket)
             graph = create_breakable_graph(self.device, pool=pool, debug=self.debug)
             with graph.capture():
-                hidden = self.model(static_fb.input_ids, embeds)
+                out = self._model_forward(static_fb, bucket)
         self.graphs[bucket] = graph
-        self.outputs[bucket] = hidden
+        self.outputs[bucket] = out
         self.captured_metadata[bucket] = metadata
 
     # ---- replay ---------------------------------------------------------------------------

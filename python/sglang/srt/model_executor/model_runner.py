@@ -37,6 +37,7 @@ from sglang.srt.model_executor.graph_dispatch import (
     describe,
 )
 from sglang.srt.model_executor.graph_tables_check import require_same_capture_tables
+from sglang.srt.model_executor.mtp_graph_runner import build_mtp_graph_runners, mtp_graph_tables
 from sglang.srt.model_loader.random_init import init_random_weights
 from sglang.srt.model_loader.safetensors_io import load_checkpoint
 from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
@@ -109,8 +110,11 @@ class ModelRunner:
             require_same_capture_tables(self.dp_groups.cpu_group, args.dp_size, GraphTables(
                 breakable_buckets=self.breakable_runner.buckets if self.breakable_runner else (),
                 decode_bs_buckets=self.decode_graph_runner.buckets if self.decode_graph_runner else ()))
+        # the MTP layer's own graphs (speculative decoding; none under DP attention)
+        self.mtp_graph_runners = build_mtp_graph_runners(self)
+        self.mtp_graph_tables = mtp_graph_tables(self.mtp_graph_runners)
         log_memory_before_capture(self)
-        for runner in self.graph_runners.values():
+        for runner in list(self.graph_runners.values()) + list(self.mtp_graph_runners.values()):
             try:
                 runner.capture()
             except torch.OutOfMemoryError as e:  # at start-up, never mid-serving: say what to change
@@ -194,10 +198,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_mtp(self, forward_batch: ForwardBatch, streams: torch.Tensor, k: int = 0,
                     dp_pad_tokens: Optional[int] = None) -> tuple:
-        """MTP layer k, eagerly, over the batch (its input_ids: the token after each position)
-        and the residual streams [T, hc, d] of each position: (output streams, final hidden).
-        Under DP attention every rank calls it, idle ones with an empty batch, with the same
-        dp_pad_tokens (at least any rank's token count): the MTP layer's MoE is collective."""
+        """MTP layer k over the batch (its input_ids: the token after each position) and the
+        residual streams [T, hc, d] of each position: (output streams, final hidden), at least
+        T rows (a graph's are its bucket's). The first module replays its graphs where one
+        fits (mtp_graph_runner.py), the rest runs eagerly. Under DP attention every rank calls
+        it, idle ones with an empty batch, with the same dp_pad_tokens (at least any rank's
+        token count), eagerly: the MTP layer's MoE is collective."""
         fb = forward_batch
         if not self.num_mtp_layers:
             raise ValueError("the MTP layers run only with --speculative-algorithm mtp (without it the KV pool "
@@ -205,6 +211,13 @@ class ModelRunner:
         if self.dp_groups is not None and dp_pad_tokens is None:
             raise ValueError("forward_mtp under DP attention needs dp_pad_tokens (the same on every rank)")
         self.stats["forward_mtp"] = self.stats.get("forward_mtp", 0) + 1
+        if k == 0 and self.mtp_graph_tables is not None and fb.num_tokens:
+            path = decide_step_path((describe(fb),), self.mtp_graph_tables)
+            runner = self.mtp_graph_runners.get(path.kind)
+            if runner is not None:
+                return runner.replay_mtp(fb, streams, path.size)
+            if path.wanted in self.mtp_graph_runners:
+                self.mtp_graph_runners[path.wanted].count_fallback(path.reason, fb)
         self.attn_backend.init_forward_metadata(fb)
         with forward_context(fb, self.attn_backend, dp_moe=self.dp_moe(dp_pad_tokens) if dp_pad_tokens else None):
             return self.model.forward_mtp(k, streams, fb.input_ids)
@@ -220,7 +233,7 @@ class ModelRunner:
         # Which kernels run: the first thing to check when a GPU step is slower than expected.
         out = dict(self.stats, **self.kv_capacity, attention_kernels=self.attn_backend.kernels,
                    segment_kernels=self.attn_backend.segment_kernels)
-        for runner in self.graph_runners.values():
+        for runner in list(self.graph_runners.values()) + list(self.mtp_graph_runners.values()):
             out.update(runner.get_stats())
         if self.device.type == "cuda":
             # this process's own device memory (the caching allocator, graph pools included):
@@ -230,6 +243,6 @@ class ModelRunner:
         return out
 
     def shutdown(self) -> None:
-        for runner in self.graph_runners.values():
+        for runner in list(self.graph_runners.values()) + list(self.mtp_graph_runners.values()):
             runner.release()
-        self.graph_runners = {}
+        self.graph_runners, self.mtp_graph_runners, self.mtp_graph_tables = {}, {}, None

@@ -304,7 +304,9 @@ class MTPSpeculator:
             fb = build_forward_batch(ForwardMode.DECODE, [r.req_pool_idx for r in dreqs],
                                      [r.prefix_len + step for r in dreqs], [[t] for t in toks], dev)
             cur_streams, final = runner.forward_mtp(fb, cur_streams, dp_pad_tokens=self.dp_pad)
-            cur_logits = runner.model.compute_logits(final)
+            # a graph's outputs are its bucket's rows, and its next replay rewrites them
+            n = len(dreqs)
+            cur_streams, cur_logits = cur_streams[:n].clone(), runner.model.compute_logits(final[:n])
         if snapshot is not None:
             snapshot.restore(spans)
         for r, pr in zip(dreqs, probs):

@@ -1,0 +1,100 @@
+"""Graphs of the MTP layer's forwards (speculative decoding): the draft steps replay decode
+graphs (one token per request) and the pass over a step's committed positions replays
+breakable graphs (token-count buckets), like the target's steps.
+
+An MTP forward is a single decoder layer, so eagerly it is almost all host time: at Flash
+dims one such forward launches about a hundred kernels, milliseconds of Python for well
+under a millisecond of GPU work, several times per speculative step. The graphs read the
+target's residual streams from a static buffer of their own; the attention metadata is
+built and refreshed exactly as for the target's graphs of the same kind.
+
+Only the first MTP module is captured (it is the one that drafts), and only for a world of
+one: under DP attention the MTP forwards run eagerly, padded to the step's DP token count
+(model_runner.forward_mtp).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.graph_dispatch import (
+    GraphTables,
+    PathKind,
+    default_capture_bs,
+    default_capture_num_tokens,
+)
+from sglang.srt.model_executor.graph_runner import (
+    BreakableCudaGraphRunner,
+    DecodeCudaGraphRunner,
+    GraphRunner,
+)
+
+
+class _MTPGraphs:
+    """What both kinds add to their target runner: the streams buffer, and the MTP layer in
+    place of the target model."""
+
+    module = 0  # the MTP module the graphs run
+
+    def _init_streams(self) -> None:
+        c = self.model_runner.config
+        self.streams_in = torch.zeros(self.buckets[-1], c.hc_mult, c.hidden_size, dtype=self.model_runner.dtype,
+                                      device=self.device)
+
+    def _model_forward(self, static_fb: ForwardBatch, bucket: int):
+        return self.model.forward_mtp(self.module, self.streams_in[:bucket], static_fb.input_ids)
+
+    def replay_mtp(self, fb: ForwardBatch, streams: torch.Tensor, bucket: int) -> tuple:
+        """(output streams, final hidden), each the bucket's rows: the first fb.num_tokens are
+        the batch's. Padding rows keep earlier streams (finite values; nothing reads their rows)."""
+        self.streams_in[:fb.num_tokens].copy_(streams)
+        return self.replay_hidden(fb, bucket)
+
+
+class MTPDecodeGraphRunner(_MTPGraphs, DecodeCudaGraphRunner):
+    name = "mtp_decode_graph"
+
+    def __init__(self, model_runner, buckets: Sequence[int], debug: bool = False):
+        super().__init__(model_runner, buckets, debug)
+        self._init_streams()
+
+
+class MTPBreakableGraphRunner(_MTPGraphs, BreakableCudaGraphRunner):
+    name = "mtp_breakable"
+
+    def __init__(self, model_runner, buckets: Sequence[int], debug: bool = False):
+        super().__init__(model_runner, buckets, debug)
+        self._init_streams()
+
+    def _fill(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
+        # the MTP layer embeds its next-token ids inside the graph: no lookup before the replay
+        return GraphRunner._fill(self, fb, bucket)
+
+
+def build_mtp_graph_runners(model_runner) -> Dict[PathKind, GraphRunner]:
+    """The MTP graphs the runner's flags ask for, not yet captured. Decode buckets are the
+    target's; breakable buckets stop at what a decode-only step commits (each request's
+    accepted drafts and its new token): larger MTP passes cover prefill chunks, where the GPU
+    work hides the host's."""
+    args, runners = model_runner.server_args, {}
+    if model_runner.dp_groups is not None or not model_runner.num_mtp_layers:
+        return runners
+    max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+    if model_runner.breakable_runner is not None:
+        cap = min(max_bs * (args.speculative_num_steps + 1), model_runner.breakable_runner.buckets[-1])
+        runners[PathKind.BREAKABLE] = MTPBreakableGraphRunner(model_runner, default_capture_num_tokens(cap),
+                                                              debug=args.debug_cuda_graph)
+    if model_runner.decode_graph_runner is not None:
+        runners[PathKind.DECODE_GRAPH] = MTPDecodeGraphRunner(model_runner, default_capture_bs(max_bs),
+                                                              debug=args.debug_cuda_graph)
+    return runners
+
+
+def mtp_graph_tables(runners: Dict[PathKind, GraphRunner]) -> Optional[GraphTables]:
+    if not runners:
+        return None
+    b, d = runners.get(PathKind.BREAKABLE), runners.get(PathKind.DECODE_GRAPH)
+    return GraphTables(breakable_buckets=b.buckets if b else (), decode_bs_buckets=d.buckets if d else ())
