@@ -47,16 +47,22 @@ class RingSnapshot:
                     for t in (st.kv, st.score):
                         self._tensors.append((t.view(-1, t.shape[-1]), st.ring))
         keys = list(self._order)
-        self._saved = [rows[self._rows(keys, size)] for rows, size in self._tensors]  # index_select: copies
+        # one index tensor per ring size (three at most), not one per tensor: a Flash step
+        # snapshots about a hundred tensors, and each host-to-device index costs host time
+        rows_of = self._rows_by_size(keys)
+        self._saved = [rows[rows_of[size]] for rows, size in self._tensors]  # index_select: copies
 
     def smallest_ring(self, layers: Sequence[int]) -> int:
         rings = [self.pool.window] + [states[i].ring for states in (self.pool.compressor_state, self.pool.indexer_state)
                                       for i in layers if i in states]
         return min(rings)
 
-    def _rows(self, keys: Sequence[Tuple[int, int]], size: int) -> torch.Tensor:
-        idx = torch.tensor([slot * size + p % size for slot, p in keys], dtype=torch.int64)
-        return idx.to(self.pool.device, non_blocking=True)
+    def _rows_by_size(self, keys: Sequence[Tuple[int, int]]) -> Dict[int, torch.Tensor]:
+        out = {}
+        for size in {size for _, size in self._tensors}:
+            idx = torch.tensor([slot * size + p % size for slot, p in keys], dtype=torch.int64)
+            out[size] = idx.to(self.pool.device, non_blocking=True)
+        return out
 
     def restore(self, spans: Sequence[Span]) -> None:
         """Write back the rows of `spans` (each position was in the snapshot's spans)."""
@@ -67,5 +73,6 @@ class RingSnapshot:
         if missing:
             raise ValueError(f"positions {missing[:4]} were not in the snapshot")
         pick = torch.tensor([self._order[k] for k in keys], dtype=torch.int64).to(self.pool.device, non_blocking=True)
+        rows_of = self._rows_by_size(keys)
         for (rows, size), saved in zip(self._tensors, self._saved):
-            rows.index_copy_(0, self._rows(keys, size), saved.index_select(0, pick))
+            rows.index_copy_(0, rows_of[size], saved.index_select(0, pick))
