@@ -65,6 +65,16 @@ class CompressorState:
         return self.kv.shape[1]
 
 
+@dataclass
+class RingStack:
+    """Per-request rings of several layers in one tensor [len(layers), rows, width]: layer
+    layers[j]'s row of request slot s and position p is [j, s * ring + p % ring]."""
+
+    rows: torch.Tensor
+    layers: List[int]
+    ring: int
+
+
 class DSV4KVPool:
     """kv_cache_dtype "auto": KV rows in `dtype`; "fp8_e4m3": FP8 rows (`fp8_layout`).
     round_nope_fp8 (release numerics): a float cache holds the nope dims FP8-rounded per 64,
@@ -110,17 +120,32 @@ class DSV4KVPool:
         self.compressor_state: Dict[int, CompressorState] = {}
         self.indexer_state: Dict[int, CompressorState] = {}
         rows = max_num_reqs + 1  # + the padding request
-        for layer in range(n_layers):
-            r = config.layer_compress_ratio(layer)
-            # zeros, not empty: every row read back must stay finite
-            self.raw.append(self._kv_rows(self.staging_start + self.staging_rows))
+        # The per-request rings (raw window rows, compressor and indexer states) of all layers
+        # of one shape are one allocation, each layer's a view of it: a speculative step's
+        # rollback copies the same rows of every layer (speculative/ring_snapshot.py), one
+        # gather per stack instead of one per layer and tensor.
+        ratios = [config.layer_compress_ratio(layer) for layer in range(n_layers)]
+        # zeros, not empty: every row read back must stay finite
+        raw_stack = self._kv_rows(n_layers * (self.staging_start + self.staging_rows)).view(
+            n_layers, self.staging_start + self.staging_rows, -1)
+        self.raw = list(raw_stack.unbind(0))
+        self.ring_stacks: List[RingStack] = [RingStack(raw_stack, list(range(n_layers)), self.window)]
+        for r in sorted(set(ratios) - {0}):
+            layers = [layer for layer in range(n_layers) if ratios[layer] == r]
+            for states, dim in ((self.compressor_state, D), (self.indexer_state, Di)) if r == 4 else \
+                    ((self.compressor_state, D),):
+                stacked = _new_state(r, dim, rows, device, len(layers))
+                for j, layer in enumerate(layers):
+                    states[layer] = CompressorState(r, dim, stacked.kv[j], stacked.score[j])
+                ring = stacked.kv.shape[2]
+                self.ring_stacks += [RingStack(t.view(len(layers), rows * ring, -1), layers, ring)
+                                     for t in (stacked.kv, stacked.score)]
+        for layer, r in enumerate(ratios):
             if r == 0:
                 continue
             self.compressed[layer] = self._kv_rows(num_slots // r)
-            self.compressor_state[layer] = _new_state(r, D, rows, device)
             if r == 4:
                 self.indexer_keys[layer] = self._index_key_rows(num_slots // r)
-                self.indexer_state[layer] = _new_state(r, Di, rows, device)
 
     def window_rows(self, req_slot: int, positions: range) -> List[slice]:
         """The rows of every layer's raw tensor that hold `positions` (at most W consecutive
@@ -182,9 +207,10 @@ def ring_slices(size: int, positions: range) -> List[slice]:
     return out
 
 
-def _new_state(ratio: int, dim: int, rows: int, device) -> CompressorState:
+def _new_state(ratio: int, dim: int, rows: int, device, num_layers: Optional[int] = None) -> CompressorState:
+    """One layer's state ring, or with num_layers that many layers' stacked (a leading dim)."""
     coff = 2 if ratio == 4 else 1
-    shape = (rows, coff * ratio, coff * dim)
+    shape = (rows, coff * ratio, coff * dim) if num_layers is None else (num_layers, rows, coff * ratio, coff * dim)
     return CompressorState(
         ratio=ratio,
         dim=dim,

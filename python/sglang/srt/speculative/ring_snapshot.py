@@ -13,7 +13,9 @@ What a step at position p writes, and whether a rejected p must be undone:
 A snapshot copies those rows for a list of (request slot, positions) before the step and
 writes back the ones whose positions were rejected afterwards; the accepted positions keep
 what the step wrote, which is what a step without speculation would have left. Positions of
-one request must be fewer than the smallest ring (W and R), so no two share a row.
+one request must be fewer than the smallest ring (W and R), so no two share a row. The pool
+keeps each kind of ring of all layers in one tensor (a ring stack), so a snapshot is a few
+gathers, not one per layer and tensor (a hundred at Flash dims, milliseconds of host time).
 """
 
 from __future__ import annotations
@@ -32,36 +34,40 @@ class RingSnapshot:
         """Copies the rows `spans` will overwrite on `layers` (layer ids of pool)."""
         self.pool = pool
         self.spans = list(spans)
-        self._order: Dict[Tuple[int, int], int] = {}  # (slot, position) -> row of the saved copies
+        self._order: Dict[Tuple[int, int], int] = {}  # (slot, position) -> index among the saved positions
         for slot, start, n in self.spans:
             if n > self.smallest_ring(layers):
                 raise ValueError(f"{n} tentative positions exceed the smallest ring ({self.smallest_ring(layers)} rows)")
             for p in range(start, start + n):
                 self._order[(slot, p)] = len(self._order)
-        self._tensors: List[Tuple[torch.Tensor, int]] = []  # (rows view, ring size)
-        for layer in layers:
-            self._tensors.append((pool.raw[layer], pool.window))
-            for states in (pool.compressor_state, pool.indexer_state):
-                st = states.get(layer)
-                if st is not None:
-                    for t in (st.kv, st.score):
-                        self._tensors.append((t.view(-1, t.shape[-1]), st.ring))
-        keys = list(self._order)
-        # one index tensor per ring size (three at most), not one per tensor: a Flash step
-        # snapshots about a hundred tensors, and each host-to-device index costs host time
-        rows_of = self._rows_by_size(keys)
-        self._saved = [rows[rows_of[size]] for rows, size in self._tensors]  # index_select: copies
+        # per ring stack of the pool (dsv4_kv_pool.RingStack): the rows of `layers`, a
+        # contiguous range of its layers, flattened to [layers * rows, width]
+        wanted = set(layers)
+        self._stacks: List[Tuple[torch.Tensor, int, int]] = []  # (rows view, rows per layer, ring)
+        for st in pool.ring_stacks:
+            js = [j for j, layer in enumerate(st.layers) if layer in wanted]
+            if not js:
+                continue
+            a, b = js[0], js[-1] + 1
+            if js != list(range(a, b)):
+                raise ValueError(f"layers {sorted(wanted)} are not a contiguous range of a ring stack")
+            per = st.rows.shape[1]
+            self._stacks.append((st.rows[a:b].reshape((b - a) * per, -1), per, st.ring))
+        self._saved = [rows[idx] for (rows, _, _), idx in zip(self._stacks, self._indices(list(self._order)))]
 
     def smallest_ring(self, layers: Sequence[int]) -> int:
         rings = [self.pool.window] + [states[i].ring for states in (self.pool.compressor_state, self.pool.indexer_state)
                                       for i in layers if i in states]
         return min(rings)
 
-    def _rows_by_size(self, keys: Sequence[Tuple[int, int]]) -> Dict[int, torch.Tensor]:
-        out = {}
-        for size in {size for _, size in self._tensors}:
-            idx = torch.tensor([slot * size + p % size for slot, p in keys], dtype=torch.int64)
-            out[size] = idx.to(self.pool.device, non_blocking=True)
+    def _indices(self, keys: Sequence[Tuple[int, int]]) -> List[torch.Tensor]:
+        """Per stack, the flat rows of keys on each of its layers (layer-major)."""
+        out = []
+        for rows, per, ring in self._stacks:
+            n_layers = rows.shape[0] // per
+            idx = torch.tensor([j * per + slot * ring + p % ring for j in range(n_layers) for slot, p in keys],
+                               dtype=torch.int64)
+            out.append(idx.to(self.pool.device, non_blocking=True))
         return out
 
     def restore(self, spans: Sequence[Span]) -> None:
@@ -72,7 +78,9 @@ class RingSnapshot:
         missing = [k for k in keys if k not in self._order]
         if missing:
             raise ValueError(f"positions {missing[:4]} were not in the snapshot")
-        pick = torch.tensor([self._order[k] for k in keys], dtype=torch.int64).to(self.pool.device, non_blocking=True)
-        rows_of = self._rows_by_size(keys)
-        for (rows, size), saved in zip(self._tensors, self._saved):
-            rows.index_copy_(0, rows_of[size], saved.index_select(0, pick))
+        n_saved = len(self._order)
+        for (rows, per, _), idx, saved in zip(self._stacks, self._indices(keys), self._saved):
+            n_layers = rows.shape[0] // per
+            pick = torch.tensor([j * n_saved + self._order[k] for j in range(n_layers) for k in keys],
+                                dtype=torch.int64).to(self.pool.device, non_blocking=True)
+            rows.index_copy_(0, idx, saved.index_select(0, pick))
