@@ -295,20 +295,34 @@ class MTPSpeculator:
         spans = [(r.req_pool_idx, r.prefix_len, k - 1) for r in dreqs] if k > 1 else []
         snapshot = RingSnapshot(runner.kv_pool, self.mtp_layers, spans) if spans else None
         probs = [[] for _ in dreqs]
+        # all greedy: the drafts stay on the device until the last step, so the host builds
+        # each next batch while the device still computes the previous draft
+        greedy = all(r.sampling_params.is_greedy for r in dreqs)
+        device_toks = []
         for step in range(k):
-            toks = self._draft_tokens(sched, dreqs, cur_logits, probs)
-            for r, t in zip(dreqs, toks):
-                r.spec_drafts.append(t)
+            if greedy:
+                toks = cur_logits.argmax(dim=-1)
+                device_toks.append(toks)
+            else:
+                toks = self._draft_tokens(sched, dreqs, cur_logits, probs)
+                for r, t in zip(dreqs, toks):
+                    r.spec_drafts.append(t)
             if step == k - 1:
                 break
             fb = build_forward_batch(ForwardMode.DECODE, [r.req_pool_idx for r in dreqs],
-                                     [r.prefix_len + step for r in dreqs], [[t] for t in toks], dev)
+                                     [r.prefix_len + step for r in dreqs], [[0] for _ in dreqs] if greedy
+                                     else [[t] for t in toks], dev)
+            if greedy:
+                fb.input_ids = toks
             cur_streams, final = runner.forward_mtp(fb, cur_streams, dp_pad_tokens=self.dp_pad)
             # a graph's outputs are its bucket's rows, and its next replay rewrites them
             n = len(dreqs)
             cur_streams, cur_logits = cur_streams[:n].clone(), runner.model.compute_logits(final[:n])
         if snapshot is not None:
             snapshot.restore(spans)
+        if greedy:
+            for r, toks in zip(dreqs, torch.stack(device_toks, dim=1).tolist()):
+                r.spec_drafts = toks
         for r, pr in zip(dreqs, probs):
             if pr:
                 r.spec_draft_probs = torch.stack(pr)
