@@ -292,8 +292,9 @@ def dp_speculative_rank_main(rank: int, world: int, port: int, out_dir: str, ckp
     real Scheduler in lockstep, breakable graphs on the emulator: plain decoding, then MTP
     speculation with the MTP layer's own drafts, then with drafts that are the plain tokens
     except at an offset varying with the position (partial acceptance). Rank 1 serves one
-    short request: idle for most steps, it still joins every forward. Saves each run's
-    outputs, agreed paths, idle forwards and speculation counters."""
+    short request: idle for most steps, it still joins every forward, the MTP layer's graph
+    replays too. Saves each run's outputs, agreed paths, idle forwards, speculation counters
+    and MTP forwards and replays."""
     torch.set_num_threads(1)
     with _errors_to(os.path.join(out_dir, f"rank{rank}.err")):
         from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
@@ -324,7 +325,9 @@ def dp_speculative_rank_main(rank: int, world: int, port: int, out_dir: str, ckp
             out[name] = dict(results=results, paths=paths, idle_forwards=sched.num_forwards[ForwardMode.IDLE],
                              free_pages=(stats["num_free_pages"], stats["num_total_pages"]),
                              spec={k: v for k, v in stats.items() if k.startswith("spec_")},
-                             breakable_replays=stats.get("breakable_replays", 0))
+                             breakable_replays=stats.get("breakable_replays", 0),
+                             mtp_replays={k: stats.get(f"mtp_{k}_replays", 0) for k in ("decode_graph", "breakable")},
+                             forward_mtp=stats.get("forward_mtp", 0))
             runner.shutdown()
             del runner, sched, sync
             gc.collect()

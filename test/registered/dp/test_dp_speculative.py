@@ -1,7 +1,8 @@
 """MTP speculative decoding under DP attention on CPU (2 gloo ranks, DeepSeek's conformance
-checkpoint, breakable graphs on the emulator): rank 1 is idle for most steps and still joins
-the target's and every MTP forward (their MoE is collective); no hang; outputs equal plain
-decoding on every rank with the MTP layer's drafts and with partly accepted ones."""
+checkpoint, breakable and decode graphs on the emulator): rank 1 is idle for most steps and
+still joins the target's and every MTP forward (their MoE is collective), graph replays
+included; no hang; outputs equal plain decoding on every rank with the MTP layer's drafts and
+with partly accepted ones."""
 
 import os
 from pathlib import Path
@@ -24,6 +25,12 @@ def test_dp_ranks_speculate_in_step_and_match_plain_decoding(tmp_path):
     for name in ("plain", "mtp", "partial"):
         assert out[0][name]["paths"] == out[1][name]["paths"]  # the same path every step
         assert out[1][name]["idle_forwards"] > 0  # rank 1 idle, still joining
+    for name in ("mtp", "partial"):
+        # the MTP forwards replay their graphs on both ranks (rank 1's mostly with no live row),
+        # the same number of forwards and replays of each kind on both
+        assert out[0][name]["forward_mtp"] == out[1][name]["forward_mtp"] > 0
+        assert out[0][name]["mtp_replays"] == out[1][name]["mtp_replays"]
+        assert out[0][name]["mtp_replays"]["decode_graph"] > 0 and out[0][name]["mtp_replays"]["breakable"] > 0
     partial = out[0]["partial"]["spec"]
     assert 0 < partial["spec_accepted_tokens"] < partial["spec_draft_tokens"]
     assert out[0]["partial"]["breakable_replays"] > 0

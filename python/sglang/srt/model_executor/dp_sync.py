@@ -68,6 +68,7 @@ class DPStepSync:
         self.verify = verify
         self.step = 0
         self.last_path = -1
+        self.infos: List[StepInfo] = []
         self.rank_tables: List[GraphTables] = self._gather_tables() if dp_size > 1 else [tables]
         self.tables_differ = len(set(self.rank_tables)) > 1
         if self.tables_differ:
@@ -93,6 +94,7 @@ class DPStepSync:
         return infos
 
     def decide(self, infos: Sequence[StepInfo], decide_fn=decide_step_path) -> StepPath:
+        self.infos = list(infos)  # what every rank contributed to this step (same on every rank)
         path = decide_fn(infos, self.tables)
         if self.tables_differ:
             paths = [path if t == self.tables else decide_fn(infos, t) for t in self.rank_tables]

@@ -30,11 +30,13 @@ from sglang.srt.model_executor.forward_context import forward_context
 from sglang.srt.model_executor.graph_dispatch import (
     GraphTables,
     PathKind,
+    StepInfo,
     StepPath,
     decide_step_path,
     default_capture_bs,
     default_capture_num_tokens,
     describe,
+    eager_path,
 )
 from sglang.srt.model_executor.graph_tables_check import require_same_capture_tables
 from sglang.srt.model_executor.mtp_graph_runner import build_mtp_graph_runners, mtp_graph_tables
@@ -197,30 +199,38 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_mtp(self, forward_batch: ForwardBatch, streams: torch.Tensor, k: int = 0,
-                    dp_pad_tokens: Optional[int] = None) -> tuple:
+                    path: Optional[StepPath] = None) -> tuple:
         """MTP layer k over the batch (its input_ids: the token after each position) and the
         residual streams [T, hc, d] of each position: (output streams, final hidden), at least
         T rows (a graph's are its bucket's). The first module replays its graphs where one
-        fits (mtp_graph_runner.py), the rest runs eagerly. Under DP attention every rank calls
-        it, idle ones with an empty batch, with the same dp_pad_tokens (at least any rank's
-        token count), eagerly: the MTP layer's MoE is collective."""
+        fits (mtp_graph_runner.py), the rest runs eagerly. Without DP the runner decides the
+        path itself. Under DP attention every rank calls it with the path the ranks agreed
+        (`mtp_path`), idle ones with an empty batch: the MTP layer's MoE is collective."""
         fb = forward_batch
         if not self.num_mtp_layers:
             raise ValueError("the MTP layers run only with --speculative-algorithm mtp (without it the KV pool "
                              "holds no caches for them)")
-        if self.dp_groups is not None and dp_pad_tokens is None:
-            raise ValueError("forward_mtp under DP attention needs dp_pad_tokens (the same on every rank)")
+        if self.dp_groups is not None and path is None:
+            raise ValueError("forward_mtp under DP attention needs the agreed path (ModelRunner.mtp_path)")
         self.stats["forward_mtp"] = self.stats.get("forward_mtp", 0) + 1
-        if k == 0 and self.mtp_graph_tables is not None and fb.num_tokens:
-            path = decide_step_path((describe(fb),), self.mtp_graph_tables)
-            runner = self.mtp_graph_runners.get(path.kind)
-            if runner is not None:
-                return runner.replay_mtp(fb, streams, path.size)
-            if path.wanted in self.mtp_graph_runners:
-                self.mtp_graph_runners[path.wanted].count_fallback(path.reason, fb)
+        if path is None:
+            path = self.mtp_path(describe(fb)) if fb.num_tokens else eager_path(fb)
+        runner = self.mtp_graph_runners.get(path.kind) if k == 0 else None
+        if runner is not None:
+            return runner.replay_mtp(fb, streams, path.size)
+        if path.wanted in self.mtp_graph_runners:
+            self.mtp_graph_runners[path.wanted].count_fallback(path.reason, fb)
         self.attn_backend.init_forward_metadata(fb)
-        with forward_context(fb, self.attn_backend, dp_moe=self.dp_moe(dp_pad_tokens) if dp_pad_tokens else None):
+        with forward_context(fb, self.attn_backend, dp_moe=self.dp_moe(path.size)):
             return self.model.forward_mtp(k, streams, fb.input_ids)
+
+    def mtp_path(self, rows: StepInfo) -> StepPath:
+        """How an MTP forward of `rows` runs: a graph of its kind and bucket, or eager padded to
+        rows.num_tokens. Under DP every rank passes the same bound (the largest rank's rows),
+        so every rank decides the same."""
+        if self.mtp_graph_tables is None:
+            return StepPath(PathKind.EAGER, rows.num_tokens, (rows.num_tokens,), reason="no_graphs")
+        return decide_step_path((rows,), self.mtp_graph_tables)
 
     def _count_dp_step(self, path: StepPath) -> None:
         key = {PathKind.BREAKABLE: "dp_breakable_steps", PathKind.DECODE_GRAPH: "dp_decode_graph_steps",

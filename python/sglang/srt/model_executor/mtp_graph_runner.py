@@ -8,9 +8,11 @@ under a millisecond of GPU work, several times per speculative step. The graphs 
 target's residual streams from a static buffer of their own; the attention metadata is
 built and refreshed exactly as for the target's graphs of the same kind.
 
-Only the first MTP module is captured (it is the one that drafts), and only for a world of
-one: under DP attention the MTP forwards run eagerly, padded to the step's DP token count
-(model_runner.forward_mtp).
+Only the first MTP module is captured (it is the one that drafts). Under DP attention the
+graphs capture the MoE's collectives like the target's, and every rank replays the same
+bucket: the speculator derives it from what all ranks agreed for the step (the largest rank's
+tokens for the pass over committed positions, its requests for the draft steps), idle ranks
+replaying with no live rows. With `--dp-idle-policy eager` the MTP forwards stay eager under DP.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def build_mtp_graph_runners(model_runner) -> Dict[PathKind, GraphRunner]:
     accepted drafts and its new token): larger MTP passes cover prefill chunks, where the GPU
     work hides the host's."""
     args, runners = model_runner.server_args, {}
-    if model_runner.dp_groups is not None or not model_runner.num_mtp_layers:
+    if not model_runner.num_mtp_layers or (model_runner.dp_groups is not None and args.dp_idle_policy == "eager"):
         return runners
     max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
     if model_runner.breakable_runner is not None:

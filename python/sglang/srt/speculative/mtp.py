@@ -38,6 +38,7 @@ from sglang.srt.layers.sampler import sample_from_probs, sampling_probs
 from sglang.srt.managers.overlap import LaunchedStep
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
+from sglang.srt.model_executor.graph_dispatch import StepInfo
 from sglang.srt.speculative.ring_snapshot import RingSnapshot
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class MTPSpeculator:
         nothing to draft), whose MoE is collective. Returns None on an idle rank, or when no
         rank had work."""
         runner, pool = self.runner, sched.pool
-        self.dp_pad, path = None, None
+        self.mtp_paths, path = (None, None), None
         if dp_sync is not None:
             from sglang.srt.model_executor.dp_sync import agree_path
             from sglang.srt.model_executor.forward_batch_info import DPInfo
@@ -113,8 +114,13 @@ class MTPSpeculator:
             if path is None:
                 return None
             fb.dp = DPInfo(global_num_tokens_cpu=list(path.global_num_tokens), dp_rank=dp_sync.dp_rank)
-            # every MTP forward of this step carries at most this many rows on any rank
-            self.dp_pad = max(max(path.global_num_tokens), 1)
+            # Every rank runs the MTP forwards of this step on the same paths, from what all
+            # ranks agreed: the pass over committed positions carries at most the largest
+            # rank's tokens, a draft step at most the largest rank's requests.
+            tokens = max(max(path.global_num_tokens), 1)
+            reqs = max([i.batch_size for i in dp_sync.infos if not i.idle] + [1])
+            self.mtp_paths = (runner.mtp_path(StepInfo(tokens, int(ForwardMode.EXTEND), 1)),
+                              runner.mtp_path(StepInfo(reqs, int(ForwardMode.DECODE), reqs)))
             if batch is None:
                 runner.forward_hidden(fb, path)
                 self._idle_mtp_forwards(sched)
@@ -267,7 +273,7 @@ class MTPSpeculator:
         """Run the MTP layer over this step's committed positions, then draft k tokens for
         every request that decodes next."""
         if not mtp_rows:
-            if self.dp_pad is not None:
+            if self.mtp_paths[0] is not None:
                 self._idle_mtp_forwards(sched)
             return
         runner, k = self.runner, self.num_steps
@@ -276,14 +282,14 @@ class MTPSpeculator:
         fb = build_forward_batch(ForwardMode.EXTEND, [r.req_pool_idx for r in reqs], [L for _, L, _, _ in mtp_rows],
                                  [nxt for _, _, nxt, _ in mtp_rows], dev)
         rows = torch.tensor([j for *_, js in mtp_rows for j in js], dtype=torch.int64).to(dev)
-        out_streams, final = runner.forward_mtp(fb, streams[rows], dp_pad_tokens=self.dp_pad)
+        out_streams, final = runner.forward_mtp(fb, streams[rows], path=self.mtp_paths[0])
         last = fb.last_token_indices()
         # who drafts: requests that decode next step (a finished or mid-prompt one does not)
         drafting = [j for j, r in enumerate(reqs) if r in sched.running and not r.finished]
         for r in reqs:
             r.spec_drafts, r.spec_draft_probs = [], None
         if not drafting:
-            if self.dp_pad is not None:
+            if self.mtp_paths[0] is not None:
                 self._idle_mtp_forwards(sched, extend=False)
             return
         sel = torch.tensor(drafting, dtype=torch.int64).to(dev)
@@ -314,7 +320,7 @@ class MTPSpeculator:
                                      else [[t] for t in toks], dev)
             if greedy:
                 fb.input_ids = toks
-            cur_streams, final = runner.forward_mtp(fb, cur_streams, dp_pad_tokens=self.dp_pad)
+            cur_streams, final = runner.forward_mtp(fb, cur_streams, path=self.mtp_paths[1])
             # a graph's outputs are its bucket's rows, and its next replay rewrites them
             n = len(dreqs)
             cur_streams, cur_logits = cur_streams[:n].clone(), runner.model.compute_logits(final[:n])
@@ -332,9 +338,10 @@ class MTPSpeculator:
         batches that still join the MoE collectives of the ranks that draft."""
         runner, cfg = self.runner, self.runner.config
         empty = torch.empty(0, cfg.hc_mult, cfg.hidden_size, dtype=runner.dtype, device=sched.device)
-        for _ in range(int(extend) + self.num_steps - 1):
+        paths = [self.mtp_paths[0]] * int(extend) + [self.mtp_paths[1]] * (self.num_steps - 1)
+        for path in paths:
             fb = build_forward_batch(ForwardMode.IDLE, [], [], [], sched.device)
-            runner.forward_mtp(fb, empty, dp_pad_tokens=self.dp_pad)
+            runner.forward_mtp(fb, empty, path=path)
 
     def _draft_tokens(self, sched, reqs, logits, probs) -> List[int]:
         greedy = logits.argmax(dim=-1).tolist()
