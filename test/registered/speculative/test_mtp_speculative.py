@@ -276,12 +276,12 @@ def test_verify_steps_replay_from_breakable_graphs_with_the_eager_outputs(expect
 def test_mtp_forwards_replay_from_their_own_graphs_with_the_eager_drafts(spec_runner, expected):
     """With graphs (the CPU emulator's decode graphs, breakable graphs), the MTP layer's
     draft steps replay decode graphs and its pass over the committed positions replays
-    breakable graphs up to a decode step's size; drafts, and so acceptance, equal the eager
+    breakable graphs, at the target's buckets; drafts, and so acceptance, equal the eager
     MTP layer's, and the outputs stay the plain ones."""
     graphs = ModelRunner(cpu_server_args(**dict(BASE, speculative_algorithm="mtp", speculative_num_steps=3,
                                                 enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[16, 64],
                                                 cuda_graph_max_bs=8)), cuda_graph_on_cpu=True)
-    assert graphs.mtp_graph_runners[PathKind.BREAKABLE].buckets == [1, 2, 4, 8, 12, 16, 24, 32]
+    assert graphs.mtp_graph_runners[PathKind.BREAKABLE].buckets == [16, 64]
     assert graphs.mtp_graph_runners[PathKind.DECODE_GRAPH].buckets == [1, 2, 4, 8]
     reqs = lambda: [_req(f"r{n}", p) for n, p in zip(LENGTHS, _prompts(LENGTHS))]  # noqa: E731
     oracle = _oracle(expected, lambda pos: pos % 3)
@@ -299,8 +299,8 @@ def test_mtp_forwards_replay_from_their_own_graphs_with_the_eager_drafts(spec_ru
     _same(eager, expected)
     assert len(graph_drafts) > 50 and graph_drafts == eager_drafts
     assert stats["mtp_decode_graph_replays"] > 0 and stats["mtp_breakable_replays"] > 0
-    # prefill chunks of 64 tokens are wider than the largest MTP bucket: those passes ran eagerly
-    assert stats["mtp_breakable_fallbacks"] == {"too_many_tokens": stats["mtp_breakable_fallbacks"]["too_many_tokens"]}
+    # a pass of 1-5 tokens pads to 16 more than twice over: those run eagerly, nothing else does
+    assert set(stats["mtp_breakable_fallbacks"]) <= {"padding_waste"}
     graphs.shutdown()
 
 

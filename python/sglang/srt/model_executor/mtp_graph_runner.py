@@ -1,6 +1,6 @@
 """Graphs of the MTP layer's forwards (speculative decoding): the draft steps replay decode
 graphs (one token per request) and the pass over a step's committed positions replays
-breakable graphs (token-count buckets), like the target's steps.
+breakable graphs (token-count buckets), at the target's buckets.
 
 An MTP forward is a single decoder layer, so eagerly it is almost all host time: at Flash
 dims one such forward launches about a hundred kernels, milliseconds of Python for well
@@ -22,12 +22,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.model_executor.graph_dispatch import (
-    GraphTables,
-    PathKind,
-    default_capture_bs,
-    default_capture_num_tokens,
-)
+from sglang.srt.model_executor.graph_dispatch import GraphTables, PathKind
 from sglang.srt.model_executor.graph_runner import (
     BreakableCudaGraphRunner,
     DecodeCudaGraphRunner,
@@ -77,21 +72,18 @@ class MTPBreakableGraphRunner(_MTPGraphs, BreakableCudaGraphRunner):
 
 
 def build_mtp_graph_runners(model_runner) -> Dict[PathKind, GraphRunner]:
-    """The MTP graphs the runner's flags ask for, not yet captured. Decode buckets are the
-    target's; breakable buckets stop at what a decode-only step commits (each request's
-    accepted drafts and its new token): larger MTP passes cover prefill chunks, where the GPU
-    work hides the host's."""
+    """The MTP graphs the runner's flags ask for, not yet captured, at the target's buckets:
+    the pass over committed positions covers prefill chunks too. One layer captures in a
+    fraction of a second per bucket, and its graphs reuse the target's graph pool."""
     args, runners = model_runner.server_args, {}
     if not model_runner.num_mtp_layers or (model_runner.dp_groups is not None and args.dp_idle_policy == "eager"):
         return runners
-    max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
-    if model_runner.breakable_runner is not None:
-        cap = min(max_bs * (args.speculative_num_steps + 1), model_runner.breakable_runner.buckets[-1])
-        runners[PathKind.BREAKABLE] = MTPBreakableGraphRunner(model_runner, default_capture_num_tokens(cap),
-                                                              debug=args.debug_cuda_graph)
-    if model_runner.decode_graph_runner is not None:
-        runners[PathKind.DECODE_GRAPH] = MTPDecodeGraphRunner(model_runner, default_capture_bs(max_bs),
-                                                              debug=args.debug_cuda_graph)
+    target = model_runner.breakable_runner
+    if target is not None:
+        runners[PathKind.BREAKABLE] = MTPBreakableGraphRunner(model_runner, target.buckets, debug=args.debug_cuda_graph)
+    target = model_runner.decode_graph_runner
+    if target is not None:
+        runners[PathKind.DECODE_GRAPH] = MTPDecodeGraphRunner(model_runner, target.buckets, debug=args.debug_cuda_graph)
     return runners
 
 
