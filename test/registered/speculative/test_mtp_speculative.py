@@ -298,6 +298,14 @@ def test_mtp_forwards_replay_from_their_own_graphs_with_the_eager_drafts(spec_ru
     _same(got, expected)
     _same(eager, expected)
     assert len(graph_drafts) > 50 and graph_drafts == eager_drafts
+    # the memory planner counts the graphs' copies of the streams (and the pool's rings)
+    from sglang.srt.planning.memory_planner import raw_window_plan_bytes
+
+    a = graphs.server_args
+    plan = _plan_settings(graphs, breakable_max_tokens=64, decode_graph_max_bs=8)
+    assert raw_window_plan_bytes(graphs.config, plan) == sum(t.nbytes for t in graphs.kv_pool.raw) + \
+        graphs.model.streams_out.nbytes + sum(r.streams_in.nbytes for r in graphs.mtp_graph_runners.values())
+    assert a.breakable_cuda_graph_tokens[-1] == 64 and a.cuda_graph_max_bs == 8
     assert stats["mtp_decode_graph_replays"] > 0 and stats["mtp_breakable_replays"] > 0
     # a pass of 1-5 tokens pads to 16 more than twice over: those run eagerly, nothing else does
     assert set(stats["mtp_breakable_fallbacks"]) <= {"padding_waste"}
@@ -449,16 +457,23 @@ def test_a_simulated_accept_length_keeps_that_many_drafts_on_average(monkeypatch
         mtp.MTPSpeculator(runner, 3)
 
 
+def _plan_settings(runner, **graphs):
+    from sglang.srt.planning.memory_planner import PlanSettings
+
+    a = runner.server_args
+    return PlanSettings(weight_format="float32", model_dtype="float32", quant_numerics=a.quant_numerics,
+                        kv_cache_dtype=a.kv_cache_dtype, dp_size=1, page_size=a.page_size,
+                        context_length=a.context_length, max_running_requests=a.max_running_requests,
+                        chunked_prefill_size=a.chunked_prefill_size, mem_fraction_static=0.8, max_total_tokens=None,
+                        mtp_layers=runner.num_mtp_layers, **graphs)
+
+
 def test_the_memory_planner_counts_the_mtp_layers_rings_and_streams(spec_runner):
     import dataclasses
 
-    from sglang.srt.planning.memory_planner import PlanSettings, raw_window_plan_bytes
+    from sglang.srt.planning.memory_planner import raw_window_plan_bytes
 
-    a = spec_runner.server_args
-    s = PlanSettings(weight_format="float32", model_dtype="float32", quant_numerics=a.quant_numerics,
-                     kv_cache_dtype=a.kv_cache_dtype, dp_size=1, page_size=a.page_size, context_length=a.context_length,
-                     max_running_requests=a.max_running_requests, chunked_prefill_size=a.chunked_prefill_size,
-                     mem_fraction_static=0.8, max_total_tokens=None, mtp_layers=spec_runner.num_mtp_layers)
+    s = _plan_settings(spec_runner)
     pool = spec_runner.kv_pool
     assert len(pool.raw) == spec_runner.config.num_hidden_layers + 1
     built = sum(t.nbytes for t in pool.raw) + spec_runner.model.streams_out.nbytes

@@ -112,7 +112,7 @@ class ModelRunner:
             require_same_capture_tables(self.dp_groups.cpu_group, args.dp_size, GraphTables(
                 breakable_buckets=self.breakable_runner.buckets if self.breakable_runner else (),
                 decode_bs_buckets=self.decode_graph_runner.buckets if self.decode_graph_runner else ()))
-        # the MTP layer's own graphs (speculative decoding; none under DP attention)
+        # the MTP layer's own graphs (speculative decoding), captured after the target's
         self.mtp_graph_runners = build_mtp_graph_runners(self)
         self.mtp_graph_tables = mtp_graph_tables(self.mtp_graph_runners)
         log_memory_before_capture(self)

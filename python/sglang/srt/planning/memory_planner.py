@@ -161,14 +161,15 @@ def step_tokens(s: "PlanSettings") -> int:
 
 def raw_window_plan_bytes(config, s: "PlanSettings") -> int:
     """Raw KV under these settings: a window ring per request slot and one step's staging rows,
-    every layer (DSV4KVPool's raw tensors, exactly); when speculating, the MTP layers' too and
-    the residual streams every forward leaves for them (model.streams_out)."""
+    every layer (DSV4KVPool's raw tensors, exactly); when speculating, the MTP layers' too, the
+    residual streams every forward leaves for them (model.streams_out) and the MTP graphs'
+    input copies of them (one per graph kind, its largest bucket's rows: mtp_graph_runner.py)."""
     dtype = getattr(torch, s.model_dtype)
     steps = step_tokens(s)
     raw = raw_window_bytes(config, dtype, s.kv_cache_dtype, s.max_running_requests, steps,
                            num_layers=config.num_hidden_layers + s.mtp_layers)
-    streams = steps * config.hc_mult * config.hidden_size * dtype.itemsize if s.mtp_layers else 0
-    return raw + streams
+    stream_rows = steps + s.breakable_max_tokens + s.decode_graph_max_bs if s.mtp_layers else 0
+    return raw + stream_rows * config.hc_mult * config.hidden_size * dtype.itemsize
 
 
 def kv_rows_bytes(config, s: "PlanSettings", kv_tokens: int) -> int:
