@@ -287,14 +287,29 @@ def dp_scheduler_rank_main(rank: int, world: int, port: int, out_dir: str, stop_
         destroy_dp_groups()
 
 
-def dp_speculative_rank_main(rank: int, world: int, port: int, out_dir: str, ckpt: str, timeout_s: float = 60.0) -> None:
+def dp_soak_requests(rank: int, vocab: int):
+    """A long run for rank 0 (three requests of 400 tokens, one at a time) and two short
+    requests for rank 1, idle for almost all of it."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    rng = random.Random(200 + rank)
+    lengths, n = ([9, 40, 17], 400) if rank == 0 else ([6, 11], 20)
+    return [GenerateReqInput(rid=f"rank{rank}-soak{i}", input_ids=[rng.randrange(2, vocab) for _ in range(m)],
+                             sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+            for i, m in enumerate(lengths)]
+
+
+def dp_speculative_rank_main(rank: int, world: int, port: int, out_dir: str, ckpt: str, timeout_s: float = 60.0,
+                             soak: bool = False) -> None:
     """One DP rank serving DeepSeek's conformance checkpoint (it has an MTP layer) through the
     real Scheduler in lockstep, breakable graphs on the emulator: plain decoding, then MTP
     speculation with the MTP layer's own drafts, then with drafts that are the plain tokens
     except at an offset varying with the position (partial acceptance). Rank 1 serves one
     short request: idle for most steps, it still joins every forward, the MTP layer's graph
     replays too. Saves each run's outputs, agreed paths, idle forwards, speculation counters
-    and MTP forwards and replays."""
+    and MTP forwards and replays. `soak`: the requests of dp_soak_requests, one at a time per
+    rank, plain and partial acceptance only (hundreds of steps)."""
     torch.set_num_threads(1)
     with _errors_to(os.path.join(out_dir, f"rank{rank}.err")):
         from sglang.srt.distributed.parallel_state import destroy_dp_groups, init_dp_groups
@@ -305,16 +320,17 @@ def dp_speculative_rank_main(rank: int, world: int, port: int, out_dir: str, ckp
         from sglang.test.runner_args import cpu_server_args
 
         groups = init_dp_groups(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s)
-        cfg = dict(model_path=ckpt, context_length=512, max_total_tokens=4096, max_running_requests=6,
+        cfg = dict(model_path=ckpt, context_length=512, max_total_tokens=4096, max_running_requests=1 if soak else 6,
                    chunked_prefill_size=32, enable_mixed_chunk=True, dp_size=world, enable_dp_attention=True)
         graphs = dict(enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=list(BUCKETS), cuda_graph_max_bs=4)
         spec = dict(speculative_algorithm="mtp", speculative_num_steps=3)
         out = {}
-        for name, extra in (("plain", {}), ("mtp", spec), ("partial", spec)):
+        runs = (("plain", {}), ("partial", spec)) if soak else (("plain", {}), ("mtp", spec), ("partial", spec))
+        for name, extra in runs:
             runner = ModelRunner(cpu_server_args(**cfg, **graphs, **extra), cuda_graph_on_cpu=True)
             sched = Scheduler(ServerArgs(**cfg, **extra, device="cpu").resolve(cuda_available=False), runner)
             sync = DPStepSync(groups.cpu_group, rank, world, runner.graph_tables)
-            reqs = dp_scheduler_requests(rank, runner.config.vocab_size)
+            reqs = (dp_soak_requests if soak else dp_scheduler_requests)(rank, runner.config.vocab_size)
             if name == "partial":
                 plain = out["plain"]["results"]
                 sched.speculator.draft_override = reference_drafts(lambda req: plain[req.rid][0], lambda pos: pos % 3)

@@ -34,3 +34,19 @@ def test_dp_ranks_speculate_in_step_and_match_plain_decoding(tmp_path):
     partial = out[0]["partial"]["spec"]
     assert 0 < partial["spec_accepted_tokens"] < partial["spec_draft_tokens"]
     assert out[0]["partial"]["breakable_replays"] > 0
+
+
+def test_dp_speculation_keeps_step_for_hundreds_of_steps(tmp_path):
+    """A soak: rank 0 decodes 1200 tokens one request at a time with partly accepted drafts
+    (0 to 3 accepted per step, varying with the position), rank 1 finishes two short requests
+    early and then only joins. Over more than 500 steps the ranks never leave step and every
+    output equals plain decoding."""
+    out = run_ranks(dp_speculative_rank_main, 2, str(tmp_path), CKPT, soak=True)
+    for rank in range(2):
+        assert out[rank]["partial"]["results"] == out[rank]["plain"]["results"], rank
+        assert out[rank]["partial"]["free_pages"][0] == out[rank]["partial"]["free_pages"][1]
+    assert len(out[0]["partial"]["paths"]) >= 500
+    assert out[0]["partial"]["paths"] == out[1]["partial"]["paths"]
+    assert out[1]["partial"]["idle_forwards"] > 400
+    spec = out[0]["partial"]["spec"]
+    assert 0 < spec["spec_accepted_tokens"] < spec["spec_draft_tokens"]
