@@ -1,5 +1,6 @@
-"""The scheduler's side of prefix caching (--enable-prefix-caching): when a request takes a
-cached prefix, when its resume states are taken, and what it inserts into the radix tree.
+"""The scheduler's side of prefix caching (on unless --disable-radix-cache): when a request
+takes a cached prefix, when its resume states are taken, and what it inserts into the radix
+tree.
 
 - Admission: the request's tokens are matched against the tree, never in full (at least one
   token is computed, for its logits). A hit maps the cached pages into the request's page
