@@ -54,7 +54,7 @@ class KVReadingRunner:
 def make_scheduler(pages, caching=True, **kw):
     args = ServerArgs(model_path="dsv4-tiny", device="cpu", context_length=2048, max_total_tokens=pages * P,
                       max_running_requests=8, chunked_prefill_size=256, page_size=P,
-                      enable_prefix_caching=caching, **kw).resolve(cuda_available=False)
+                      **({} if caching else {"disable_radix_cache": True}), **kw).resolve(cuda_available=False)
     return Scheduler(args, KVReadingRunner(args))
 
 
@@ -147,7 +147,7 @@ def test_a_request_that_can_never_fit_fails_without_leaking_pages_or_locks():
     assert s.pool.num_free_pages == s.pool.pages.capacity
 
 
-def test_without_the_flag_nothing_is_cached():
+def test_with_the_radix_cache_disabled_nothing_is_cached():
     s = make_scheduler(pages=14, caching=False)
     assert s.prefix_caching is None and s.pool.reclaimer is None
     prompt = [3] * (2 * P + 5)
