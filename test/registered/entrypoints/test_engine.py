@@ -66,6 +66,8 @@ def test_max_new_tokens_zero_and_bad_params(engine):
     assert info["num_waiting_reqs"] == info["num_running_reqs"] == 0
     assert_stats_no_request_holds_kv(info)
     assert info["server_args"]["model_path"] == "dsv4-tiny" and info["forward_eager"] > 0
+    # prefix caching is on without a flag, as it is in SGLang
+    assert info["server_args"]["enable_prefix_caching"] is True and info["prefix_caching"] is True
 
 
 def test_chunked_prefill_matches_unchunked(batch_outputs):
