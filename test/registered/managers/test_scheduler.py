@@ -1,6 +1,7 @@
-"""Scheduler policy on CPU with a fake runner (overlap scheduling on, the default, except where
-a test counts tokens per step): chunked prefill, mixed chunk, alternation,
-admission caps, retraction and resume, abort, finish reasons, streaming, and KV accounting.
+"""Scheduler policy on CPU with a fake runner (overlap scheduling and prefix caching on, the
+defaults, except where a test counts tokens per step or chunk sizes): chunked prefill, mixed
+chunk, alternation, admission caps, retraction and resume, abort, finish reasons, streaming, and
+KV accounting.
 
 The fake runner is a tiny "model" that really uses the KV cache: it writes each fed token at
 the page table's slot for its position and derives the next token from the request's whole
