@@ -24,9 +24,9 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-ker
 port=30200
 for setting in ${SETTINGS:-on off}; do
   case $setting in
-    on) flags="--enable-prefix-caching" ;;
-    on_round_robin) flags="--enable-prefix-caching --load-balance-method round_robin" ;;
-    off) flags="" ;;
+    on) flags="" ;;  # prefix caching is on by default
+    on_round_robin) flags="--load-balance-method round_robin" ;;
+    off) flags="--disable-radix-cache" ;;
     *) echo "unknown setting $setting (on, on_round_robin, off)"; exit 2 ;;
   esac
   start=$(date +%s)

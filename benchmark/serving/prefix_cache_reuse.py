@@ -55,7 +55,8 @@ def main(argv=None) -> None:
         return time.perf_counter() - t0, sum(s.num_forwards.values()) - n0, outs[-1].cached_tokens
 
     for caching in (False, True):
-        s = Scheduler(ServerArgs(**kw, enable_prefix_caching=caching).resolve(cuda_available=on_cuda), runner)
+        off = {} if caching else {"disable_radix_cache": True}  # on by default
+        s = Scheduler(ServerArgs(**kw, **off).resolve(cuda_available=on_cuda), runner)
         serve(s, "warm-up")
         runs = [serve(s, f"r{k}") for k in range(a.repeats)]
         ms = statistics.median(r[0] for r in runs) * 1e3

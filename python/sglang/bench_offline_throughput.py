@@ -12,6 +12,9 @@ has read them: that is when a client could see them, so the timestamps stay righ
 A warm-up pass of the same prompt lengths runs first (untimed: Triton JIT compiles for every
 batch shape the scheduler produces must not land in a timing), then `--repeats` timed runs of
 the whole workload; the result is the median run, with every run and the spread beside it.
+Each timed run draws prompts of its own (same lengths, other ids): with prefix caching on (the
+default) a repeat of the same prompts would skip their prefill. Each run reports the prompt
+tokens it took from the cache (`cached_tokens`, 0 for random prompts).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--result-file", type=str, default="", help="append one JSON line with the results")
 
 
-def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> List[List[int]]:
+def random_prompts(n: int, length: int, vocab_size: int, seed) -> List[List[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(_FIRST_TOKEN_ID, vocab_size) for _ in range(length)] for _ in range(n)]
 
@@ -85,7 +88,7 @@ def run_requests(scheduler, prompts: List[List[int]], output_len: int, rid_prefi
     for i, ids in enumerate(prompts):
         rid = f"{rid_prefix}{i}"
         scheduler.add_request(GenerateReqInput(rid=rid, input_ids=ids, sampling_params=params, stream=True))
-        recs[rid] = {"submit": t0, "first": None, "end": None, "tokens": 0, "error": None}
+        recs[rid] = {"submit": t0, "first": None, "end": None, "tokens": 0, "error": None, "cached_tokens": 0}
     pending = set(recs)
     while pending:
         outs = scheduler.step()
@@ -98,7 +101,7 @@ def run_requests(scheduler, prompts: List[List[int]], output_len: int, rid_prefi
                 rec["first"] = now
             rec["tokens"] = out.completion_tokens
             if out.finished:
-                rec["end"], rec["error"] = now, out.error
+                rec["end"], rec["error"], rec["cached_tokens"] = now, out.error, out.cached_tokens
                 pending.discard(out.rid)
         if not outs and not scheduler.has_work():
             raise RuntimeError(f"scheduler idle with {len(pending)} unfinished requests")
@@ -137,15 +140,17 @@ def run_benchmark(server_args: ServerArgs, bench_args: BenchArgs) -> dict:
             n_warm = min(bench_args.warmup_prompts, bench_args.num_prompts)
             warm = random_prompts(n_warm, bench_args.random_input_len, vocab, bench_args.dataset_seed + 1)
             run_requests(sched, warm, bench_args.random_output_len, "warmup-")
-        prompts = random_prompts(bench_args.num_prompts, bench_args.random_input_len, vocab, bench_args.dataset_seed)
         runs = []
         for rep in range(max(1, bench_args.repeats)):
+            seed = bench_args.dataset_seed if rep == 0 else f"{bench_args.dataset_seed}:{rep}"
+            prompts = random_prompts(bench_args.num_prompts, bench_args.random_input_len, vocab, seed)
             before = _stats(sched)
             start = time.perf_counter()
             recs = run_requests(sched, prompts, bench_args.random_output_len, f"bench{rep}-")
             elapsed = time.perf_counter() - start
             after = _stats(sched)
             run = summarize(recs, bench_args.random_input_len, elapsed)
+            run["cached_tokens"] = sum(r["cached_tokens"] for r in recs.values())
             # scheduler counters of this run only
             run["forwards"] = {k[len("num_forwards_"):]: after[k] - before[k] for k in after
                                if k.startswith("num_forwards_")}
@@ -158,7 +163,7 @@ def run_benchmark(server_args: ServerArgs, bench_args: BenchArgs) -> dict:
             runs.append(run)
         result = dict(sorted(runs, key=lambda r: r["request_throughput"])[len(runs) // 2])
         result["runs"] = [{k: r[k] for k in ("request_throughput", "output_throughput", "duration_s", "ttft_ms",
-                                              "tpot_ms")} for r in runs]
+                                              "tpot_ms", "cached_tokens")} for r in runs]
         tput = [r["request_throughput"] for r in runs]
         result["throughput_spread"] = (max(tput) - min(tput)) / result["request_throughput"]
         result["runner_stats"] = _stats(sched) if dp else engine.model_runner.get_stats()
@@ -167,7 +172,7 @@ def run_benchmark(server_args: ServerArgs, bench_args: BenchArgs) -> dict:
             **{k: getattr(engine.server_args, k) for k in (
                 "model_path", "device", "dtype", "enable_mixed_chunk", "enable_breakable_cuda_graph",
                 "chunked_prefill_size", "max_running_requests", "max_total_tokens", "disable_cuda_graph",
-                "dp_size", "dp_idle_policy", "disable_overlap_schedule")},
+                "dp_size", "dp_idle_policy", "disable_overlap_schedule", "enable_prefix_caching")},
         }
         return result
     finally:
@@ -194,6 +199,8 @@ def format_result(r: dict) -> str:
         "TPOT ms p50/p90/p99:      {p50:.2f} / {p90:.2f} / {p99:.2f}".format(**r["tpot_ms"]),
         "forwards by mode:         " + ", ".join(f"{k}={v}" for k, v in r["forwards"].items()),
         f"retracted requests:       {r['num_retracted_reqs']}",
+        f"prefix cache:             {'on' if r['config']['enable_prefix_caching'] else 'off'} "
+        f"({r['cached_tokens']} prompt tokens taken from it)",
         f"overlap scheduling:       {'off' if r['config']['disable_overlap_schedule'] else 'on'} "
         f"({r['num_overlap_steps']} forwards launched before the previous one was read, "
         f"{r['num_dropped_tokens']} tokens dropped after a stop, {r['num_forced_resolves']} forced resolves)",

@@ -46,12 +46,15 @@ def process_tree_usage(root_pid: int) -> dict:
 
 
 def server_usage(url: str) -> dict:
-    """KV pages and request slots in use, queued and running requests, summed over DP ranks."""
+    """KV pages and request slots requests hold, queued and running requests, summed over DP
+    ranks; pages only the prefix cache holds (free on demand) count apart as kv_pages_cached."""
     info = requests.get(url + "/get_server_info", timeout=30).json()
     ranks = info.get("dp_rank_stats") or [info["scheduler_stats"]]
     total = collections.Counter()
     for r in ranks:
-        total["kv_pages_used"] += r["num_total_pages"] - r["num_free_pages"]
+        cached = r.get("num_evictable_pages", 0)
+        total["kv_pages_used"] += r["num_total_pages"] - r["num_free_pages"] - cached
+        total["kv_pages_cached"] += cached
         total["req_slots_used"] += r["num_total_req_slots"] - r["num_free_req_slots"]
         total["running"] += r["num_running_reqs"]
         total["waiting"] += r["num_waiting_reqs"]
@@ -207,7 +210,7 @@ def main(argv=None) -> int:
     start, end = report["after_warmup"], report["idle_at_end"]
     print(f"{report['requests']} requests in {args.duration_s:.0f} s, {report['server_errors']} responses >= 500, "
           f"unexpected: {report['unexpected'] or 'none'}")
-    for key in ("kv_pages_used", "req_slots_used", "running", "waiting", "rss_mib", "threads", "open_fds"):
+    for key in ("kv_pages_used", "kv_pages_cached", "req_slots_used", "running", "waiting", "rss_mib", "threads", "open_fds"):
         if key in start:
             print(f"  {key:15s} after warm-up {start[key]:10.1f}   idle at end {end.get(key, float('nan')):10.1f}")
     if args.out:

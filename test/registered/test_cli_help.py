@@ -40,3 +40,7 @@ def test_server_help_states_plain_defaults():
     assert helps["mem_fraction_static"].endswith("(default 0.8)")
     assert helps["dp_idle_policy"].endswith("(default replay)")
     assert "(default" not in helps["enable_dp_attention"]  # a switch, off unless given
+    # prefix caching is on unless turned off: both switches say so
+    assert "on by default" in helps["enable_prefix_caching"] and "--disable-radix-cache" in helps["enable_prefix_caching"]
+    assert helps["disable_radix_cache"].startswith("turn prefix caching off")
+    assert "off by default" not in helps["enable_prefix_caching"]

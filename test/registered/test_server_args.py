@@ -186,12 +186,24 @@ def test_release_format_flags():
 
 
 def test_prefix_caching_flags_sglang_spelling_and_conflict():
-    assert ServerArgs().enable_prefix_caching is False  # off unless asked for
+    def resolved(argv):
+        r = prepare_server_args(argv).resolve(cuda_available=False)
+        return r.enable_prefix_caching, r.disable_radix_cache
+
+    assert ServerArgs().enable_prefix_caching is None  # unset until resolve()
+    assert resolved([]) == (True, False)  # on by default
     assert prepare_server_args(["--enable-prefix-caching"]).enable_prefix_caching is True
+    assert resolved(["--enable-prefix-caching"]) == (True, False)
     off = prepare_server_args(["--disable-radix-cache"])
-    assert (off.enable_prefix_caching, off.disable_radix_cache) == (False, True)
+    assert (off.enable_prefix_caching, off.disable_radix_cache) == (None, True)
+    assert resolved(["--disable-radix-cache"]) == (False, True)
+    # the Python API may also say off directly; resolve() states it both ways
+    r = ServerArgs(enable_prefix_caching=False).resolve(cuda_available=False)
+    assert (r.enable_prefix_caching, r.disable_radix_cache) == (False, True)
     with pytest.raises(ValueError, match="contradict each other: --disable-radix-cache turns prefix caching off"):
         ServerArgs(enable_prefix_caching=True, disable_radix_cache=True)
+    with pytest.raises(ValueError, match="contradict each other"):
+        prepare_server_args(["--enable-prefix-caching", "--disable-radix-cache"])
     with pytest.raises(ValueError, match="--enable-prefix-caching must be true or false"):
         ServerArgs(enable_prefix_caching="yes")
 

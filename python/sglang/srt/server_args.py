@@ -25,7 +25,8 @@ SPECULATIVE_ALGORITHMS = (None, "mtp")  # speculative/
 SPECULATIVE_DEFAULT_STEPS = 3
 SPECULATIVE_MAX_STEPS = 4
 SCHEDULE_POLICIES = ("fcfs",)
-# auto: cache_aware with --enable-prefix-caching and --dp-size > 1, else round_robin
+# auto: cache_aware with prefix caching (on unless --disable-radix-cache) and --dp-size > 1,
+# else round_robin
 LOAD_BALANCE_METHODS = ("auto", "round_robin", "least_loaded", "cache_aware")
 DP_IDLE_POLICIES = ("replay", "eager")
 MOE_DISPATCHERS = ("gather",)  # layers/moe/ep_dispatch.py
@@ -75,7 +76,7 @@ class ServerArgs:
     enable_mixed_chunk: bool = False
     schedule_policy: str = "fcfs"
     disable_overlap_schedule: bool = False
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: Optional[bool] = None  # None: on unless disable_radix_cache (resolve())
     disable_radix_cache: bool = False  # SGLang's spelling of prefix caching off
     # kernels and graphs
     attention_backend: str = "auto"
@@ -192,8 +193,11 @@ class ServerArgs:
         if self.speculative_algorithm is not None and model_config.num_mtp_layers == 0:
             raise ValueError(f"--speculative-algorithm mtp drafts with the model's MTP layers, and {self.model_path!r} "
                              "has none (num_nextn_predict_layers 0, or no compress ratio listed for them)")
+        prefix_caching = resolve_prefix_caching(self)
         return dataclasses.replace(
             self,
+            enable_prefix_caching=prefix_caching,
+            disable_radix_cache=not prefix_caching,
             load_balance_method=resolve_load_balance_method(self),
             device=device,
             dtype=dtype,
@@ -305,12 +309,20 @@ def resolve_kernels(attention_backend: str, segment_kernels: str, device) -> Tup
     return attention_backend, on
 
 
+def resolve_prefix_caching(a: ServerArgs) -> bool:
+    """Whether the schedulers cache prefixes: as asked (--enable-prefix-caching, or off with
+    --disable-radix-cache), else on; every combination of the other settings runs with it."""
+    if a.enable_prefix_caching is not None:
+        return a.enable_prefix_caching
+    return not a.disable_radix_cache
+
+
 def resolve_load_balance_method(a: ServerArgs) -> str:
     """The DP router's method ("auto" made concrete); the controller needs it before the
     ranks resolve the rest."""
     if a.load_balance_method != "auto":
         return a.load_balance_method
-    return "cache_aware" if a.enable_prefix_caching and a.dp_size > 1 else "round_robin"
+    return "cache_aware" if resolve_prefix_caching(a) and a.dp_size > 1 else "round_robin"
 
 
 def _validate(a: ServerArgs) -> None:
@@ -329,10 +341,12 @@ def _validate(a: ServerArgs) -> None:
             raise ValueError(f"--{_flag(name)} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
     if not isinstance(a.disable_overlap_schedule, bool):
         raise ValueError(f"--disable-overlap-schedule must be true or false, got {a.disable_overlap_schedule!r}")
-    for name in ("enable_prefix_caching", "disable_radix_cache"):
-        if not isinstance(getattr(a, name), bool):
-            raise ValueError(f"--{_flag(name)} must be true or false, got {getattr(a, name)!r}")
-    if a.enable_prefix_caching and a.disable_radix_cache:
+    if a.enable_prefix_caching is not None and not isinstance(a.enable_prefix_caching, bool):
+        raise ValueError(f"--enable-prefix-caching must be true or false (or unset: on), "
+                         f"got {a.enable_prefix_caching!r}")
+    if not isinstance(a.disable_radix_cache, bool):
+        raise ValueError(f"--disable-radix-cache must be true or false, got {a.disable_radix_cache!r}")
+    if a.enable_prefix_caching is True and a.disable_radix_cache:
         raise ValueError("--enable-prefix-caching and --disable-radix-cache contradict each other: "
                          "--disable-radix-cache turns prefix caching off; give one of them")
     if not isinstance(a.model_path, str) or not a.model_path:
@@ -356,9 +370,9 @@ def _validate(a: ServerArgs) -> None:
         raise ValueError(f"--breakable-cuda-graph-tokens must be positive integers, got {a.breakable_cuda_graph_tokens}")
     if a.dp_size < 1:
         raise ValueError(f"--dp-size must be >= 1, got {a.dp_size}")
-    if a.load_balance_method == "cache_aware" and not a.enable_prefix_caching:
+    if a.load_balance_method == "cache_aware" and not resolve_prefix_caching(a):
         raise ValueError("--load-balance-method cache_aware routes by what the ranks' prefix caches hold: "
-                         "it needs --enable-prefix-caching")
+                         "it needs prefix caching, which --disable-radix-cache turns off")
     if not isinstance(a.load_balance_max_imbalance, int) or a.load_balance_max_imbalance < 0:
         raise ValueError(f"--load-balance-max-imbalance must be an integer >= 0, got {a.load_balance_max_imbalance!r}")
     _validate_speculative(a)
@@ -477,9 +491,9 @@ _HELP = {
     "enable_prefix_caching": "reuse the KV pages of prompt prefixes earlier requests computed (a radix tree "
                              "over token ids, matched at page boundaries where a request's compressor state "
                              "was saved; least recently used prefixes are evicted when pages run short); "
-                             "off by default",
-    "disable_radix_cache": "SGLang's switch for the same feature, inverted: prefix caching stays off (the "
-                           "default); contradicts --enable-prefix-caching",
+                             "on by default: the flag only states it, --disable-radix-cache turns it off",
+    "disable_radix_cache": "turn prefix caching off (SGLang's switch; on by default); contradicts "
+                           "--enable-prefix-caching",
     "attention_backend": "the attention core: triton (sgl-kernel's Triton kernels; CUDA only) or torch (the "
                          "plain-torch reference); auto = triton on CUDA when triton imports, else torch",
     "enable_breakable_cuda_graph": "replay extend and mixed batches (prefill chunks, alone or with decodes) from "
@@ -501,12 +515,12 @@ _HELP = {
                            "--moe-dispatcher",
     "dp_size": "DP attention ranks (scheduler processes, one GPU each); needs --enable-dp-attention",
     "load_balance_method": "how the DP controller picks a rank: round_robin; least_loaded (fewest "
-                           "outstanding requests, then tokens); cache_aware (needs --enable-prefix-caching: the "
+                           "outstanding requests, then tokens); cache_aware (needs prefix caching: the "
                            "rank holding the most pages of the prompt's prefix, by the controller's record of "
                            "the prompts it sent each rank, unless that rank has more than "
                            "--load-balance-max-imbalance outstanding requests above the least loaded one; no "
-                           "holder: least_loaded); auto = cache_aware with --enable-prefix-caching and "
-                           "--dp-size > 1, else round_robin (default auto)",
+                           "holder: least_loaded); auto = cache_aware with prefix caching (on unless "
+                           "--disable-radix-cache) and --dp-size > 1, else round_robin (default auto)",
     "load_balance_max_imbalance": "cache_aware: how many more outstanding requests than the least loaded "
                                   "rank a rank holding a longer cached prefix may have and still get the "
                                   "request (0: only among the least loaded)",
@@ -561,6 +575,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             help_ += f" (default {f.default})"
         if f.type in ("bool", bool):
             parser.add_argument(flag, action="store_true", help=help_)
+        elif f.type in ("Optional[bool]", Optional[bool]):  # unset (None): resolve() decides
+            parser.add_argument(flag, action="store_true", default=None, help=help_)
         elif f.name == "breakable_cuda_graph_tokens":
             parser.add_argument(flag, type=int, nargs="+", default=None, help=help_)
         else:

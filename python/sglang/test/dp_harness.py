@@ -16,6 +16,7 @@ import torch
 
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
 from sglang.test.speculative_drafts import reference_drafts
+from sglang.test.kv_accounting import free_or_cache_only_pages
 
 TINY_DP = dict(model_path="dsv4-tiny", context_length=1024, max_total_tokens=32768, max_running_requests=10)
 BUCKETS = (8, 16, 32, 48)
@@ -279,7 +280,7 @@ def dp_scheduler_rank_main(rank: int, world: int, port: int, out_dir: str, stop_
             stats = sched.get_stats()
             out[overlap] = dict(results=results, paths=paths, idle_forwards=sched.num_forwards[ForwardMode.IDLE],
                                 overlap_steps=stats["num_overlap_steps"], dropped=stats["num_dropped_tokens"],
-                                free_pages=(stats["num_free_pages"], stats["num_total_pages"]))
+                                free_pages=(free_or_cache_only_pages(sched), stats["num_total_pages"]))
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
         runner.shutdown()
         del runner, sync, groups, sched
@@ -339,7 +340,7 @@ def dp_speculative_rank_main(rank: int, world: int, port: int, out_dir: str, ckp
             results, paths = _serve_in_lockstep(sched, sync, groups.cpu_group)
             stats = sched.get_stats()
             out[name] = dict(results=results, paths=paths, idle_forwards=sched.num_forwards[ForwardMode.IDLE],
-                             free_pages=(stats["num_free_pages"], stats["num_total_pages"]),
+                             free_pages=(free_or_cache_only_pages(sched), stats["num_total_pages"]),
                              spec={k: v for k, v in stats.items() if k.startswith("spec_")},
                              breakable_replays=stats.get("breakable_replays", 0),
                              mtp_replays={k: stats.get(f"mtp_{k}_replays", 0) for k in ("decode_graph", "breakable")},

@@ -175,19 +175,27 @@ def test_auto_is_cache_aware_with_prefix_caching_and_dp_else_round_robin():
         return DataParallelController(ServerArgs(**kw)).router.method
 
     assert method(**DP2, enable_prefix_caching=True) == "cache_aware"
-    assert method(**DP2) == "round_robin"
+    assert method(**DP2) == "cache_aware"  # prefix caching is on by default
+    assert method(**DP2, disable_radix_cache=True) == "round_robin"
+    assert method(**DP2, enable_prefix_caching=False) == "round_robin"
     assert method(enable_prefix_caching=True) == "round_robin"
     assert method(**DP2, enable_prefix_caching=True, load_balance_method="least_loaded") == "least_loaded"
     resolved = ServerArgs(**DP2, enable_prefix_caching=True).resolve(cuda_available=False)
     assert resolved.load_balance_method == "cache_aware"
+    assert ServerArgs(**DP2).resolve(cuda_available=False).load_balance_method == "cache_aware"
+    assert ServerArgs(**DP2, disable_radix_cache=True).resolve(cuda_available=False).load_balance_method \
+        == "round_robin"
     router = DataParallelController(ServerArgs(**DP2, enable_prefix_caching=True, page_size=256,
                                                load_balance_max_imbalance=7)).router
     assert (router.page_size, router.max_imbalance) == (256, 7)
 
 
 def test_cache_aware_needs_prefix_caching_and_a_sane_imbalance():
-    with pytest.raises(ValueError, match="cache_aware .* needs --enable-prefix-caching"):
-        ServerArgs(**DP2, load_balance_method="cache_aware")
+    with pytest.raises(ValueError, match="cache_aware .* needs prefix caching, which --disable-radix-cache turns off"):
+        ServerArgs(**DP2, load_balance_method="cache_aware", disable_radix_cache=True)
+    with pytest.raises(ValueError, match="cache_aware .* needs prefix caching"):
+        ServerArgs(**DP2, load_balance_method="cache_aware", enable_prefix_caching=False)
+    assert ServerArgs(**DP2, load_balance_method="cache_aware").load_balance_method == "cache_aware"
     with pytest.raises(ValueError, match="--load-balance-max-imbalance must be an integer >= 0"):
         ServerArgs(**DP2, load_balance_max_imbalance=-1)
     a = prepare_server_args(["--enable-dp-attention", "--dp-size", "2", "--enable-prefix-caching",

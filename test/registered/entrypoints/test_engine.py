@@ -4,6 +4,7 @@ greedy output that does not depend on batch neighbours, chunking or mixed chunk.
 import pytest
 
 from sglang.srt.entrypoints.engine import Engine
+from sglang.test.kv_accounting import assert_stats_no_request_holds_kv
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPTS = [
@@ -63,8 +64,10 @@ def test_max_new_tokens_zero_and_bad_params(engine):
         engine.generate(["ok", "bad"], [GREEDY, {"temperature": -1}])
     info = engine.get_server_info()
     assert info["num_waiting_reqs"] == info["num_running_reqs"] == 0
-    assert info["num_free_pages"] == info["num_total_pages"]
+    assert_stats_no_request_holds_kv(info)
     assert info["server_args"]["model_path"] == "dsv4-tiny" and info["forward_eager"] > 0
+    # prefix caching is on without a flag, as it is in SGLang
+    assert info["server_args"]["enable_prefix_caching"] is True and info["prefix_caching"] is True
 
 
 def test_chunked_prefill_matches_unchunked(batch_outputs):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from sglang.test.server_process import ServerProcess, descendant_pids, free_port
+from sglang.test.kv_accounting import assert_stats_no_request_holds_kv
 
 # the test extra; a machine without them skips this module, not errors
 aiohttp = pytest.importorskip("aiohttp", exc_type=ImportError)
@@ -100,7 +101,8 @@ def test_1000_concurrent_streams_with_random_aborts_leave_no_leak(tmp_path):
                 break
             time.sleep(0.2)
         assert (stats["num_running_reqs"], stats["num_waiting_reqs"]) == (0, 0)
-        assert stats["num_free_pages"] == idle["num_free_pages"] == stats["num_total_pages"]
+        assert_stats_no_request_holds_kv(idle)
+        assert_stats_no_request_holds_kv(stats)
         assert stats["num_free_req_slots"] == idle["num_free_req_slots"]
         assert stats["num_failed_reqs"] == 0
         assert stats["num_finished_reqs"] + stats["num_aborted_reqs"] >= NUM_REQUESTS
@@ -139,7 +141,7 @@ def test_gpu_dsv4_mini_breakable_10k_replays_under_load_keep_gpu_memory_flat(tmp
             assert failures == [], failures[:5]
             stats = _stats(server.url)
             assert stats["num_failed_reqs"] == 0
-            assert stats["num_free_pages"] == stats["num_total_pages"]
+            assert_stats_no_request_holds_kv(stats)
             samples.append(used(stats))
             rounds += 1
             print(f"round {rounds}: {replays(stats)} replays, {samples[-1] / 2**20:.0f} MiB in use, "

@@ -21,6 +21,7 @@ import torch
 
 from sglang.srt.tokenizer import ByteTokenizer
 from sglang.test.server_process import ServerProcess, descendant_pids, free_port, still_alive_after
+from sglang.test.kv_accounting import assert_stats_no_request_holds_kv
 
 # the test extra: without it this module skips instead of failing collection
 requests = pytest.importorskip("requests", exc_type=ImportError)
@@ -318,7 +319,8 @@ def test_client_disconnect_aborts_the_request(server):
             break
         time.sleep(0.2)
     assert stats["num_aborted_reqs"] == aborted_before + 1
-    assert stats["num_running_reqs"] == 0 and stats["num_free_pages"] == stats["num_total_pages"]
+    assert stats["num_running_reqs"] == 0
+    assert_stats_no_request_holds_kv(stats)
     # A non-streamed request whose client gives up is aborted too.
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
     with pytest.raises(requests.ReadTimeout):

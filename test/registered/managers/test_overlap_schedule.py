@@ -20,6 +20,7 @@ from test_scheduler import (  # noqa: E402
 )
 
 from sglang.srt.managers.overlap import FutureMap  # noqa: E402
+from sglang.test.kv_accounting import assert_no_request_holds_kv  # noqa: E402
 
 
 def traced_run(s, reqs, max_steps=5000):
@@ -45,7 +46,7 @@ def traced_run(s, reqs, max_steps=5000):
         collect(outs, results)
         finished.update({o.rid: call for o in outs if o.finished})
     assert not s.has_work()
-    assert s.pool.num_free_pages == s.pool.pages.capacity and s.pool.slots.num_free == s.pool.slots.capacity
+    assert_no_request_holds_kv(s)
     return results, sampled, finished
 
 
@@ -118,7 +119,7 @@ def test_finish_lags_at_most_one_step_and_the_extra_token_is_dropped(overlap):
 
 def test_abort_while_its_step_is_in_flight_frees_every_page_and_spares_the_others():
     s = create_scheduler(chunked_prefill_size=64)
-    start_pages, start_slots = s.pool.num_free_pages, s.pool.slots.num_free
+    assert s.pool.num_free_pages == s.pool.pages.capacity and s.pool.slots.num_free == s.pool.slots.capacity
     reqs = create_requests(4, [30, 400, 20, 40], max_new_tokens=12, seed=5)
     for r in reqs:
         s.add_request(r)
@@ -135,7 +136,7 @@ def test_abort_while_its_step_is_in_flight_frees_every_page_and_spares_the_other
     assert s.abort_request("r1")
     while s.has_work():
         collect(s.step(), results)
-    assert s.pool.num_free_pages == start_pages and s.pool.slots.num_free == start_slots
+    assert_no_request_holds_kv(s)  # aborted requests insert nothing; the others' prefixes stay cached
     assert results["r0"]["finish_reason"]["type"] == "abort"
     assert results["r0"]["output_ids"] == known == reference(reqs[0].input_ids, len(known))  # in-flight token dropped
     assert results["r1"]["output_ids"] == [] and results["r1"]["finish_reason"]["type"] == "abort"

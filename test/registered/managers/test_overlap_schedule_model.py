@@ -15,6 +15,7 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 from sglang.test.runner_args import cpu_server_args
+from sglang.test.kv_accounting import assert_no_request_holds_kv
 
 TINY = dict(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096)
 LENGTHS = [5, 40, 70, 3, 20, 9, 130, 1]
@@ -46,7 +47,6 @@ def serve(runner, reqs, overlap, device="cpu", **kw):
                 max_total_tokens=(runner.req_to_token_pool.pages.capacity) * runner.req_to_token_pool.page_size)
     args.update(kw, disable_overlap_schedule=not overlap)
     s = Scheduler(ServerArgs(**args).resolve(cuda_available=device == "cuda"), runner, decode_fn=detok)
-    free = s.pool.num_free_pages
     for r in reqs:
         s.add_request(r)
     res, batches = {}, []
@@ -56,7 +56,7 @@ def serve(runner, reqs, overlap, device="cpu", **kw):
             res[o.rid] = (ids + o.new_token_ids, o.finish_reason)
         if s.last_batch is not None:
             batches.append((s.last_batch.forward_mode, tuple(s.last_batch.extend_lens)))
-    assert s.pool.num_free_pages == free and s.pool.slots.num_free == s.pool.slots.capacity
+    assert_no_request_holds_kv(s)
     return res, dict(s.get_stats(), batches=batches)
 
 

@@ -3,8 +3,11 @@ writes each fed token at its page-table slot and derives the next token from the
 sequence read back), under memory pressure: eviction, retraction, aborts and overlap
 scheduling. Outputs equal the cache-free reference, and after every step each page's holder
 count is its holders (request page tables + tree nodes), free + held-by-requests +
-cached-only = pool, and each node's lock count is the requests that lock it or a descendant."""
+cached-only = pool, and each node's lock count is the requests that lock it or a descendant.
+Also: the cache is on by default and its pages are in the stats, and a new scheduler over the
+same runner starts with the whole pool free."""
 
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -54,7 +57,7 @@ class KVReadingRunner:
 def make_scheduler(pages, caching=True, **kw):
     args = ServerArgs(model_path="dsv4-tiny", device="cpu", context_length=2048, max_total_tokens=pages * P,
                       max_running_requests=8, chunked_prefill_size=256, page_size=P,
-                      enable_prefix_caching=caching, **kw).resolve(cuda_available=False)
+                      **({} if caching else {"disable_radix_cache": True}), **kw).resolve(cuda_available=False)
     return Scheduler(args, KVReadingRunner(args))
 
 
@@ -147,7 +150,7 @@ def test_a_request_that_can_never_fit_fails_without_leaking_pages_or_locks():
     assert s.pool.num_free_pages == s.pool.pages.capacity
 
 
-def test_without_the_flag_nothing_is_cached():
+def test_with_the_radix_cache_disabled_nothing_is_cached():
     s = make_scheduler(pages=14, caching=False)
     assert s.prefix_caching is None and s.pool.reclaimer is None
     prompt = [3] * (2 * P + 5)
@@ -159,3 +162,39 @@ def test_without_the_flag_nothing_is_cached():
         assert outs[-1].cached_tokens == 0
     assert s.pool.num_free_pages == s.pool.pages.capacity
     assert "prefix_cache_hit_rate" not in s.get_stats() and s.get_stats()["prefix_caching"] is False
+
+
+def test_cache_is_on_by_default_and_its_pages_are_counted_in_the_stats():
+    s = make_scheduler(pages=14)
+    assert s.prefix_caching is not None and s.server_args.disable_radix_cache is False
+    prompt = [3] * (2 * P + 5)
+    for rid in ("a", "b"):
+        s.add_request(GenerateReqInput(rid=rid, input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=1)))
+        outs = []
+        while s.has_work():
+            outs += s.step()
+    assert outs[-1].cached_tokens == 2 * P  # b resumed after a's two cached pages
+    stats = s.get_stats()
+    assert stats["num_evictable_pages"] == stats["prefix_cache_cached_pages"] == 2
+    assert stats["num_free_pages"] + stats["num_evictable_pages"] == stats["num_total_pages"] == 14
+    assert sorted(s.prefix_caching.cache_only_pages()) == sorted(s.prefix_caching.tree.held_pages())
+
+
+def test_a_new_scheduler_over_the_same_runner_gets_the_whole_pool_back():
+    first = make_scheduler(pages=14)
+    first.add_request(GenerateReqInput(rid="a", input_ids=[3] * (2 * P + 5), sampling_params=SamplingParams(
+        max_new_tokens=1)))
+    while first.has_work():
+        first.step()
+    assert first.pool.num_free_pages == 14 - 2 and first.num_evictable_pages == 2
+    # the earlier cache's pages are dropped, whether the next scheduler caches or not
+    on = Scheduler(first.server_args, first.model_runner)
+    assert on.pool is first.pool and on.pool.num_free_pages == 14 and on.pool.reclaimer is not None
+    on.add_request(GenerateReqInput(rid="b", input_ids=[3] * (2 * P + 5), sampling_params=SamplingParams(
+        max_new_tokens=1)))
+    while on.has_work():
+        on.step()
+    assert on.pool.num_free_pages == 14 - 2
+    off = Scheduler(dataclasses.replace(first.server_args, enable_prefix_caching=False, disable_radix_cache=True),
+                    first.model_runner)
+    assert off.prefix_caching is None and off.pool.reclaimer is None and off.pool.num_free_pages == 14

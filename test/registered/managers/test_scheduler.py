@@ -1,6 +1,7 @@
-"""Scheduler policy on CPU with a fake runner (overlap scheduling on, the default, except where
-a test counts tokens per step): chunked prefill, mixed chunk, alternation,
-admission caps, retraction and resume, abort, finish reasons, streaming, and KV accounting.
+"""Scheduler policy on CPU with a fake runner (overlap scheduling and prefix caching on, the
+defaults, except where a test counts tokens per step or chunk sizes): chunked prefill, mixed
+chunk, alternation, admission caps, retraction and resume, abort, finish reasons, streaming, and
+KV accounting.
 
 The fake runner is a tiny "model" that really uses the KV cache: it writes each fed token at
 the page table's slot for its position and derives the next token from the request's whole
@@ -20,6 +21,7 @@ from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
+from sglang.test.kv_accounting import assert_no_request_holds_kv
 
 VOCAB = 64
 EOS = 1
@@ -57,6 +59,9 @@ class FakeModelRunner:
         self.req_to_token_pool = ReqToTokenPool(self.max_num_reqs, self.max_context_len, num_pages, ps, "cpu")
         self.kv_token = torch.full((num_pages * ps,), -1, dtype=torch.int64)
         self.kv_slot = torch.full((num_pages * ps,), -1, dtype=torch.int64)
+        self.kv_pos = torch.full((num_pages * ps,), -1, dtype=torch.int64)
+        # a prefix cache maps pages another request's slot wrote into a request's table
+        self.shares_pages = server_args.enable_prefix_caching
         self.batches = []
 
     def forward(self, fb):
@@ -65,16 +70,25 @@ class FakeModelRunner:
         write_loc = rtt[fb.token_req_slot, fb.positions].long()  # what the metadata builder derives
         self.kv_token[write_loc] = fb.input_ids
         self.kv_slot[write_loc] = fb.token_req_slot
+        self.kv_pos[write_loc] = fb.positions
         logits = torch.zeros(fb.batch_size, VOCAB)
         req_slots = fb.token_req_slot[fb.last_token_indices()].tolist()
         for i, (slot, seq_len) in enumerate(zip(req_slots, fb.seq_lens_cpu)):
             locs = rtt[slot, :seq_len].long()
-            assert (self.kv_slot[locs] == slot).all(), "request reads KV it never wrote"
+            assert (self.kv_pos[locs] == torch.arange(seq_len)).all(), "request reads KV of other positions"
+            if not self.shares_pages:
+                assert (self.kv_slot[locs] == slot).all(), "request reads KV it never wrote"
             logits[i, next_token_of(self.kv_token[locs].tolist())] = 5.0
         return SimpleNamespace(next_token_logits=logits)
 
     def get_stats(self):
         return {"fake_forwards": len(self.batches)}
+
+
+# Tests of the policy without a prefix cache (on by default), whose exact chunk sizes, forward
+# modes and retraction order count on every prompt being computed whole (a cache cuts chunks at
+# page boundaries and starts a resumed request after its cached prefix).
+NO_CACHE = dict(disable_radix_cache=True)
 
 
 def create_scheduler(eos_token_id=EOS, decode_fn=detok, **overrides):
@@ -100,17 +114,23 @@ def create_requests(num, prompt_len, max_new_tokens=8, seed=0, rid_prefix="r", s
 
 
 def assert_kv_accounting(s):
-    """Between steps: holders own exactly ceil(prefix_len / page_size) pages and one slot."""
+    """Between steps: holders map exactly ceil(prefix_len / page_size) pages and own one slot;
+    every other page in use is the prefix cache's."""
     holders = s.running + ([s.chunked_req] if s.chunked_req else [])
-    assert s.pool.pages.num_used == sum(-(-r.prefix_len // s.page_size) for r in holders)
+    mapped = set()
+    for r in holders:
+        pages = s.pool.pages_of(r.req_pool_idx)
+        assert len(pages) == len(set(pages)) == -(-r.prefix_len // s.page_size)
+        mapped.update(pages)
+    cached = set(s.prefix_caching.tree.held_pages()) if s.prefix_caching is not None else set()
+    assert s.pool.pages.num_used == len(mapped | cached)
     assert s.pool.slots.num_used == len(holders)
     assert all(r.req_pool_idx is None and r.prefix_len == 0 for r in s.waiting)
     assert len(holders) <= s.max_running_requests
 
 
 def assert_all_free(s):
-    assert s.pool.num_free_pages == s.pool.pages.capacity
-    assert s.pool.slots.num_free == s.pool.slots.capacity
+    assert_no_request_holds_kv(s)
     assert not s.has_work()
 
 
@@ -146,7 +166,7 @@ def modes(s):
 
 
 def test_long_prompt_is_prefilled_in_budget_sized_chunks():
-    s = create_scheduler(chunked_prefill_size=256)
+    s = create_scheduler(**NO_CACHE, chunked_prefill_size=256)
     (req,) = create_requests(1, 700, max_new_tokens=4)
     res = run(s, [req])
     b = s.model_runner.batches
@@ -176,7 +196,7 @@ def test_short_prompts_share_an_extend_and_only_the_last_is_chunked():
 
 
 def test_disabled_chunking_prefills_whole_prompts():
-    s = create_scheduler(chunked_prefill_size=-1)
+    s = create_scheduler(**NO_CACHE, chunked_prefill_size=-1)
     reqs = create_requests(2, [700, 300], max_new_tokens=2)
     res = run(s, reqs)
     assert s.model_runner.batches[0].extend_seq_lens_cpu == [700, 300]
@@ -186,7 +206,7 @@ def test_disabled_chunking_prefills_whole_prompts():
 def test_no_step_carries_more_tokens_than_the_staging_rows_hold():
     """Without chunking a step holds whole prompts up to ServerArgs.max_step_tokens (the raw-KV
     staging rows: the context length here): a prompt that does not fit waits, unsplit."""
-    s = create_scheduler(chunked_prefill_size=-1)
+    s = create_scheduler(**NO_CACHE, chunked_prefill_size=-1)
     assert s.max_step_tokens == s.server_args.max_step_tokens == 1024
     reqs = create_requests(3, [700, 500, 300], max_new_tokens=2)
     res = run(s, reqs)
@@ -212,7 +232,7 @@ def _start_three_decoders(s):
 
 def test_mixed_chunk_runs_prefill_rows_first_then_every_decode_row():
     # counts tokens per step: without overlap, so the host knows each step's tokens at its end
-    s = create_scheduler(chunked_prefill_size=64, enable_mixed_chunk=True, disable_overlap_schedule=True)
+    s = create_scheduler(**NO_CACHE, chunked_prefill_size=64, enable_mixed_chunk=True, disable_overlap_schedule=True)
     short, long_req, results = _start_three_decoders(s)
     for _ in range(3):
         collect(s.step(), results)
@@ -309,7 +329,7 @@ def test_request_that_can_never_fit_fails_with_error_and_frees_kv():
 
 
 def test_abort_frees_kv_at_once_and_leaves_others_unaffected():
-    s = create_scheduler(chunked_prefill_size=256)
+    s = create_scheduler(**NO_CACHE, chunked_prefill_size=256)
     reqs = create_requests(3, [200, 200, 300], max_new_tokens=10)
     for r in reqs:
         s.add_request(r)

@@ -1,5 +1,5 @@
 """Prefix caching end to end on the real model (dsv4-tiny, CPU, fp32, greedy, page size 128):
-outputs with --enable-prefix-caching are the outputs without it, for prompts sharing prefixes
+outputs with prefix caching (the default) are the outputs with --disable-radix-cache, for prompts sharing prefixes
 that end at every position mod 4 around the first two page boundaries (so the resumed
 request's first ratio-4 block mixes cached and fresh rows at every offset), for a second
 chat turn that extends the first turn's prompt and answer (a state taken during decode), and
@@ -45,7 +45,7 @@ class Serving:
 
     def __init__(self, runner, caching, base=TINY, **kw):
         args = dict(base, max_running_requests=runner.server_args.max_running_requests,
-                    enable_prefix_caching=caching, **kw)
+                    **({} if caching else {"disable_radix_cache": True}), **kw)
         self.s = Scheduler(ServerArgs(**args).resolve(cuda_available=args.get("device") == "cuda"), runner)
         self.free = self.s.pool.num_free_pages
 

@@ -20,6 +20,7 @@ from sglang.srt.model_executor.graph_dispatch import PathKind
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
+from sglang.test.kv_accounting import assert_no_request_holds_kv
 from sglang.test.runner_args import cpu_server_args
 from sglang.test.speculative_drafts import reference_drafts
 
@@ -57,7 +58,6 @@ def _serve(runner, reqs, override=None, **kw):
     s = Scheduler(ServerArgs(**args).resolve(cuda_available=False), runner)
     if override is not None:
         s.speculator.draft_override = override
-    free = s.pool.num_free_pages
     for r in reqs:
         s.add_request(r)
     res = {}
@@ -65,7 +65,7 @@ def _serve(runner, reqs, override=None, **kw):
         for o in s.step():
             ids, lps = res.get(o.rid, ([], []))
             res[o.rid] = (ids + o.new_token_ids, lps + (o.new_logprobs or []))
-    assert s.pool.num_free_pages == free and s.pool.slots.num_free == s.pool.slots.capacity
+    assert_no_request_holds_kv(s)
     return res, s.get_stats()
 
 
@@ -225,7 +225,6 @@ def test_an_abort_between_speculative_steps_frees_everything(spec_runner, expect
     args = dict(BASE, max_running_requests=64, speculative_algorithm="mtp", speculative_num_steps=3)
     s = Scheduler(ServerArgs(**args).resolve(cuda_available=False), spec_runner)
     s.speculator.draft_override = _oracle(expected, lambda pos: pos % 3)
-    free = s.pool.num_free_pages
     for n, p in zip(LENGTHS[:3], _prompts(LENGTHS)[:3]):
         s.add_request(_req(f"r{n}", p))
     got = {}
@@ -238,7 +237,7 @@ def test_an_abort_between_speculative_steps_frees_everything(spec_runner, expect
     while s.has_work():
         for o in s.step():
             got[o.rid] = got.get(o.rid, []) + o.new_token_ids
-    assert s.pool.num_free_pages == free and s.pool.slots.num_free == s.pool.slots.capacity
+    assert_no_request_holds_kv(s)
     for rid, ids in got.items():
         if rid != victim:
             assert ids == expected[rid][0]
@@ -411,10 +410,10 @@ def test_prefix_caching_with_speculation_gives_the_plain_outputs(spec_runner, pl
     # answers of 60 tokens: those of the prompts past 200 cross position 256 while decoding
     firsts = lambda: [_req(f"a{s}", base[:s] + [rng2.randrange(2, 512) for _ in range(30)], n=60)  # noqa: E731
                       for s, rng2 in ((s, random.Random(s)) for s in (127, 128, 200, 220, 256))]
-    plain, _ = _serve(plain_runner, firsts())
+    plain, _ = _serve(plain_runner, firsts(), disable_radix_cache=True)
     turns = lambda out: [_req(f"t{r.rid}", r.input_ids + out[r.rid][0] + [7, 8, 9], n=12)  # noqa: E731
                          for r in firsts()]
-    plain.update(_serve(plain_runner, turns(plain))[0])
+    plain.update(_serve(plain_runner, turns(plain), disable_radix_cache=True)[0])
     prompts = {tuple(r.input_ids): r.rid for r in firsts() + turns(plain)}
 
     wrong_at_pos_mod_3 = reference_drafts(lambda req: plain[prompts[tuple(req.origin_input_ids)]][0],

@@ -1,5 +1,6 @@
-"""The scheduler's side of prefix caching (--enable-prefix-caching): when a request takes a
-cached prefix, when its resume states are taken, and what it inserts into the radix tree.
+"""The scheduler's side of prefix caching (on unless --disable-radix-cache): when a request
+takes a cached prefix, when its resume states are taken, and what it inserts into the radix
+tree.
 
 - Admission: the request's tokens are matched against the tree, never in full (at least one
   token is computed, for its logits). A hit maps the cached pages into the request's page
@@ -26,7 +27,7 @@ is refused, so caching never lowers what the pool admits.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import List, Optional
 
 from sglang.srt.mem_cache.radix_cache import PrefixMatch, RadixCache
 from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -49,7 +50,12 @@ class PrefixCaching:
 
     @property
     def evictable_pages(self) -> int:
+        """Pages of unlocked nodes: no request maps them, the pool evicts them on demand."""
         return self.tree.evictable_pages
+
+    def cache_only_pages(self) -> List[int]:
+        """The pages whose only holder is the tree (what eviction could free)."""
+        return [p for p in self.tree.held_pages() if self.pool.pages.refcount(p) == 1]
 
     # ---- admission -------------------------------------------------------------------
 
@@ -150,7 +156,12 @@ class PrefixCaching:
 
 def make_prefix_caching(server_args, model_runner) -> Optional[PrefixCaching]:
     """The scheduler's prefix caching, or None when off (then the pool evicts nothing)."""
+    pool = model_runner.req_to_token_pool
+    if pool.reclaimer is not None:
+        # a new scheduler over this runner: the pages an earlier one's cache kept would
+        # otherwise stay held with nothing left to evict them
+        pool.reclaimer(pool.pages.capacity)
     if not server_args.enable_prefix_caching:
-        model_runner.req_to_token_pool.reclaimer = None
+        pool.reclaimer = None
         return None
-    return PrefixCaching(model_runner.req_to_token_pool, getattr(model_runner, "kv_pool", None))
+    return PrefixCaching(pool, getattr(model_runner, "kv_pool", None))

@@ -20,9 +20,10 @@ Policy, in order of precedence:
   prefill priority would stall every running request for the whole duration of a long queue.
 - A step that had to retract does no prefill, so a request is never retracted and
   re-admitted in the same step.
-- --enable-prefix-caching (managers/prefix_caching.py): an admitted request starts after the
-  longest cached prefix it can resume from; cached pages nobody uses count as available and
-  are evicted (least recently used first) before anything is retracted or refused.
+- Prefix caching (managers/prefix_caching.py; on unless --disable-radix-cache): an admitted
+  request starts after the longest cached prefix it can resume from; cached pages nobody
+  uses count as available and are evicted (least recently used first) before anything is
+  retracted or refused.
 
 Overlap scheduling (default; --disable-overlap-schedule turns it off): `step()` launches
 forward N+1 before it processes forward N's sampled tokens, so the host schedules, builds
@@ -260,10 +261,15 @@ class Scheduler:
     def _pages_held(self, req: Req) -> int:
         return -(-req.prefix_len // self.page_size)  # the KV invariant (schedule_batch.py)
 
+    @property
+    def num_evictable_pages(self) -> int:
+        """Pages only the prefix cache holds (no request maps them): the pool evicts them on
+        demand. With no request holding KV, free + evictable pages are the whole pool."""
+        return self.prefix_caching.evictable_pages if self.prefix_caching is not None else 0
+
     def _available_pages(self) -> int:
-        """Free pages plus the cached ones nobody uses (the pool evicts them on demand)."""
-        cached = self.prefix_caching.evictable_pages if self.prefix_caching is not None else 0
-        return self.pool.num_free_pages + cached
+        """Free pages plus the cached ones nobody uses."""
+        return self.pool.num_free_pages + self.num_evictable_pages
 
     def _holders(self) -> List[Req]:
         return self.running + ([self.chunked_req] if self.chunked_req is not None else [])
@@ -509,6 +515,7 @@ class Scheduler:
             "num_running_reqs": len(self._holders()),
             "num_chunked_reqs": int(self.chunked_req is not None),
             "num_free_pages": self.pool.num_free_pages,
+            "num_evictable_pages": self.num_evictable_pages,  # free on demand: see num_evictable_pages
             "num_total_pages": self.pool.pages.capacity,
             "page_size": self.page_size,
             "num_free_req_slots": self.pool.slots.num_free,
