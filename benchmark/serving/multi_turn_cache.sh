@@ -20,6 +20,7 @@ server_flags="--model-path $MODEL --load-format dummy --device $DEVICE $EXTRA"
 [[ -n ${NUM_LAYERS:-} ]] && server_flags="$server_flags --num-layers $NUM_LAYERS"
 # the last turn's prompt and answer, rounded up to 1024
 need=$(( SYSTEM + TURNS * (TURN_IN + TURN_OUT) )); ctx=$(( (need + 1023) / 1024 * 1024 ))
+source "$(dirname "$0")/server.sh"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python${PYTHONPATH:+:$PYTHONPATH}
 port=30200
 for setting in ${SETTINGS:-on off}; do
@@ -29,19 +30,7 @@ for setting in ${SETTINGS:-on off}; do
     off) flags="--disable-radix-cache" ;;
     *) echo "unknown setting $setting (on, on_round_robin, off)"; exit 2 ;;
   esac
-  start=$(date +%s)
-  python -m sglang.launch_server $server_flags $flags --context-length $ctx --port $port \
-    > "$OUT/server_$setting.log" 2>&1 &
-  server=$!
-  up=""
-  for _ in $(seq 1 200); do
-    curl -sf "http://127.0.0.1:$port/health" > /dev/null && up=1 && break
-    kill -0 $server 2> /dev/null || break
-    sleep 2
-  done
-  state="NOT up"; [[ -n $up ]] && state=up
-  echo "== $setting: server $state after $(( $(date +%s) - start )) s"
-  if [[ -n $up ]]; then
+  if start_server "$setting" $port "$OUT/server_$setting.log" 200 $server_flags $flags --context-length $ctx; then
     python -m sglang.bench_serving --port $port --dataset-name multi-turn --num-sessions $SESSIONS \
       --num-turns $TURNS --system-prompt-len $SYSTEM --turn-input-len $TURN_IN --turn-output-len $TURN_OUT \
       --max-concurrency $CONCURRENCY --warmup-requests 2 --random-input-len 256 --tag $setting \
@@ -51,7 +40,7 @@ for setting in ${SETTINGS:-on off}; do
   else
     tail -5 "$OUT/server_$setting.log"
   fi
-  kill -TERM $server 2> /dev/null; wait $server 2> /dev/null
+  stop_server
   port=$(( port + 1 ))
 done
 python - "$OUT/multi_turn.jsonl" <<'PY'

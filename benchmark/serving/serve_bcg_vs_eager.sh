@@ -12,22 +12,13 @@ OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 IN=${IN:-1024}; OUTLEN=${OUTLEN:-128}; DP=${DP:-2}; MODEL=${MODEL:-dsv4-flash}
 parallel="--enable-dp-attention --dp-size $DP"; [[ $DP == 1 ]] && parallel=""
 [[ -n ${NUM_LAYERS:-} ]] && parallel="$parallel --num-layers $NUM_LAYERS"
+source "$(dirname "$0")/server.sh"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python${PYTHONPATH:+:$PYTHONPATH}
 port=30100
 for mode in ${MODES:-bcg eager}; do
   flag=""; [[ $mode == bcg ]] && flag="--enable-breakable-cuda-graph"
-  start=$(date +%s)
-  python -m sglang.launch_server --model-path $MODEL --load-format dummy $parallel \
-    --enable-mixed-chunk $flag --port $port > "$OUT/server_$mode.log" 2>&1 &
-  server=$!
-  up=""
-  for _ in $(seq 1 120); do
-    curl -sf "http://127.0.0.1:$port/health" > /dev/null && up=1 && break
-    kill -0 $server 2> /dev/null || break
-    sleep 2
-  done
-  echo "== $mode: server ${up:+up}${up:-NOT up} after $(( $(date +%s) - start )) s"
-  if [[ -n $up ]]; then
+  if start_server "$mode" $port "$OUT/server_$mode.log" 120 --model-path $MODEL --load-format dummy $parallel \
+    --enable-mixed-chunk $flag; then
     [[ ${GREEDY:-1} == 1 ]] && timeout 90 python benchmark/accuracy/greedy_agreement.py collect --port $port --num 64 --out "$OUT/greedy_$mode.json"
     for c in 1 16 64; do
       n=$(( c == 1 ? 4 : (c == 64 ? 64 : 2 * c) ))
@@ -39,7 +30,7 @@ for mode in ${MODES:-bcg eager}; do
     done
     curl -s "http://127.0.0.1:$port/get_server_info" > "$OUT/server_info_$mode.json"
   fi
-  kill -TERM $server 2> /dev/null; wait $server 2> /dev/null
+  stop_server
   grep -E "memory plan|captured|Error" "$OUT/server_$mode.log" | cut -c1-400 | tail -6
   port=$(( port + 1 ))
 done

@@ -15,6 +15,7 @@ OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 MODEL=${MODEL:-dsv4-flash}; IN=${IN:-1024}; OUTLENS=${OUTLENS:-${OUTLEN:-256}}; CONCS=${CONCS:-1 16 64}
 EXTRA=${EXTRA---enable-breakable-cuda-graph}
 layers=""; [[ -n ${NUM_LAYERS-20} ]] && layers="--num-layers ${NUM_LAYERS-20}"
+source "$(dirname "$0")/server.sh"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/python:$PWD/sgl-kernel/python${PYTHONPATH:+:$PYTHONPATH}
 port=30300
 for setting in ${SETTINGS:-off k1a1 k3a2 k3a3}; do
@@ -25,18 +26,8 @@ for setting in ${SETTINGS:-off k1a1 k3a2 k3a3}; do
   elif [[ $setting != off ]]; then
     echo "unknown setting $setting (off, or k<steps>a<accepted>[e])"; exit 2
   fi
-  start=$(date +%s)
-  SGLANG_SIMULATE_ACCEPT_LENGTH=$simulate python -m sglang.launch_server --model-path $MODEL --load-format dummy \
-    $layers $flags --port $port > "$OUT/server_$setting.log" 2>&1 &
-  server=$!
-  up=""
-  for _ in $(seq 1 150); do
-    curl -sf "http://127.0.0.1:$port/health" > /dev/null && up=1 && break
-    kill -0 $server 2> /dev/null || break
-    sleep 2
-  done
-  echo "== $setting: server ${up:+up}${up:-NOT up} after $(( $(date +%s) - start )) s"
-  if [[ -n $up ]]; then
+  if SGLANG_SIMULATE_ACCEPT_LENGTH=$simulate start_server "$setting" $port "$OUT/server_$setting.log" 150 \
+    --model-path $MODEL --load-format dummy $layers $flags; then
     for outlen in $OUTLENS; do
       for c in $CONCS; do
         n=$(( c == 1 ? 4 : 2 * c ))
@@ -50,7 +41,7 @@ for setting in ${SETTINGS:-off k1a1 k3a2 k3a3}; do
   else
     tail -5 "$OUT/server_$setting.log"
   fi
-  kill -TERM $server 2> /dev/null; wait $server 2> /dev/null
+  stop_server
   port=$(( port + 1 ))
 done
 python - "$OUT" <<'PY'
