@@ -272,6 +272,28 @@ def test_verify_steps_replay_from_breakable_graphs_with_the_eager_outputs(expect
     assert stats["breakable_replays"] > before
 
 
+PROMPTS64 = _prompts([random.Random(64).randrange(1, 420) for _ in range(64)], seed=64)
+
+
+@pytest.fixture(scope="module")
+def expected64(plain_runner):
+    return _serve(plain_runner, [_req(f"p{i}", p, n=16) for i, p in enumerate(PROMPTS64)])[0]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_64_prompts_of_mixed_lengths_give_the_plain_outputs_at_every_k(k, expected64):
+    """64 prompts of 1 to 419 tokens, served together (chunked prefill, mixed verify batches),
+    with drafts wrong at a pseudo-random offset of each position (or none): the greedy outputs
+    and logprobs are the plain ones at k = 1, 2 and 3."""
+    prompts = {tuple(p): f"p{i}" for i, p in enumerate(PROMPTS64)}
+    override = reference_drafts(lambda req: expected64[prompts[tuple(req.origin_input_ids)]][0],
+                                lambda pos: random.Random(pos).randrange(k + 1))  # k: none wrong
+    runner = _runner(speculative_algorithm="mtp", speculative_num_steps=k)
+    got, stats = _serve(runner, [_req(f"p{i}", p, n=16) for i, p in enumerate(PROMPTS64)], override=override)
+    _same(got, expected64)
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+
+
 def test_mtp_forwards_replay_from_their_own_graphs_with_the_eager_drafts(spec_runner, expected):
     """With graphs (the CPU emulator's decode graphs, breakable graphs), the MTP layer's
     draft steps replay decode graphs and its pass over the committed positions replays
