@@ -52,7 +52,9 @@ class ServerMetrics:
         rank = ["dp_rank"]
         self.running = Gauge(PREFIX + "num_running_reqs", "Requests in the running batch", rank, registry=r)
         self.waiting = Gauge(PREFIX + "num_queue_reqs", "Requests waiting to be scheduled", rank, registry=r)
-        self.pages_used = Gauge(PREFIX + "kv_pages_used", "KV-cache pages in use", rank, registry=r)
+        self.pages_used = Gauge(PREFIX + "kv_pages_used", "KV-cache pages requests hold", rank, registry=r)
+        self.pages_cached = Gauge(PREFIX + "kv_pages_cached",
+                                  "KV-cache pages only the prefix cache holds (freed on demand)", rank, registry=r)
         self.pages_total = Gauge(PREFIX + "kv_pages_total", "KV-cache pages in the pool", rank, registry=r)
         self.page_size = Gauge(PREFIX + "kv_page_size_tokens", "Tokens per KV-cache page", rank, registry=r)
         # the schedulers count these themselves; a scrape copies their totals (monotonic)
@@ -74,7 +76,9 @@ class ServerMetrics:
             self.waiting.labels(r).set(stats.get("num_waiting_reqs", 0))
             total = stats.get("num_total_pages", 0)
             self.pages_total.labels(r).set(total)
-            self.pages_used.labels(r).set(total - stats.get("num_free_pages", total))
+            cached = stats.get("num_evictable_pages", 0)
+            self.pages_cached.labels(r).set(cached)
+            self.pages_used.labels(r).set(total - stats.get("num_free_pages", total) - cached)
             self.page_size.labels(r).set(stats.get("page_size", 0))
             for key, value in stats.items():
                 if key.endswith("_replays_by_bucket") and isinstance(value, dict):

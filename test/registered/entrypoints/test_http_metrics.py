@@ -83,7 +83,9 @@ def test_metrics_count_the_requests_tokens_and_latencies(server):
     assert value(after, "sglang:num_requests_in_flight") == 0
     # the scheduler's gauges, per DP rank
     total = value(after, "sglang:kv_pages_total", dp_rank="0")
-    assert total > 0 and 0 <= value(after, "sglang:kv_pages_used", dp_rank="0") <= total
+    # every request has finished: no request holds a page; what the prefix cache kept is apart
+    assert total > 0 and value(after, "sglang:kv_pages_used", dp_rank="0") == 0
+    assert 0 <= value(after, "sglang:kv_pages_cached", dp_rank="0") <= total
     assert value(after, "sglang:kv_page_size_tokens", dp_rank="0") == 128
     assert value(after, "sglang:num_running_reqs", dp_rank="0") == 0
     assert value(after, "sglang:num_queue_reqs", dp_rank="0") == 0
@@ -105,3 +107,14 @@ def test_a_client_that_goes_away_is_counted_as_an_abort(server):
         time.sleep(0.2)
     assert aborted == 1
     assert value(after, "sglang:num_requests_in_flight") == 0
+
+
+def test_pages_the_prefix_cache_keeps_are_counted_apart_from_the_used_ones(server):
+    """A finished request of three pages of prompt leaves its full pages in the prefix cache
+    (on by default): kv_pages_cached counts them, kv_pages_used stays 0."""
+    r = _generate(server, "The cache keeps whole pages. " * 14, 2)  # about 400 byte-level tokens
+    assert r.status_code == 200, r.text
+    after, _ = scrape(server)
+    total = value(after, "sglang:kv_pages_total", dp_rank="0")
+    assert value(after, "sglang:kv_pages_used", dp_rank="0") == 0
+    assert 3 <= value(after, "sglang:kv_pages_cached", dp_rank="0") < total
