@@ -150,16 +150,22 @@ def test_a_request_that_can_never_fit_fails_without_leaking_pages_or_locks():
     assert s.pool.num_free_pages == s.pool.pages.capacity
 
 
-def test_with_the_radix_cache_disabled_nothing_is_cached():
-    s = make_scheduler(pages=14, caching=False)
-    assert s.prefix_caching is None and s.pool.reclaimer is None
-    prompt = [3] * (2 * P + 5)
-    for rid in ("a", "b"):
+def _serve_one_after_another(s, prompt, rids):
+    """Each request of `prompt` served to its end before the next is added: their last outputs."""
+    last = []
+    for rid in rids:
         s.add_request(GenerateReqInput(rid=rid, input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=1)))
         outs = []
         while s.has_work():
             outs += s.step()
-        assert outs[-1].cached_tokens == 0
+        last.append(outs[-1])
+    return last
+
+
+def test_with_the_radix_cache_disabled_nothing_is_cached():
+    s = make_scheduler(pages=14, caching=False)
+    assert s.prefix_caching is None and s.pool.reclaimer is None
+    assert [o.cached_tokens for o in _serve_one_after_another(s, [3] * (2 * P + 5), ("a", "b"))] == [0, 0]
     assert s.pool.num_free_pages == s.pool.pages.capacity
     assert "prefix_cache_hit_rate" not in s.get_stats() and s.get_stats()["prefix_caching"] is False
 
@@ -167,13 +173,8 @@ def test_with_the_radix_cache_disabled_nothing_is_cached():
 def test_cache_is_on_by_default_and_its_pages_are_counted_in_the_stats():
     s = make_scheduler(pages=14)
     assert s.prefix_caching is not None and s.server_args.disable_radix_cache is False
-    prompt = [3] * (2 * P + 5)
-    for rid in ("a", "b"):
-        s.add_request(GenerateReqInput(rid=rid, input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=1)))
-        outs = []
-        while s.has_work():
-            outs += s.step()
-    assert outs[-1].cached_tokens == 2 * P  # b resumed after a's two cached pages
+    last = _serve_one_after_another(s, [3] * (2 * P + 5), ("a", "b"))
+    assert [o.cached_tokens for o in last] == [0, 2 * P]  # b resumed after a's two cached pages
     stats = s.get_stats()
     assert stats["num_evictable_pages"] == stats["prefix_cache_cached_pages"] == 2
     assert stats["num_free_pages"] + stats["num_evictable_pages"] == stats["num_total_pages"] == 14
