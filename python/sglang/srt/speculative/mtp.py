@@ -285,7 +285,8 @@ class MTPSpeculator:
         out_streams, final = runner.forward_mtp(fb, streams[rows], path=self.mtp_paths[0])
         last = fb.last_token_indices()
         # who drafts: requests that decode next step (a finished or mid-prompt one does not)
-        drafting = [j for j, r in enumerate(reqs) if r in sched.running and not r.finished]
+        running = {id(r) for r in sched.running}  # a set: a list lookup per request is quadratic at large batches
+        drafting = [j for j, r in enumerate(reqs) if id(r) in running and not r.finished]
         for r in reqs:
             r.spec_drafts, r.spec_draft_probs = [], None
         if not drafting:
