@@ -61,12 +61,14 @@ class RingSnapshot:
         return min(rings)
 
     def _indices(self, keys: Sequence[Tuple[int, int]]) -> List[torch.Tensor]:
-        """Per stack, the flat rows of keys on each of its layers (layer-major)."""
+        """Per stack, the flat rows of keys on each of its layers (layer-major). Built with
+        tensor ops from one row per key: a Python loop over layers x keys costs milliseconds
+        of host time at large batches."""
+        slots = torch.tensor([slot for slot, _ in keys], dtype=torch.int64)
+        positions = torch.tensor([p for _, p in keys], dtype=torch.int64)
         out = []
         for rows, per, ring in self._stacks:
-            n_layers = rows.shape[0] // per
-            idx = torch.tensor([j * per + slot * ring + p % ring for j in range(n_layers) for slot, p in keys],
-                               dtype=torch.int64)
+            idx = _per_layer(slots * ring + positions % ring, rows.shape[0] // per, per)
             out.append(idx.to(self.pool.device, non_blocking=True))
         return out
 
@@ -78,9 +80,12 @@ class RingSnapshot:
         missing = [k for k in keys if k not in self._order]
         if missing:
             raise ValueError(f"positions {missing[:4]} were not in the snapshot")
-        n_saved = len(self._order)
+        order = torch.tensor([self._order[k] for k in keys], dtype=torch.int64)
         for (rows, per, _), idx, saved in zip(self._stacks, self._indices(keys), self._saved):
-            n_layers = rows.shape[0] // per
-            pick = torch.tensor([j * n_saved + self._order[k] for j in range(n_layers) for k in keys],
-                                dtype=torch.int64).to(self.pool.device, non_blocking=True)
-            rows.index_copy_(0, idx, saved.index_select(0, pick))
+            pick = _per_layer(order, rows.shape[0] // per, len(self._order))
+            rows.index_copy_(0, idx, saved.index_select(0, pick.to(self.pool.device, non_blocking=True)))
+
+
+def _per_layer(rows: torch.Tensor, num_layers: int, stride: int) -> torch.Tensor:
+    """rows repeated for each layer, layer j's shifted by j * stride (layer-major, flat)."""
+    return (torch.arange(num_layers, dtype=torch.int64)[:, None] * stride + rows[None, :]).flatten()
