@@ -6,16 +6,19 @@ or not the cache also holds that page."""
 from __future__ import annotations
 
 
+def _cache_only_pages(sched) -> list:
+    return sched.prefix_caching.cache_only_pages() if sched.prefix_caching is not None else []
+
+
 def free_or_cache_only_pages(sched) -> int:
     """Pages that are free or held by the prefix cache alone: the whole pool once no request
     holds KV."""
-    cache_only = sched.prefix_caching.cache_only_pages() if sched.prefix_caching is not None else []
-    return sched.pool.num_free_pages + len(cache_only)
+    return sched.pool.num_free_pages + len(_cache_only_pages(sched))
 
 
 def assert_no_request_holds_kv(sched) -> None:
     pool = sched.pool
-    cache_only = sched.prefix_caching.cache_only_pages() if sched.prefix_caching is not None else []
+    cache_only = _cache_only_pages(sched)
     assert pool.slots.num_free == pool.slots.capacity, "a request slot is still held"
     assert pool.num_free_pages + len(cache_only) == pool.pages.capacity, (
         f"{pool.pages.capacity - pool.num_free_pages - len(cache_only)} pages held by no request and "

@@ -39,7 +39,7 @@ instead of 256 (bf16). They hold exactly the rounded values, so the indexer scor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from dsv4_kernels.index_key_fp4 import IndexKeyFP4Layout, index_key_row_bytes
@@ -132,14 +132,13 @@ class DSV4KVPool:
         self.ring_stacks: List[RingStack] = [RingStack(raw_stack, list(range(n_layers)), self.window)]
         for r in sorted(set(ratios) - {0}):
             layers = [layer for layer in range(n_layers) if ratios[layer] == r]
-            for states, dim in ((self.compressor_state, D), (self.indexer_state, Di)) if r == 4 else \
-                    ((self.compressor_state, D),):
-                stacked = _new_state(r, dim, rows, device, len(layers))
+            kinds = [(self.compressor_state, D)] + ([(self.indexer_state, Di)] if r == 4 else [])
+            for states, dim in kinds:
+                kv, score = _state_rings(r, dim, rows, device, len(layers))
                 for j, layer in enumerate(layers):
-                    states[layer] = CompressorState(r, dim, stacked.kv[j], stacked.score[j])
-                ring = stacked.kv.shape[2]
-                self.ring_stacks += [RingStack(t.view(len(layers), rows * ring, -1), layers, ring)
-                                     for t in (stacked.kv, stacked.score)]
+                    states[layer] = CompressorState(r, dim, kv[j], score[j])
+                ring = kv.shape[2]
+                self.ring_stacks += [RingStack(t.view(len(layers), rows * ring, -1), layers, ring) for t in (kv, score)]
         for layer, r in enumerate(ratios):
             if r == 0:
                 continue
@@ -207,16 +206,13 @@ def ring_slices(size: int, positions: range) -> List[slice]:
     return out
 
 
-def _new_state(ratio: int, dim: int, rows: int, device, num_layers: Optional[int] = None) -> CompressorState:
-    """One layer's state ring, or with num_layers that many layers' stacked (a leading dim)."""
+def _state_rings(ratio: int, dim: int, rows: int, device, num_layers: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """kv and score rings of num_layers layers, stacked: [num_layers, rows, R, coff * dim] fp32
+    each (R = coff * ratio); scores start at -inf, the empty ring."""
     coff = 2 if ratio == 4 else 1
-    shape = (rows, coff * ratio, coff * dim) if num_layers is None else (num_layers, rows, coff * ratio, coff * dim)
-    return CompressorState(
-        ratio=ratio,
-        dim=dim,
-        kv=torch.zeros(shape, dtype=torch.float32, device=device),
-        score=torch.full(shape, float("-inf"), dtype=torch.float32, device=device),
-    )
+    shape = (num_layers, rows, coff * ratio, coff * dim)
+    return (torch.zeros(shape, dtype=torch.float32, device=device),
+            torch.full(shape, float("-inf"), dtype=torch.float32, device=device))
 
 
 def kv_bytes_per_token(config: DeepseekV4Config, dtype: torch.dtype, kv_cache_dtype: str = "auto",

@@ -36,7 +36,6 @@ from sglang.srt.model_executor.graph_dispatch import (
     default_capture_bs,
     default_capture_num_tokens,
     describe,
-    eager_path,
 )
 from sglang.srt.model_executor.graph_tables_check import require_same_capture_tables
 from sglang.srt.model_executor.mtp_graph_runner import build_mtp_graph_runners, mtp_graph_tables
@@ -214,7 +213,7 @@ class ModelRunner:
             raise ValueError("forward_mtp under DP attention needs the agreed path (ModelRunner.mtp_path)")
         self.stats["forward_mtp"] = self.stats.get("forward_mtp", 0) + 1
         if path is None:
-            path = self.mtp_path(describe(fb)) if fb.num_tokens else eager_path(fb)
+            path = self.mtp_path(describe(fb))
         runner = self.mtp_graph_runners.get(path.kind) if k == 0 else None
         if runner is not None:
             return runner.replay_mtp(fb, streams, path.size)
@@ -228,8 +227,6 @@ class ModelRunner:
         """How an MTP forward of `rows` runs: a graph of its kind and bucket, or eager padded to
         rows.num_tokens. Under DP every rank passes the same bound (the largest rank's rows),
         so every rank decides the same."""
-        if self.mtp_graph_tables is None:
-            return StepPath(PathKind.EAGER, rows.num_tokens, (rows.num_tokens,), reason="no_graphs")
         return decide_step_path((rows,), self.mtp_graph_tables)
 
     def _count_dp_step(self, path: StepPath) -> None:
@@ -255,4 +252,4 @@ class ModelRunner:
     def shutdown(self) -> None:
         for runner in list(self.graph_runners.values()) + list(self.mtp_graph_runners.values()):
             runner.release()
-        self.graph_runners, self.mtp_graph_runners, self.mtp_graph_tables = {}, {}, None
+        self.graph_runners, self.mtp_graph_runners, self.mtp_graph_tables = {}, {}, GraphTables()

@@ -17,7 +17,7 @@ replaying with no live rows. With `--dp-idle-policy eager` the MTP forwards stay
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, Sequence
 
 import torch
 
@@ -36,8 +36,9 @@ class _MTPGraphs:
 
     module = 0  # the MTP module the graphs run
 
-    def _init_streams(self) -> None:
-        c = self.model_runner.config
+    def __init__(self, model_runner, buckets: Sequence[int], debug: bool = False):
+        super().__init__(model_runner, buckets, debug)
+        c = model_runner.config
         self.streams_in = torch.zeros(self.buckets[-1], c.hc_mult, c.hidden_size, dtype=self.model_runner.dtype,
                                       device=self.device)
 
@@ -54,17 +55,9 @@ class _MTPGraphs:
 class MTPDecodeGraphRunner(_MTPGraphs, DecodeCudaGraphRunner):
     name = "mtp_decode_graph"
 
-    def __init__(self, model_runner, buckets: Sequence[int], debug: bool = False):
-        super().__init__(model_runner, buckets, debug)
-        self._init_streams()
-
 
 class MTPBreakableGraphRunner(_MTPGraphs, BreakableCudaGraphRunner):
     name = "mtp_breakable"
-
-    def __init__(self, model_runner, buckets: Sequence[int], debug: bool = False):
-        super().__init__(model_runner, buckets, debug)
-        self._init_streams()
 
     def _fill(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
         # the MTP layer embeds its next-token ids inside the graph: no lookup before the replay
@@ -87,8 +80,7 @@ def build_mtp_graph_runners(model_runner) -> Dict[PathKind, GraphRunner]:
     return runners
 
 
-def mtp_graph_tables(runners: Dict[PathKind, GraphRunner]) -> Optional[GraphTables]:
-    if not runners:
-        return None
+def mtp_graph_tables(runners: Dict[PathKind, GraphRunner]) -> GraphTables:
+    """Their buckets, for graph_dispatch.decide_step_path (empty: every MTP forward eager)."""
     b, d = runners.get(PathKind.BREAKABLE), runners.get(PathKind.DECODE_GRAPH)
     return GraphTables(breakable_buckets=b.buckets if b else (), decode_bs_buckets=d.buckets if d else ())

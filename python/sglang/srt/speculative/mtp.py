@@ -302,34 +302,26 @@ class MTPSpeculator:
         spans = [(r.req_pool_idx, r.prefix_len, k - 1) for r in dreqs] if k > 1 else []
         snapshot = RingSnapshot(runner.kv_pool, self.mtp_layers, spans) if spans else None
         probs = [[] for _ in dreqs]
-        # all greedy: the drafts stay on the device until the last step, so the host builds
-        # each next batch while the device still computes the previous draft
-        greedy = all(r.sampling_params.is_greedy for r in dreqs)
-        device_toks = []
+        # the drafts stay on the device until the last step, so the host builds each next
+        # batch while the device still computes the previous draft
+        drafts = []
         for step in range(k):
-            if greedy:
-                toks = cur_logits.argmax(dim=-1)
-                device_toks.append(toks)
-            else:
-                toks = self._draft_tokens(sched, dreqs, cur_logits, probs)
-                for r, t in zip(dreqs, toks):
-                    r.spec_drafts.append(t)
+            toks = self._draft_tokens(sched, dreqs, cur_logits, probs)
+            drafts.append(toks)
             if step == k - 1:
                 break
+            # ids as placeholders, then the device tensor: no host round trip
             fb = build_forward_batch(ForwardMode.DECODE, [r.req_pool_idx for r in dreqs],
-                                     [r.prefix_len + step for r in dreqs], [[0] for _ in dreqs] if greedy
-                                     else [[t] for t in toks], dev)
-            if greedy:
-                fb.input_ids = toks
+                                     [r.prefix_len + step for r in dreqs], [[0] for _ in dreqs], dev)
+            fb.input_ids = toks
             cur_streams, final = runner.forward_mtp(fb, cur_streams, path=self.mtp_paths[1])
             # a graph's outputs are its bucket's rows, and its next replay rewrites them
             n = len(dreqs)
             cur_streams, cur_logits = cur_streams[:n].clone(), runner.model.compute_logits(final[:n])
         if snapshot is not None:
             snapshot.restore(spans)
-        if greedy:
-            for r, toks in zip(dreqs, torch.stack(device_toks, dim=1).tolist()):
-                r.spec_drafts = toks
+        for r, toks in zip(dreqs, torch.stack(drafts, dim=1).tolist()):
+            r.spec_drafts = toks
         for r, pr in zip(dreqs, probs):
             if pr:
                 r.spec_draft_probs = torch.stack(pr)
@@ -344,14 +336,13 @@ class MTPSpeculator:
             fb = build_forward_batch(ForwardMode.IDLE, [], [], [], sched.device)
             runner.forward_mtp(fb, empty, path=path)
 
-    def _draft_tokens(self, sched, reqs, logits, probs) -> List[int]:
-        greedy = logits.argmax(dim=-1).tolist()
-        out = []
+    def _draft_tokens(self, sched, reqs, logits, probs) -> torch.Tensor:
+        """Each row's draft, int64 [n] on the device: the argmax for greedy rows, a draw from
+        the filtered distribution for sampled ones (which probs keeps for the acceptance)."""
+        toks = logits.argmax(dim=-1)
         for j, r in enumerate(reqs):
-            if r.sampling_params.is_greedy:
-                out.append(greedy[j])
-                continue
-            q = sampling_probs(logits[j:j + 1], [r.sampling_params])[0]
-            probs[j].append(q)
-            out.append(sample_from_probs(q[None], self._uniform(sched, r)).item())
-        return out
+            if not r.sampling_params.is_greedy:
+                q = sampling_probs(logits[j:j + 1], [r.sampling_params])[0]
+                probs[j].append(q)
+                toks[j:j + 1] = sample_from_probs(q[None], self._uniform(sched, r))
+        return toks
