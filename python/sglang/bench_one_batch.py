@@ -16,7 +16,9 @@ otherwise); "% limit" is limit / (ideal, or the decode graph).
 
 `--profile-kernels N` adds, under each row, the N largest kernels of one eager step (GPU time
 from torch.profiler; op CPU time on CPU) with the step's kernel count: where a step goes at
-real dims, decode included, from the same run.
+real dims, decode included, from the same run. Decode rows add the same for one replay of the
+decode graph (its attention splits differ from an eager step's). The result file keeps every
+kernel of the step in launch order (`sequence_us`): a layer's kernel list is one period of it.
 
 Every mode is warmed up before it is timed (Triton JIT compiles and autotuning must not land
 in a timing), then timed in `--repeats` runs of `--iters` steps; the table gives the median

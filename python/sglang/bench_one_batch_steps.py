@@ -89,8 +89,14 @@ def top_kernels(fn, device, top: int) -> dict:
             rows.append((e.key, e.count, us / 1e3))
     rows.sort(key=lambda r: -r[2])
     total = sum(r[2] for r in rows)
+    # The device's kernels in launch order (the result file keeps them): a layer's kernel list is one period of it.
+    order = sorted((e for e in prof.events() if not cuda or e.device_type != torch.autograd.DeviceType.CPU),
+                   key=lambda e: e.time_range.start)
+    sequence = [(e.name, round((e.self_device_time_total if cuda else e.self_cpu_time_total), 2)) for e in order
+                if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
     return dict(kind="GPU kernels" if cuda else "CPU ops", num_kernels=sum(r[1] for r in rows), total_ms=total,
-                top=[dict(name=n, calls=c, ms=ms, share=ms / total if total else 0.0) for n, c, ms in rows[:top]])
+                top=[dict(name=n, calls=c, ms=ms, share=ms / total if total else 0.0) for n, c, ms in rows[:top]],
+                sequence_us=sequence)
 
 
 def print_top_kernels(label: str, prof: dict) -> None:
@@ -284,8 +290,12 @@ def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
             if a.profile_kernels:
                 with torch.inference_mode():  # every rank: an eager DP step is a collective
                     row["kernels"] = top_kernels(steps.eager(fb), dev, a.profile_kernels)
+                    if mode == "decode":  # the graph's own kernels (its configs can differ from eager's)
+                        row["graph_kernels"] = top_kernels(steps.graph(fb, want), dev, a.profile_kernels)
                 if steps.rank == 0:
                     print_top_kernels(f"{mode} {n}, one eager step", row["kernels"])
+                    if "graph_kernels" in row:
+                        print_top_kernels(f"{mode} {n}, one graph replay", row["graph_kernels"])
             for s in slots:
                 runner.req_to_token_pool.free_req(s)
     result = dict(model=a.model_path, device=str(dev), dtype=runner.server_args.dtype, dp_size=steps.dp_size, rows=rows,

@@ -179,6 +179,20 @@ def test_state_update_last_token_of_a_ring_row_wins(device, impl):
 
 
 @pytest.mark.parametrize("impl", _impls())
+def test_state_update_with_unique_rows_writes_each_row_from_its_token(device, impl):
+    mod = _module(impl)
+    kv_state, score_state = torch.randn(2, 4, 6, device=device), torch.randn(2, 4, 6, device=device)
+    expected = (kv_state.clone(), score_state.clone())
+    kv_new, score_new = torch.randn(4, 6, device=device), torch.randn(4, 6, device=device)
+    loc = torch.tensor([5, -1, 0, 7], dtype=torch.int32, device=device)
+    reference.compressor_state_update(*expected, kv_new, score_new, loc)
+    mod.compressor_state_update(kv_state, score_state, kv_new, score_new, loc, rows_unique=True)
+    torch.testing.assert_close(kv_state, expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(score_state, expected[1], rtol=0, atol=0)
+    assert not torch.equal(kv_state.view(8, 6)[[5, 0, 7]], torch.zeros(3, 6, device=device))
+
+
+@pytest.mark.parametrize("impl", _impls())
 def test_norm_rope_store_writes_emissions_at_their_slots(device, impl):
     mod = _module(impl)
     E, D, rope_dim = 5, 32, 8

@@ -191,6 +191,30 @@ def test_triton_token_metadata_equals_reference(device, T, n_reqs, max_ctx, W, w
     assert (got["window_len"][:n_valid] > 0).all()
 
 
+def test_compressor_ring_rows_are_written_by_one_token_at_most(device):
+    """The compressors' ring update skips its winner search on this (rows_unique=True): a
+    chunk longer than both rings (128 and 8 rows) still writes each ring row once."""
+    from dsv4_kernels import reference
+
+    W, pad_slot = 8, 2
+    # slot 0: a 300-token chunk from scratch; slot 1: one decode token at position 50; 3 padding rows
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    n0, pad = 300, 3
+    req_slot = i64([0] * n0 + [1] + [pad_slot] * pad)
+    positions = i64(list(range(n0)) + [50] + [0] * pad)
+    seq_len = i64([n0] * n0 + [51] + [0] * pad)
+    valid = i64([1] * (n0 + 1) + [0] * pad)
+    prefix = i64([0] * n0 + [50] + [0] * pad)
+    chunk_start = i64([0] * n0 + [n0] + [0] * pad)
+    T = n0 + 1 + pad
+    args = (req_slot, positions, seq_len, valid, prefix, chunk_start, pad_slot, pad_slot * W, 16)
+    out = reference.token_metadata(*args, _token_outputs(T, W, device))
+    for ring, rows in (("ring128", 128), ("ring4", 8)):
+        loc = out[ring][out[ring] >= 0]
+        assert loc.numel() == torch.unique(loc).numel(), ring
+        assert loc.numel() >= rows  # the long chunk filled its whole ring
+
+
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_triton_emission_metadata_equals_reference(device, ratio):
     require_triton()

@@ -86,7 +86,7 @@ def _scatter_rows_kernel(src_a_ptr, src_b_ptr, dst_a_ptr, dst_b_ptr, loc_ptr, st
     tl.store(dst_b_ptr + loc * stride_dst + offs, b.to(dst_b_ptr.dtype.element_ty), mask=mask)
 
 
-def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc):
+def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc, rows_unique=False):
     T = ring_write_loc.shape[0]
     if T == 0:
         return
@@ -95,9 +95,13 @@ def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write
     assert kv_new.stride(-1) == 1 and kv_new.stride() == score_new.stride()
     num_rows = kv_state.numel() // C
     # When a chunk wraps the ring, only the newest token of each row may write: racing
-    # programs would otherwise leave an arbitrary one. Two small torch launches, no sync.
-    keep = reference.ring_write_winners(ring_write_loc, num_rows)
-    loc = torch.where(keep, ring_write_loc.long(), -1)
+    # programs would otherwise leave an arbitrary one. A dozen small torch launches, no sync;
+    # skipped when the caller's locs are unique already.
+    if rows_unique:
+        loc = ring_write_loc
+    else:
+        keep = reference.ring_write_winners(ring_write_loc, num_rows)
+        loc = torch.where(keep, ring_write_loc.long(), -1)
     block = min(next_power_of_2(C), 1024)
     _scatter_rows_kernel[(T, cdiv(C, block))](
         kv_new, score_new, kv_state, score_state, loc, kv_new.stride(0), C, C,

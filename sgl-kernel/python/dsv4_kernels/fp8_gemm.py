@@ -11,7 +11,13 @@ Weight-only: e4m3 tiles are converted to x's dtype with their block scale (exact
 multiplied with tl.dot, fp32 accumulation. Small M splits K across programs (fp32 workspace,
 summed by a second kernel in a fixed order: deterministic, no atomics).
 
-Release numerics on bf16/fp16 x go to cuBLAS instead (fp8_scaled_mm: torch's scaled GEMM
+Decode sizes on CUDA, by measurement at Flash's seven FP8 linear shapes and wo_a on an H200
+(sgl-kernel/benchmark/bench_small_m_linears.py, each GEMM alone as a graph replay):
+- one row takes fp8_gemv's weight-streaming GEMV: 1.04-2.2x cuBLAS, 1.05-1.7x these kernels;
+- 2..16 rows take these kernels with the quantization fused: 1.1-1.8x cuBLAS on five shapes,
+  even on wq_b and wo_b, 7% behind on the indexer's wq_b (cuBLAS's ~18 µs floor at small M);
+  the GEMV's per-row work makes it lose from two rows on.
+Release numerics on bf16/fp16 x from 17 rows up go to cuBLAS instead (fp8_scaled_mm: torch's scaled GEMM
 with the same block scales, 1.5-2.6x faster on an H200 at M >= 64) where the device supports it;
 `backend` forces either path.
 
@@ -25,10 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fp8_scaled_mm
+from . import fp8_gemv, fp8_scaled_mm
 from ._dot import dot_precision
 from .fp8_act_quant import INV_E4M3_MAX, QBLOCK, e4m3_bits, pow2_recip, pow2_scale, quantize_act, round_act
 from .host_math import cdiv, sm_count
+
+SMALL_M_ROWS = 16  # auto: up to this many rows the Triton GEMM, not cuBLAS (module doc)
 
 
 @triton.jit
@@ -248,7 +256,12 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, config: dict | No
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    if M and fp8_scaled_mm.use_cublas(x2, weight, act_quant, "triton" if config else backend):
+    if backend == "auto" and config is None and x2.is_cuda and M <= fp8_gemv.DISPATCH_ROWS \
+            and fp8_gemv.fits(M, N, K, x2.dtype):
+        return fp8_gemv.fp8_gemv(x2, weight, weight_scale, act_quant).view(*x.shape[:-1], N)
+    # up to SMALL_M_ROWS rows the fused-quantization Triton GEMM beat cuBLAS (see the module doc)
+    small = backend == "auto" and M <= SMALL_M_ROWS
+    if M and fp8_scaled_mm.use_cublas(x2, weight, act_quant, "triton" if config or small else backend):
         scale_b = (fp8_scaled_mm.weight_scale_layout(weight_scale) if cublas_scale is None
                    else cublas_scale)
         return fp8_scaled_mm.block_linear(x2, weight, scale_b).view(*x.shape[:-1], N)
@@ -313,6 +326,8 @@ def fp8_grouped_linear(x, weight, weight_scale, config: dict | None = None):
                          f"weight {(N, K)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if config is None and x.is_cuda and T <= fp8_gemv.DISPATCH_ROWS and fp8_gemv.fits(T, n, K, x.dtype):
+        return fp8_gemv.fp8_grouped_gemv(x, weight, weight_scale)
     out = torch.empty(T, G, n, dtype=x.dtype, device=x.device)
     if T == 0:
         return out

@@ -161,8 +161,11 @@ def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len, logits=None, 
 
 
 def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots):
-    """reference.indexer_topk in three launches per chunk of tokens: keys, torch.topk over
-    them (sorted: the reference's order), slots of the chosen keys."""
+    """reference.indexer_topk's selection in at most three launches per chunk of tokens: keys,
+    torch.topk over them, slots of the chosen keys. The keys hold the score and the candidate
+    position, so the selection (ties: the lower position) is the reference's; its order is
+    torch.topk's unsorted one (the op promises no order: sorting cost a radix sort as long as
+    the selection itself). When every candidate is chosen (k == C) no selection runs."""
     T = q_idx.shape[0]
     C = list_width(cand_slots)
     k = min(topk, C)
@@ -178,7 +181,7 @@ def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots
             continue
         part, lens = cand_slots[sl], cand_len[sl]
         keys = indexer_logits(q_idx[sl], weights[sl], key_pool, part, lens, keys=True)
-        chosen = keys.topk(k, dim=-1).values
+        chosen = keys if k == C else keys.topk(k, dim=-1, sorted=False).values
         cands = kernel_list_args(part, lens, sl.stop - sl.start)
         out = out_slots[sl]
         _keys_to_slots_kernel[(sl.stop - sl.start, cdiv(topk, block_k))](

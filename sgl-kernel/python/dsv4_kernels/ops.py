@@ -79,11 +79,14 @@ def compressor_norm_rope_store(pooled, norm_weight, eps, cos, sin, emit_pos, rop
                                     emit_out_loc)
 
 
-def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc):
+def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc, rows_unique=False):
     """Ring rows ring_write_loc[t] (flat req_slot * R + p % R, -1 skip) <- token t's fresh
-    kv/score; when several tokens hit one row the last token wins."""
+    kv/score; when several tokens hit one row the last token wins. rows_unique: the caller
+    guarantees no two tokens share a row (token_metadata's ring locs: only a request's last R
+    positions write), so the winners need not be found (on CUDA: one launch instead of a
+    dozen)."""
     impl = _kernels("compressor") if _use_triton(kv_state) else reference
-    impl.compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc)
+    impl.compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc, rows_unique)
 
 
 def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots):
@@ -95,10 +98,11 @@ def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots
     return impl.indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots)
 
 
-def moe_route(router_logits, bias, topk, scaling, tid2eid=None, input_ids=None):
-    """(weights [T, topk] fp32, ids [T, topk] int32). Plain torch on every device: a handful of
-    small capturable launches, nothing for Triton to win."""
-    return reference.moe_route(router_logits, bias, topk, scaling, tid2eid, input_ids)
+def moe_route(router_logits, bias, topk, scaling, tid2eid=None, input_ids=None, ids_dtype=torch.int32):
+    """(weights [T, topk] fp32, ids [T, topk] ids_dtype) from sqrt-softplus router logits (see
+    reference.moe_route). On CUDA one Triton launch (router.py) instead of torch's dozen."""
+    impl = _kernels("router") if _use_triton(router_logits) else reference
+    return impl.moe_route(router_logits, bias, topk, scaling, tid2eid, input_ids, ids_dtype)
 
 
 def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out):

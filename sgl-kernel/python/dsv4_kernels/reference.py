@@ -270,9 +270,10 @@ def ring_write_winners(ring_write_loc, num_rows: int):
     return keep & (winner[loc.clamp(min=0)] == order)
 
 
-def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc):
+def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc, rows_unique=False):
     flat_kv = kv_state.view(-1, kv_state.shape[-1])
     flat_score = score_state.view(-1, score_state.shape[-1])
+    # rows_unique only lets the kernel skip the search; the reference always applies the rule
     keep = ring_write_winners(ring_write_loc, flat_kv.shape[0])
     scatter_rows_(flat_kv, ring_write_loc, kv_new, keep)
     scatter_rows_(flat_score, ring_write_loc, score_new, keep)
@@ -441,8 +442,8 @@ def step_metadata(rtt, req_slot, positions, seq_len, valid, prefix, chunk_start,
 # ----------------------------------------------------------------------------------------
 
 
-def moe_route(router_logits, bias, topk: int, scaling: float, tid2eid=None, input_ids=None
-              ) -> Tuple[torch.Tensor, torch.Tensor]:
+def moe_route(router_logits, bias, topk: int, scaling: float, tid2eid=None, input_ids=None,
+              ids_dtype: torch.dtype = torch.int32) -> Tuple[torch.Tensor, torch.Tensor]:
     scores = torch.nn.functional.softplus(router_logits.float()).sqrt()
     if tid2eid is not None:
         ids = tid2eid[input_ids.long()].long()
@@ -451,7 +452,7 @@ def moe_route(router_logits, bias, topk: int, scaling: float, tid2eid=None, inpu
         ids = topk_indices(select, topk)
     weights = torch.gather(scores, 1, ids)
     weights = weights / weights.sum(-1, keepdim=True) * scaling
-    return weights, ids.to(torch.int32)
+    return weights, ids.to(ids_dtype)
 
 
 def swiglu_clamped(gate, up, swiglu_limit: float):

@@ -311,7 +311,10 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
-        merge_h, merge_d = 16, min(block_d, 128)
+        # Few tokens (decode): small tiles, so that enough programs stream the partials (16 x 128
+        # tiles gave a one-token Flash step 16 programs, ~10 µs per layer on an H200). Each
+        # output element's merge is the same sum in the same order whatever the tile.
+        merge_h, merge_d = (16, min(block_d, 128)) if T * cdiv(H, 16) >= sm_count(q.device) else (4, min(block_d, 64))
         _merge_splits_kernel[(T * cdiv(H, merge_h), cdiv(D, merge_d))](
             part_acc, part_m, part_l, sink, out, H, D, out.stride(0), out.stride(1),
             NUM_SPLITS=splits, BLOCK_H=merge_h, BLOCK_D=merge_d, num_warps=4,

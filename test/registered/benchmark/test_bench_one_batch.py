@@ -25,6 +25,11 @@ def test_profile_kernels_lists_the_largest_ops_of_each_row(capfd):
         assert any(k["name"] == "sglang::deepseek_v4_attention_with_output" and k["calls"] == 4
                    for k in prof["top"]), prof
         assert f"{row['mode']} 8, one eager step: {prof['num_kernels']} CPU ops" in out
+        # every op of the step in launch order, each with its own time (the result file's layer lists)
+        assert len(prof["sequence_us"]) == prof["num_kernels"] and all(us > 0 for _, us in prof["sequence_us"])
+    graph = result["rows"][1]["graph_kernels"]  # decode rows: one graph replay too (the emulator's on CPU)
+    assert graph["num_kernels"] > 0 and "decode 8, one graph replay" in out
+    assert "graph_kernels" not in result["rows"][0]
 
 
 def test_without_the_flag_no_profile_is_taken(capfd):

@@ -84,7 +84,8 @@ def test_triton_indexer_topk_ties_match_the_reference():
     out = torch.empty(6, topk, dtype=torch.int32, device=device)
     indexer.indexer_topk(*case, topk, out)
     expected = reference.indexer_topk(q, w, keys, slots, lens, topk, torch.empty(6, topk, dtype=torch.int32))
-    assert torch.equal(out.cpu(), expected)
+    # the same selection; the kernel promises no order within it
+    assert torch.equal(out.cpu().sort(dim=-1).values, expected.sort(dim=-1).values)
 
 
 def test_router_ties_go_to_the_lower_expert_id():

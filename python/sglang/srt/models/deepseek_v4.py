@@ -114,7 +114,8 @@ class DeepseekV4Attention(nn.Module):
         meta, pool = backend.forward_metadata, backend.kv_pool
         T = x.shape[0]
         kernels = segment_kernel_ops()
-        cos, sin = self.rope.lookup(meta.positions)
+        # the kernels read the rope tables by position themselves: no lookup launches for them
+        cos, sin = self.rope.lookup(meta.positions) if kernels is None else (None, None)
         rd = self.rope.rope_dim
 
         qr = self.q_norm(self.wq_a(x))

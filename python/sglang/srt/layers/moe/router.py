@@ -1,6 +1,7 @@
 """DSV4 router: sqrt-softplus scores in fp32; a selection-only bias; hash routing on the
 first layers (a frozen token -> experts table). Weights are the raw scores at the chosen
-experts, normalised to sum 1, times routed_scaling_factor. Static shapes: graph-safe."""
+experts, normalised to sum 1, times routed_scaling_factor. Static shapes: graph-safe. With the
+segment kernels (CUDA) everything after the logits GEMM is one launch (dsv4_kernels.router)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dsv4_kernels.reference import topk_indices
 from torch import nn
 
 from sglang.srt.layers.tensor_core_gemm import mm_fp32, tensor_core_eligible
+from sglang.srt.model_executor.forward_context import segment_kernel_ops
 
 
 def route(logits: torch.Tensor, topk: int, scaling: float, scoring_func: str,
@@ -62,4 +64,8 @@ class Gate(nn.Module):
             logits = mm_fp32(x, self.weight.t())
         else:
             logits = F.linear(x.float(), self.weight.float())
+        kernels = segment_kernel_ops()
+        if kernels is not None and self.scoring_func == "sqrtsoftplus":  # one launch on CUDA, torch's numerics
+            return kernels.moe_route(logits, self.bias, self.topk, self.scaling, self.tid2eid, input_ids,
+                                     ids_dtype=torch.int64)
         return route(logits, self.topk, self.scaling, self.scoring_func, self.bias, self.tid2eid, input_ids)

@@ -82,7 +82,9 @@ class Compressor(nn.Module):
         pooled = kv.new_empty(meta.gather_idx.shape[0], self.norm.weight.shape[0])
         (kernels or reference).compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled)
         if kernels is not None:  # dsv4_kernels: ring update, then norm + RoPE + store
-            kernels.compressor_state_update(state.kv, state.score, kv, score, meta.ring_write_loc)
+            # token_metadata writes a ring row from one token at most (a request's last R positions)
+            kernels.compressor_state_update(state.kv, state.score, kv, score, meta.ring_write_loc,
+                                            rows_unique=True)
             # the KV cache-write kernel (what compressor_norm_rope_store runs), FP8-aware
             kernels.rmsnorm_rope_store(pooled, self.norm.weight, self.norm.eps, rope.cos, rope.sin,
                                        meta.positions, rope.rope_dim, pool if entries is None else None,

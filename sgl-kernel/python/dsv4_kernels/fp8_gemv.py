@@ -1,0 +1,133 @@
+"""FP8 block-scaled linear for a few rows (decode): weights streamed once at HBM speed.
+
+At M <= 4 a GEMM's tensor-core tiles are mostly padding and its fixed cost dominates: the
+H200 took ~14 µs for cuBLAS's block-scaled GEMM at M = 1 whatever the weight (4 MB wq_a or
+32 MB wq_b), where reading the bytes takes 1-7 µs. This kernel is a GEMV on the CUDA cores:
+each program owns BLOCK_N weight rows, walks K in BLOCK_K slabs (whole 128-blocks), and
+keeps one fp32 accumulator per (row of x, weight row). No split-K: the output rows are
+divided among programs, so the sum order is fixed (deterministic) and there is one launch.
+
+Numerics are those of quant_reference.fp8_block_linear_ref:
+- release numerics (act_quant): each 128-block of a row of x is rounded to e4m3 with a
+  power-of-two scale inside the kernel (fp8_act_quant's helpers, bit for bit), so no separate
+  quantization launch; a block's 128 products (exact in fp32: 4-bit x 4-bit significands)
+  are summed in fp32, then scaled by (x scale x weight scale), a power of two;
+- weight-only: the e4m3 weights times their block scale (exact) against x in fp32.
+The fp32 sums differ from the tensor cores' only in order (and are not truncated as the FP8
+MMA's accumulation is).
+
+Grouped (block-diagonal) use, wo_a's einsum: grid axis 1 is the group; group g reads x
+[:, g, :] and weight rows [g n, (g + 1) n).
+
+Graph-safe: no host syncs; the grid depends only on shapes.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_act_quant import INV_E4M3_MAX, QBLOCK, e4m3_bits, pow2_recip, pow2_scale
+from .host_math import cdiv, next_power_of_2, sm_count
+
+MAX_ROWS = 4  # every weight element costs M FMAs here
+DISPATCH_ROWS = 1  # fp8_gemm's auto path takes it for this many rows: from 2 on the tensor-core GEMM won
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
+    stride_xm, stride_xg, stride_w, stride_ws, stride_om, stride_og,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT_QUANT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    NB: tl.constexpr = BLOCK_K // 128
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    # group g: its x columns, its weight rows (N rows per group), its scale rows, its outputs
+    rows_w = (g * N + offs_n).to(tl.int64)
+    x_base = x_ptr + g * stride_xg
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ids = tl.arange(0, ROWS)
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < K
+        w = tl.load(w_ptr + rows_w[:, None] * stride_w + k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        kb = k0 // 128 + tl.arange(0, NB)
+        sw = tl.load(ws_ptr + (rows_w // 128)[:, None] * stride_ws + kb[None, :],
+                     mask=n_mask[:, None] & (kb * 128 < K)[None, :], other=0.0)
+        for r in tl.static_range(ROWS):
+            xr = tl.load(x_base + r * stride_xm + k, mask=k_mask & (offs_k * 0 + r < M), other=0.0).to(tl.float32)
+            xb = tl.reshape(xr, [NB, 128])
+            if ACT_QUANT:
+                sx = pow2_scale(tl.max(tl.abs(xb), axis=1), INV_E4M3_MAX)
+                v = tl.minimum(tl.maximum(xb * pow2_recip(sx)[:, None], -448.0), 448.0)
+                xb = e4m3_bits(v).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            p = tl.reshape(w, [BLOCK_N, NB, 128]) * xb[None, :, :]
+            part = tl.sum(p, axis=2)  # [BLOCK_N, NB]: one 128-block's sum each
+            if ACT_QUANT:
+                part = part * (sw * sx[None, :])
+            else:
+                part = part * sw
+            acc += tl.where(row_ids[:, None] == r, tl.sum(part, axis=1)[None, :], 0.0)
+    out = out_ptr + g * stride_og + row_ids[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(row_ids < M)[:, None] & n_mask[None, :])
+
+
+def gemv_config(M: int, N: int, K: int, groups: int = 1, num_sms: int = 132) -> dict:
+    """Tiles by shape: the slab is as deep as 1024 (8 scale blocks) while K allows, and the
+    rows per program shrink until the grid covers the SMs twice (more bytes in flight per SM
+    than one program's pipeline holds); a program keeps at least one row."""
+    block_k = min(1024, max(128, next_power_of_2(K) if K < 1024 else 1024))
+    block_n = 16
+    while block_n > 1 and cdiv(N, block_n) * groups < 2 * num_sms:
+        block_n //= 2
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+
+
+def fits(M: int, N: int, K: int, x_dtype: torch.dtype) -> bool:
+    """Whether this kernel takes the call: few rows, whole 128-blocks along K, float x."""
+    return 0 < M <= MAX_ROWS and K % QBLOCK == 0 and x_dtype in (torch.bfloat16, torch.float16,
+                                                                  torch.float32)
+
+
+def fp8_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, act_quant: bool,
+             config: dict | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS, unit last stride) -> x.dtype [M, N] = fp8_block_linear_ref."""
+    M, K = x2.shape
+    N = weight.shape[0]
+    if not fits(M, N, K, x2.dtype) or x2.stride(-1) != 1:
+        raise ValueError(f"fp8_gemv: x {tuple(x2.shape)} {x2.dtype} strides {x2.stride()} does not fit "
+                         f"(1..{MAX_ROWS} rows, K % 128 == 0, unit last stride)")
+    out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    _launch(x2, weight, weight_scale, out, M, N, K, 1, x2.stride(0), 0, out.stride(0), 0, act_quant, config)
+    return out
+
+
+def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     config: dict | None = None) -> torch.Tensor:
+    """Weight-only block-diagonal: x [T, G, K] (T <= MAX_ROWS) -> x.dtype [T, G, n], group g
+    through weight rows [g n, (g + 1) n) (n % 128 == 0: whole scale blocks per group)."""
+    T, G, K = x.shape
+    n = weight.shape[0] // G
+    if not fits(T, n, K, x.dtype) or x.stride(-1) != 1 or n % 128:
+        raise ValueError(f"fp8_grouped_gemv: x {tuple(x.shape)} does not fit (1..{MAX_ROWS} rows, "
+                         "K % 128 == 0, unit last stride, whole 128-row blocks per group)")
+    out = torch.empty(T, G, n, dtype=x.dtype, device=x.device)
+    _launch(x, weight, weight_scale, out, T, n, K, G, x.stride(0), x.stride(1), out.stride(0),
+            out.stride(1), False, config)
+    return out
+
+
+def _launch(x, weight, weight_scale, out, M, N, K, G, sxm, sxg, som, sog, act_quant, config):
+    cfg = config or gemv_config(M, N, K, G, sm_count(x.device))
+    if cfg["BLOCK_K"] % 128:
+        raise ValueError(f"fp8_gemv: BLOCK_K must be whole 128-blocks, got {cfg}")
+    ws = weight_scale if weight_scale.dtype == torch.float32 and weight_scale.stride(-1) == 1 \
+        else weight_scale.float().contiguous()
+    _fp8_gemv_kernel[(cdiv(N, cfg["BLOCK_N"]), G)](
+        x, weight, ws, out, M, N, K, sxm, sxg, weight.stride(0), ws.stride(0), som, sog,
+        ROWS=next_power_of_2(M), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ACT_QUANT=act_quant,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

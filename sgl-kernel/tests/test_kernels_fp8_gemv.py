@@ -1,0 +1,111 @@
+"""The FP8 GEMV for decode rows (fp8_gemv.py) against quant_reference.
+
+Its products are the reference's exactly (e4m3 x e4m3 in release numerics, e4m3 x pow2 scale
+x fp32 x weight-only) and it sums each 128-block in fp32, so it differs from the reference in
+the order of fp32 sums only: rtol 1e-5 on fp32 outputs, 2^-7 on bf16 ones (the interpreter's
+fp32 -> bf16 cast truncates where the GPU rounds).
+"""
+
+import pytest
+import torch
+
+from dsv4_kernels import quant_reference as Q
+from kernel_test_utils import require_triton
+
+
+def _weight(N, K, device):
+    q, s = Q.quantize_fp8_weight(torch.randn(N, K) * torch.linspace(0.05, 2, K))
+    return q.to(device), s.to(device)
+
+
+@pytest.mark.parametrize("M,N,K,act_quant,dtype", [
+    (1, 200, 384, True, torch.float32),      # one token, a ragged last weight block
+    (3, 130, 1280, True, torch.bfloat16),    # K beyond one 1024-deep slab, bf16 x
+    (4, 256, 256, True, torch.float32),
+    (2, 96, 512, False, torch.float32),      # weight-only
+    (4, 128, 1152, False, torch.bfloat16),
+])
+def test_gemv_matches_reference(device, M, N, K, act_quant, dtype):
+    require_triton()
+    from dsv4_kernels import fp8_gemv
+    w, s = _weight(N, K, device)
+    x = (torch.randn(M, K) * torch.logspace(-3, 1, K)).to(device=device, dtype=dtype)
+    y = fp8_gemv.fp8_gemv(x, w, s, act_quant)
+    ref = Q.fp8_block_linear_ref(x.float(), w, s, act_quant)
+    assert y.shape == (M, N) and y.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    else:
+        torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3)
+
+
+def test_rows_per_program_do_not_change_the_sums(device):
+    """BLOCK_N only divides the output rows among programs: every choice gives the same bits."""
+    require_triton()
+    from dsv4_kernels import fp8_gemv
+    w, s = _weight(256, 512, device)
+    x = torch.randn(2, 512, device=device)
+    base = fp8_gemv.fp8_gemv(x, w, s, True, dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=2))
+    for bn in (1, 4):
+        got = fp8_gemv.fp8_gemv(x, w, s, True, dict(BLOCK_N=bn, BLOCK_K=512, num_warps=4, num_stages=2))
+        assert torch.equal(got, base), bn
+
+
+def test_grouped_gemv_is_each_group_through_its_rows(device):
+    require_triton()
+    from dsv4_kernels import fp8_gemv
+    T, G, n, K = 2, 3, 128, 384
+    w, s = _weight(G * n, K, device)
+    s[1] *= 4.0  # the groups' scales differ
+    wide = torch.randn(T, 2 * G, K, device=device)
+    x = wide[:, ::2]  # a strided x is read in place
+    y = fp8_gemv.fp8_grouped_gemv(x, w, s)
+    assert y.shape == (T, G, n)
+    for g in range(G):
+        want = Q.fp8_block_linear_ref(x[:, g].contiguous(), w[g * n:(g + 1) * n], s[g:g + 1], False)
+        torch.testing.assert_close(y[:, g], want, rtol=1e-5, atol=1e-4)
+
+
+def test_config_covers_the_machine_and_keeps_whole_blocks():
+    from dsv4_kernels import fp8_gemv
+    for N, K, G in ((1024, 4096, 1), (32768, 1024, 1), (512, 4096, 1), (1024, 4096, 8), (96, 256, 1)):
+        cfg = fp8_gemv.gemv_config(1, N, K, G, num_sms=132)
+        assert cfg["BLOCK_K"] % 128 == 0 and cfg["BLOCK_K"] <= max(128, K)
+        programs = -(-N // cfg["BLOCK_N"]) * G
+        assert programs >= 2 * 132 or cfg["BLOCK_N"] == 1, (N, K, G, cfg)
+
+
+def test_bad_inputs_are_named(device):
+    from dsv4_kernels import fp8_gemv
+    w, s = _weight(128, 256, device)
+    with pytest.raises(ValueError, match="1..4 rows"):
+        fp8_gemv.fp8_gemv(torch.randn(5, 256, device=device), w, s, True)
+    with pytest.raises(ValueError, match="K % 128"):
+        fp8_gemv.fp8_gemv(torch.randn(1, 200, device=device), w[:, :200], s, True)
+    with pytest.raises(ValueError, match="whole 128-row blocks per group"):
+        fp8_gemv.fp8_grouped_gemv(torch.randn(1, 4, 256, device=device), w, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(1024, 4096), (32768, 1024), (512, 4096), (4096, 8192), (4096, 2048)])
+@pytest.mark.parametrize("M", [1, 2, 4])
+def test_gpu_decode_linears_take_the_gemv_and_match_cublas(N, K, M):
+    """At Flash's FP8 linear shapes, the GEMV agrees with cuBLAS's block-scaled GEMM and the
+    reference; `auto` takes it for one row and the Triton GEMM for a few (bit-equal to calling
+    them), and replays in a CUDA graph."""
+    from dsv4_kernels import fp8_gemm, fp8_gemv
+    q, s = Q.quantize_fp8_weight(torch.randn(N, K, device="cuda") / K ** 0.5)
+    x = torch.randn(M, K, device="cuda").bfloat16()
+    y = fp8_gemv.fp8_gemv(x, q, s, True)
+    chosen = y if M == 1 else fp8_gemm.fp8_block_linear(x, q, s, True, backend="triton")
+    assert torch.equal(fp8_gemm.fp8_block_linear(x, q, s, True), chosen)
+    ref = Q.fp8_block_linear_ref(x.float(), q, s, True)
+    torch.testing.assert_close(y.float(), ref, rtol=2 ** -8, atol=1e-3)
+    cublas = fp8_gemm.fp8_block_linear(x, q, s, True, backend="cublas")
+    torch.testing.assert_close(y.float(), cublas.float(), rtol=2 ** -7, atol=2e-3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemv.fp8_gemv(x, q, s, True)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, fp8_gemv.fp8_gemv(x, q, s, True))
