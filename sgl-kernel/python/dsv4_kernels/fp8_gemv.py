@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .fp8_act_quant import INV_E4M3_MAX, QBLOCK, e4m3_bits, pow2_recip, pow2_scale
-from .host_math import cdiv, next_power_of_2, sm_count
+from .host_math import cdiv, next_power_of_2
 
 MAX_ROWS = 4  # every weight element costs M FMAs here
 DISPATCH_ROWS = 1  # fp8_gemm's auto path takes it for this many rows: from 2 on the tensor-core GEMM won
@@ -76,15 +76,17 @@ def _fp8_gemv_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(row_ids < M)[:, None] & n_mask[None, :])
 
 
-def gemv_config(M: int, N: int, K: int, groups: int = 1, num_sms: int = 132) -> dict:
-    """Tiles by shape: the slab is as deep as 1024 (8 scale blocks) while K allows, and the
-    rows per program shrink until the grid covers the SMs twice (more bytes in flight per SM
-    than one program's pipeline holds); a program keeps at least one row."""
-    block_k = min(1024, max(128, next_power_of_2(K) if K < 1024 else 1024))
-    block_n = 16
-    while block_n > 1 and cdiv(N, block_n) * groups < 2 * num_sms:
-        block_n //= 2
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+def gemv_config(M: int, N: int, K: int, groups: int = 1) -> dict:
+    """Tiles by shape, from a sweep of BLOCK_N x BLOCK_K x warps x stages at Flash's eight
+    one-row linears on an H200 (sgl-kernel/benchmark/bench_small_m_linears.py --sweep 1): the
+    best tiles hold ~16K weights, as deep along K as possible (all of K up to 4096, so a
+    program issues its whole share at once), then as many rows as fit; 8 warps, 2 stages.
+    Past K = 4096 (wo_b) 2048-deep slabs of 8 rows beat 4096-deep ones of 4 (18.7 vs 20.1 µs).
+    Each shape's choice was within 3% of its best (docs/benchmarks.md §5). M and the groups
+    do not change the choice (measured at one row)."""
+    block_k = max(128, next_power_of_2(K)) if K <= 4096 else 2048
+    block_n = max(1, min(16, 16384 // block_k))
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8, num_stages=2)
 
 
 def fits(M: int, N: int, K: int, x_dtype: torch.dtype) -> bool:
@@ -122,7 +124,7 @@ def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 
 
 def _launch(x, weight, weight_scale, out, M, N, K, G, sxm, sxg, som, sog, act_quant, config):
-    cfg = config or gemv_config(M, N, K, G, sm_count(x.device))
+    cfg = config or gemv_config(M, N, K, G)
     if cfg["BLOCK_K"] % 128:
         raise ValueError(f"fp8_gemv: BLOCK_K must be whole 128-blocks, got {cfg}")
     ws = weight_scale if weight_scale.dtype == torch.float32 and weight_scale.stride(-1) == 1 \

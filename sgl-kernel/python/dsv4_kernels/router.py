@@ -5,11 +5,12 @@ reference.moe_route's contract; in torch it is a dozen small launches per layer 
 sqrt, add, the keyed top-k's bit tricks, gather, sum, divide, multiply), each a few µs at
 decode sizes. One program per token row holds the row's E scores in registers.
 
-Numerics are torch's on CUDA: exp and log1p from libdevice (torch's softplus calls the same
-functions), an IEEE square root and division, fp32 throughout. The selection is
-reference.topk_indices's order: score descending, exact ties by expert id ascending, -0.0 as
-+0.0, found by k rounds of a max over the same order-preserving int64 keys. The weights are
-summed in selection order.
+Numerics: exp and log1p from libdevice (the functions torch's softplus calls), an IEEE square
+root and division, fp32 throughout. The selection is reference.topk_indices's order: score
+descending, exact ties by expert id ascending, -0.0 as +0.0, found by k rounds of a max over
+the same order-preserving int64 keys; on an H200 the experts equal the torch path's at 1, 64
+and 4096 tokens. The weights' six-term sum runs in selection order, which torch's reduction
+need not take: they agree to a few ulps, not bit for bit.
 
 Graph-safe: no host syncs, shapes depend only on T, E and k.
 """

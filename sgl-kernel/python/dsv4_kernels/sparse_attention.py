@@ -237,22 +237,26 @@ def _merge_splits_kernel(
              o.to(out_ptr.dtype.element_ty), mask=hd_mask)
 
 
-def measured_config(num_tokens: int) -> SparseAttnConfig:
+def measured_config(num_tokens: int, kv_fp8: bool = False) -> SparseAttnConfig:
     """The configuration of the first tier of configs/sparse_attention_tiles.json (TILES_FILE,
     read at import) holding num_tokens: the best ones measured at dsv4-flash-slice decode
     shapes (H=64, D=512, 128 window + 512 c4 entries; sgl-kernel/benchmark/
     bench_sparse_attention.py sweeps them) on the device the file names. There: 32-head blocks
     with split key lists for a handful of tokens, 64-head blocks above, keys on the M side
-    once there are enough tokens to fill the machine."""
-    for bound, config in _TIERS:
+    once there are enough tokens to fill the machine. kv_fp8: the tier's `kv_fp8_tiles` (the
+    in-kernel dequantization of FP8 rows needs registers of its own: sm_90 compile reports,
+    sgl-kernel/benchmark/sm90_resources.py, show 32-head blocks spilling 512 bytes per thread
+    with FP8 KV, 16-head blocks 40)."""
+    for bound, config, fp8_config in _TIERS:
         if bound is None or num_tokens <= bound:
-            return config
+            return fp8_config if kv_fp8 else config
     raise AssertionError("load_tiers guarantees an unbounded last tier")
 
 
 TILES_FILE = CONFIGS / "sparse_attention_tiles.json"
 # built once: a break calls measured_config on every replay
-_TIERS = tuple((bound, SparseAttnConfig(**tiles)) for bound, tiles, _ in load_tiers(TILES_FILE, "max_tokens"))
+_TIERS = tuple((bound, SparseAttnConfig(**tiles), SparseAttnConfig(**fp8_tiles))
+               for bound, tiles, fp8_tiles in load_tiers(TILES_FILE, "max_tokens", "kv_fp8_tiles"))
 
 
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
@@ -260,7 +264,7 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
     """idx_a / idx_b: [T, W] slot lists or PageTableLists (width W, read from the page
     table). kv_layout (kv_fp8.FP8KVLayout): kv_a / kv_b are uint8 FP8 KV rows of that layout."""
     T, H, D = q.shape
-    config = config or measured_config(T)
+    config = config or measured_config(T, kv_fp8=kv_layout is not None)
     check_kv_layout(kv_a, kv_layout, "sparse_attn_with_sink kv_a")
     if kv_b is not None:
         check_kv_layout(kv_b, kv_layout, "sparse_attn_with_sink kv_b")

@@ -9,11 +9,12 @@ from pathlib import Path
 CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
-def load_tiers(path: Path, bound: str = "max_assignments") -> tuple:
-    """((bound or None, tiles, fp32_tiles), ...) of a tile file, `bound` naming each tier's
-    bound key; fp32_tiles default to tiles. Raises ValueError unless the bounds increase and
-    only the last is null."""
-    tiers = tuple((t[bound], t["tiles"], t.get("fp32_tiles", t["tiles"]))
+def load_tiers(path: Path, bound: str = "max_assignments", variant: str = "fp32_tiles") -> tuple:
+    """((bound or None, tiles, variant tiles), ...) of a tile file, `bound` naming each tier's
+    bound key and `variant` the key of a second set of tiles (fp32 inputs by default), which
+    default to the tier's tiles. Raises ValueError unless the bounds increase and only the
+    last is null."""
+    tiers = tuple((t[bound], t["tiles"], t.get(variant, t["tiles"]))
                   for t in json.loads(Path(path).read_text())["tiers"])
     bounds = [b for b, _, _ in tiers]
     if not bounds or bounds[-1] is not None or None in bounds[:-1] or bounds[:-1] != sorted(set(bounds[:-1])):

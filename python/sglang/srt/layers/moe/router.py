@@ -65,7 +65,7 @@ class Gate(nn.Module):
         else:
             logits = F.linear(x.float(), self.weight.float())
         kernels = segment_kernel_ops()
-        if kernels is not None and self.scoring_func == "sqrtsoftplus":  # one launch on CUDA, torch's numerics
+        if kernels is not None and self.scoring_func == "sqrtsoftplus":  # one launch on CUDA, torch's experts
             return kernels.moe_route(logits, self.bias, self.topk, self.scaling, self.tid2eid, input_ids,
                                      ids_dtype=torch.int64)
         return route(logits, self.topk, self.scaling, self.scoring_func, self.bias, self.tid2eid, input_ids)
