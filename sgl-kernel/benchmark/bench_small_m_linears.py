@@ -4,7 +4,7 @@
 
 Flash's FP8 linears (wq_a, wq_b, wkv, the indexer's wq_b, wo_b, the shared expert's gate/up and
 down) and wo_a's grouped weight-only product, each timed alone as one CUDA-graph replay after an
-L2 flush (median and p10-p90 of 30), against reading its weight once at HBM speed. Release
+L2 flush (median and p10-p90 of REPS), against reading its weight once at HBM speed. Release
 numerics (FP8 activations) everywhere but wo_a; every output is checked against cuBLAS's (or the
 grouped Triton kernel's) before it is timed. `--sweep 1 4` times every GEMV tile at each shape at
 those M (what fp8_gemv.gemv_config's choices come from).
@@ -13,11 +13,11 @@ those M (what fp8_gemv.gemv_config's choices come from).
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 
-from common import _flush_l2, require_cuda
+from bench_quant import _time
+from common import require_cuda
 
 HBM_GBPS = 4800.0  # H200 HBM3e peak
 FLASH = [  # (name, N, K): Flash's FP8 block-scaled linears
@@ -25,29 +25,12 @@ FLASH = [  # (name, N, K): Flash's FP8 block-scaled linears
     ("wo_b", 4096, 8192), ("shared_gate_up", 2048, 4096), ("shared_down", 4096, 2048),
 ]
 WO_A = (8, 1024, 4096)  # groups, rows per group, K
+REPS = 30
 
 
-def time_graph(fn, reps: int = 30):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        _flush_l2()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
-    return statistics.median(times), times[len(times) // 10], times[(len(times) * 9) // 10]
+def time_graph(fn):
+    """(median, p10, p90) µs of CUDA-graph replays of fn, L2 flushed before each."""
+    return tuple(ms * 1e3 for ms in _time(fn, REPS))
 
 
 def weights(N, K, gen):

@@ -116,6 +116,28 @@ def test_triton_topk_equals_the_reference_exactly_on_tied_scores(device, C, topk
     assert torch.equal(_rows_sorted(out.cpu()), _rows_sorted(want))
 
 
+def test_triton_topk_packs_live_slots_first_whatever_the_selection_order(device, monkeypatch):
+    """The attention reads a row's first topk_len entries, so the live slots must lead even
+    when the unsorted top-k returns masked candidates first (here: the selection reversed)."""
+    require_triton()
+    from dsv4_kernels import indexer
+
+    lengths = [0, 5, 40, 17]  # fewer live candidates than topk in every row but the third
+    case = _integer_case(device, lengths, 40)
+    want = indexer.indexer_topk(*case, 32, torch.empty(4, 32, dtype=torch.int32, device=device))
+    original = torch.Tensor.topk
+
+    def reversed_topk(self, k, dim=-1, largest=True, sorted=True):
+        values, idx = original(self, k, dim=dim, largest=largest, sorted=True)
+        return torch.return_types.topk((values.flip(dim), idx.flip(dim)))
+
+    monkeypatch.setattr(torch.Tensor, "topk", reversed_topk)
+    got = indexer.indexer_topk(*case, 32, torch.full((4, 32), 7, dtype=torch.int32, device=device))
+    assert torch.equal(_rows_sorted(got.cpu()), _rows_sorted(want.cpu()))
+    for t, n in enumerate(min(32, n) for n in lengths):
+        assert (got[t, :n] >= 0).all() and (got[t, n:] == -1).all(), (t, got[t].tolist())
+
+
 def test_triton_topk_chunks_of_tokens_equal_one_pass(device, monkeypatch):
     require_triton()
     from dsv4_kernels import indexer

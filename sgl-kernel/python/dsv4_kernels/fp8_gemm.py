@@ -13,7 +13,7 @@ summed by a second kernel in a fixed order: deterministic, no atomics).
 
 Decode sizes on CUDA, by measurement at Flash's seven FP8 linear shapes and wo_a on an H200
 (sgl-kernel/benchmark/bench_small_m_linears.py, each GEMM alone as a graph replay):
-- one row takes fp8_gemv's weight-streaming GEMV: 1.04-2.2x cuBLAS, 1.05-1.7x these kernels;
+- one row takes fp8_gemv's weight-streaming GEMV: 1.2-2.8x cuBLAS, 1.3-1.7x these kernels;
 - 2..16 rows take these kernels with the quantization fused: 1.1-1.8x cuBLAS on five shapes,
   even on wq_b and wo_b, 7% behind on the indexer's wq_b (cuBLAS's ~18 µs floor at small M);
   the GEMV's per-row work makes it lose from two rows on.
@@ -257,7 +257,7 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, config: dict | No
         x2 = x2.contiguous()
     M = x2.shape[0]
     if backend == "auto" and config is None and x2.is_cuda and M <= fp8_gemv.DISPATCH_ROWS \
-            and fp8_gemv.fits(M, N, K, x2.dtype):
+            and fp8_gemv.fits(M, K, x2.dtype):
         return fp8_gemv.fp8_gemv(x2, weight, weight_scale, act_quant).view(*x.shape[:-1], N)
     # up to SMALL_M_ROWS rows the fused-quantization Triton GEMM beat cuBLAS (see the module doc)
     small = backend == "auto" and M <= SMALL_M_ROWS
@@ -326,7 +326,7 @@ def fp8_grouped_linear(x, weight, weight_scale, config: dict | None = None):
                          f"weight {(N, K)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if config is None and x.is_cuda and T <= fp8_gemv.DISPATCH_ROWS and fp8_gemv.fits(T, n, K, x.dtype):
+    if config is None and x.is_cuda and T <= fp8_gemv.DISPATCH_ROWS and fp8_gemv.fits(T, K, x.dtype):
         return fp8_gemv.fp8_grouped_gemv(x, weight, weight_scale)
     out = torch.empty(T, G, n, dtype=x.dtype, device=x.device)
     if T == 0:

@@ -80,16 +80,16 @@ def gemv_config(M: int, N: int, K: int, groups: int = 1) -> dict:
     """Tiles by shape, from a sweep of BLOCK_N x BLOCK_K x warps x stages at Flash's eight
     one-row linears on an H200 (sgl-kernel/benchmark/bench_small_m_linears.py --sweep 1): the
     best tiles hold ~16K weights, as deep along K as possible (all of K up to 4096, so a
-    program issues its whole share at once), then as many rows as fit; 8 warps, 2 stages.
-    Past K = 4096 (wo_b) 2048-deep slabs of 8 rows beat 4096-deep ones of 4 (18.7 vs 20.1 µs).
-    Each shape's choice was within 3% of its best (docs/benchmarks.md §5). M and the groups
-    do not change the choice (measured at one row)."""
+    program issues its whole share at once), then as many rows as fit; 4 warps, 2 stages.
+    Past K = 4096 (wo_b) 2048-deep slabs of 8 rows beat 4096-deep ones of 4 (19.0 vs 20.1 µs).
+    Each shape's choice was within 3.2% of the best of 68 tiles (docs/benchmarks.md §5; 8
+    warps were up to 9% off). M and the groups do not change the choice (measured at one row)."""
     block_k = max(128, next_power_of_2(K)) if K <= 4096 else 2048
     block_n = max(1, min(16, 16384 // block_k))
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8, num_stages=2)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=2)
 
 
-def fits(M: int, N: int, K: int, x_dtype: torch.dtype) -> bool:
+def fits(M: int, K: int, x_dtype: torch.dtype) -> bool:
     """Whether this kernel takes the call: few rows, whole 128-blocks along K, float x."""
     return 0 < M <= MAX_ROWS and K % QBLOCK == 0 and x_dtype in (torch.bfloat16, torch.float16,
                                                                   torch.float32)
@@ -100,7 +100,7 @@ def fp8_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     """x [M, K] (M <= MAX_ROWS, unit last stride) -> x.dtype [M, N] = fp8_block_linear_ref."""
     M, K = x2.shape
     N = weight.shape[0]
-    if not fits(M, N, K, x2.dtype) or x2.stride(-1) != 1:
+    if not fits(M, K, x2.dtype) or x2.stride(-1) != 1:
         raise ValueError(f"fp8_gemv: x {tuple(x2.shape)} {x2.dtype} strides {x2.stride()} does not fit "
                          f"(1..{MAX_ROWS} rows, K % 128 == 0, unit last stride)")
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
@@ -114,7 +114,7 @@ def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     through weight rows [g n, (g + 1) n) (n % 128 == 0: whole scale blocks per group)."""
     T, G, K = x.shape
     n = weight.shape[0] // G
-    if not fits(T, n, K, x.dtype) or x.stride(-1) != 1 or n % 128:
+    if not fits(T, K, x.dtype) or x.stride(-1) != 1 or n % 128:
         raise ValueError(f"fp8_grouped_gemv: x {tuple(x.shape)} does not fit (1..{MAX_ROWS} rows, "
                          "K % 128 == 0, unit last stride, whole 128-row blocks per group)")
     out = torch.empty(T, G, n, dtype=x.dtype, device=x.device)

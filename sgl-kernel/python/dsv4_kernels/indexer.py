@@ -115,10 +115,12 @@ def _keys_to_slots_kernel(
     stride_kt, stride_st, stride_ot, C, K, TOPK,
     BLOCK_K: tl.constexpr, PAGED: tl.constexpr, RATIO: tl.constexpr,
 ):
-    """out[t, j] = the slot of the candidate behind chosen key j (< K), -1 for a masked
-    candidate and for j >= K."""
+    """Row t's live chosen keys (of the first K) as slots, packed to the front in the keys'
+    order, then -1 up to TOPK: the attention reads a row's first topk_len entries, and an
+    unsorted selection may put a masked candidate before a live one. One program per row
+    (BLOCK_K >= TOPK)."""
     t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    j = tl.arange(0, BLOCK_K)
     chosen = j < K
     key = tl.load(keys_ptr + t * stride_kt + j, mask=chosen, other=0)
     high = (key >> 32).to(tl.int32)
@@ -129,7 +131,11 @@ def _keys_to_slots_kernel(
         slot = load_page_table_slots(row, col, live, max_col, RATIO)
     else:
         slot = tl.load(slots_ptr + t * stride_st + col, mask=live, other=-1)
-    tl.store(out_ptr + t * stride_ot + j, tl.where(live, slot, -1), mask=j < TOPK)
+    live = live & (slot >= 0)  # an unmapped page-table entry counts as masked too
+    dest = tl.cumsum(live.to(tl.int32), axis=0) - 1
+    n_live = tl.sum(live.to(tl.int32), axis=0)
+    tl.store(out_ptr + t * stride_ot + dest, slot, mask=live)
+    tl.store(out_ptr + t * stride_ot + j, tl.full([BLOCK_K], -1, tl.int32), mask=(j >= n_live) & (j < TOPK))
 
 
 def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len, logits=None, keys: bool = False):
@@ -171,7 +177,7 @@ def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots
     k = min(topk, C)
     # int64 keys: half the elements of the fp32 logits bound, the same bytes
     chunk = max(1, MAX_LOGITS_ELEMENTS // 2 // max(C, 1))
-    block_k = min(1024, next_power_of_2(max(topk, 1)))
+    block_k = next_power_of_2(max(topk, 1))  # a row per program: its live slots are packed
     assert out_slots.stride(-1) == 1
     # A static Python loop over token chunks: the chunk count depends only on T and C.
     for start in range(0, T, chunk):
@@ -184,7 +190,7 @@ def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots
         chosen = keys if k == C else keys.topk(k, dim=-1, sorted=False).values
         cands = kernel_list_args(part, lens, sl.stop - sl.start)
         out = out_slots[sl]
-        _keys_to_slots_kernel[(sl.stop - sl.start, cdiv(topk, block_k))](
+        _keys_to_slots_kernel[(sl.stop - sl.start,)](
             chosen, cands.table, cands.rows, cands.max_col, out,
             chosen.stride(0), cands.table.stride(0), out.stride(0), C, k, topk,
             BLOCK_K=block_k, PAGED=cands.paged, RATIO=cands.ratio, num_warps=4,
