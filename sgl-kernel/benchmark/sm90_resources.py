@@ -41,7 +41,7 @@ def compile_report(name, fn, ptr_types, constexprs, num_warps, num_stages=2, sca
 
 
 def main():
-    from dsv4_kernels import cache_write, compressor, indexer, moe, sparse_attention as sa
+    from dsv4_kernels import cache_write, compressor, fp8_gemv, indexer, moe, sparse_attention as sa
 
     cfg = sa.SparseAttnConfig()
     attn_ptrs = dict(q_ptr="*bf16", kv_a_ptr="*bf16", idx_a_ptr="*i32", len_a_ptr="*i32",
@@ -75,16 +75,21 @@ def main():
                             FP8_ROWS=mode == "fp8 rows", NUM_SCALES=7, PAIRS_PER_BLOCK=32), 4,
                        scalar_types=dict(eps="fp32", amax_floor="fp32", inv_qmax="fp32"))
     for ratio, block_c, warps in ((4, 256, 4), (128, 32, 8)):
-        compile_report(f"compressor_pool r={ratio}", compressor._compressor_pool_kernel,
+        compile_report(f"compressor_pool r={ratio} (ape added)", compressor._compressor_pool_kernel,
                        dict(kv_state_ptr="*fp32", score_state_ptr="*fp32", kv_new_ptr="*fp32",
-                            score_new_ptr="*fp32", idx_ptr="*i32", out_ptr="*fp32"),
-                       dict(RATIO=ratio, COFF=2 if ratio == 4 else 1, BLOCK_C=block_c), warps)
+                            score_new_ptr="*fp32", idx_ptr="*i32", out_ptr="*fp32", ape_ptr="*fp32",
+                            pos_ptr="*i64"),
+                       dict(RATIO=ratio, COFF=2 if ratio == 4 else 1, BLOCK_C=block_c, HAS_APE=True), warps)
     for paged in (False, True):  # paged: candidates read through the page table
         compile_report(f"indexer_logits 64x128{' paged' if paged else ''}", indexer._indexer_logits_kernel,
                        dict(q_ptr="*bf16", w_ptr="*fp32", key_ptr="*bf16", slots_ptr="*i32",
                             rows_ptr="*i32", len_ptr="*i32", logits_ptr="*fp32"),
                        dict(TILES_PER_PROG=4, BLOCK_H=64, BLOCK_N=64, BLOCK_D=128, DOT_PREC="tf32",
-                            PAGED=paged, RATIO=4 if paged else 1), 4)
+                            PAGED=paged, RATIO=4 if paged else 1, KEYS=True, FP4_KEYS=False, FP4_BLOCK=32), 4)
+    for bn, bk in ((4, 4096), (8, 2048), (16, 1024)):  # fp8_gemv.gemv_config's tiles at Flash's shapes
+        compile_report(f"fp8_gemv {bn}x{bk} w4 (one row, release numerics)", fp8_gemv._fp8_gemv_kernel,
+                       dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr="*bf16"),
+                       dict(ROWS=1, BLOCK_N=bn, BLOCK_K=bk, ACT_QUANT=True), 4, 2)
     compile_report("moe gate_up 64x64x64", moe._gate_up_kernel,
                    dict(x_ptr="*bf16", w1_ptr="*bf16", w3_ptr="*bf16", sorted_ids_ptr="*i32",
                         block_expert_ptr="*i32", weights_ptr="*fp32", h_ptr="*bf16"),

@@ -159,6 +159,39 @@ def test_triton_pool_matches_reference_on_mixed_sources(device, ratio):
     assert (got[5] == 0).all()
 
 
+@pytest.mark.parametrize("ratio", [4, 128])
+@pytest.mark.parametrize("impl", _impls())
+def test_ape_rows_are_added_to_the_fresh_scores_as_they_are_read(device, impl, ratio):
+    """With ape + positions, pooling and the ring update see score + ape[p % ratio] for fresh
+    rows (ring rows already hold it): exactly what adding it first gives, without its launches."""
+    if impl == "triton":
+        require_triton()
+    mod = _module(impl)
+    coff = 2 if ratio == 4 else 1
+    R, D, E, T = coff * ratio, 40, 5, 30
+    g = torch.Generator().manual_seed(ratio)
+    kv_state, score_state = (torch.randn(8, R, coff * D, generator=g).to(device) for _ in range(2))
+    kv_new, score_new = (torch.randn(T, coff * D, generator=g).to(device) for _ in range(2))
+    ape = torch.randn(ratio, coff * D, generator=g).to(device)
+    positions = torch.randint(0, 1000, (T,), generator=g).to(device)
+    gather_idx = torch.where(torch.rand(E, R, generator=g) < 0.5, torch.randint(0, 8 * R, (E, R), generator=g),
+                             -torch.randint(0, T, (E, R), generator=g) - 2).int().to(device)
+    gather_idx[1, ::3] = -1
+    added = score_new + ape[positions % ratio]
+    want = reference.compressor_pool(kv_state, score_state, kv_new, added, gather_idx, ratio,
+                                     torch.empty(E, D, device=device))
+    got = mod.compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio,
+                              torch.empty(E, D, device=device), ape=ape, positions=positions)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    loc = torch.randperm(8 * R, generator=g)[:T].int().to(device)  # unique rows
+    expected = (kv_state.clone(), score_state.clone())
+    reference.compressor_state_update(*expected, kv_new, added, loc)
+    mod.compressor_state_update(kv_state, score_state, kv_new, score_new, loc, rows_unique=True, ape=ape,
+                                positions=positions)
+    torch.testing.assert_close(score_state, expected[1], rtol=0, atol=0)
+    torch.testing.assert_close(kv_state, expected[0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("impl", _impls())
 def test_state_update_last_token_of_a_ring_row_wins(device, impl):
     mod = _module(impl)

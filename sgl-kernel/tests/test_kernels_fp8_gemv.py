@@ -66,6 +66,42 @@ def test_grouped_gemv_is_each_group_through_its_rows(device):
         torch.testing.assert_close(y[:, g], want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("act_quant", [True, False])
+def test_a_pair_in_one_launch_is_each_linear_alone(device, act_quant):
+    """Two weights of one shape on the same x, wherever each lives: the same bits as two GEMVs."""
+    require_triton()
+    from dsv4_kernels import fp8_gemv
+    (wa, sa), (wb, sb) = _weight(256, 384, device), _weight(256, 384, device)
+    sb[1] *= 8.0
+    x = torch.randn(1, 384, device=device)
+    both = fp8_gemv.fp8_gemv_pair(x, wa, sa, wb, sb, act_quant)
+    assert both.shape == (2, 1, 256)
+    assert torch.equal(both[0], fp8_gemv.fp8_gemv(x, wa, sa, act_quant))
+    assert torch.equal(both[1], fp8_gemv.fp8_gemv(x, wb, sb, act_quant))
+    # b before a in memory: a negative offset works the same
+    assert torch.equal(fp8_gemv.fp8_gemv_pair(x, wb, sb, wa, sa, act_quant)[1], both[0])
+    with pytest.raises(ValueError, match="differ in shape"):
+        fp8_gemv.fp8_gemv_pair(x, wa, sa, wb[:128], sb[:1], act_quant)
+
+
+class _Linear:
+    """What fp8_block_linear_pair reads of an Fp8BlockLinear (weight, weight_scale, act_quant)."""
+
+    def __init__(self, w, s, act_quant):
+        self.weight, self.weight_scale, self.act_quant = w, s, act_quant
+
+    def __call__(self, x):
+        return Q.fp8_block_linear_ref(x, self.weight, self.weight_scale, self.act_quant)
+
+
+def test_ops_pair_off_cuda_is_each_module():
+    from dsv4_kernels import ops
+    a, b = _Linear(*_weight(128, 256, "cpu"), True), _Linear(*_weight(128, 256, "cpu"), True)
+    x = torch.randn(1, 256)
+    ya, yb = ops.fp8_block_linear_pair(x, a, b)
+    assert torch.equal(ya, a(x)) and torch.equal(yb, b(x))
+
+
 def test_config_takes_the_measured_tiles_and_keeps_whole_blocks():
     from dsv4_kernels import fp8_gemv
     # the sweep's choices at Flash's shapes (N, K): wq_a, wo_b, wq_b, the shared expert's down
@@ -112,3 +148,19 @@ def test_gpu_decode_linears_take_the_gemv_and_match_cublas(N, K, M):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(out, fp8_gemv.fp8_gemv(x, q, s, True))
+
+
+@pytest.mark.gpu
+def test_gpu_shared_expert_pair_is_one_gemv_equal_to_two():
+    """The shared expert's gate and up at Flash dims: one row takes the pair GEMV, bit-equal to
+    the two linears' own GEMVs; two rows take the linears themselves."""
+    from dsv4_kernels import fp8_gemm, ops
+    mods = [_Linear(*Q.quantize_fp8_weight(torch.randn(2048, 4096, device="cuda") / 64), True) for _ in range(2)]
+    for rows in (1, 2):
+        x = torch.randn(rows, 4096, device="cuda").bfloat16()
+        ya, yb = ops.fp8_block_linear_pair(x, *mods)
+        for y, m in ((ya, mods[0]), (yb, mods[1])):
+            if rows == 1:
+                assert torch.equal(y, fp8_gemm.fp8_block_linear(x, m.weight, m.weight_scale, True))
+            torch.testing.assert_close(y.float(), m(x.float()), rtol=2 ** -7, atol=2e-3)
+

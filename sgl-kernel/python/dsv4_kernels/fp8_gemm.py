@@ -305,6 +305,23 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, config: dict | No
     return out.view(*x.shape[:-1], N)
 
 
+def fp8_block_linear_pair(x, a, b):
+    """(a(x), b(x)) for two FP8 block linears of one shape and numerics (modules with weight,
+    weight_scale, act_quant): one GEMV launch for both where a single row would take the GEMV
+    anyway (the shared expert's gate and up at decode), else each module's own call."""
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    if (x.is_cuda and rows <= fp8_gemv.DISPATCH_ROWS and fp8_gemv.fits(rows, K, x.dtype) and a.act_quant == b.act_quant
+            and a.weight.shape == b.weight.shape and a.weight.shape[1] == K):
+        x2 = x.reshape(rows, K)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        both = fp8_gemv.fp8_gemv_pair(x2, a.weight, a.weight_scale, b.weight, b.weight_scale, a.act_quant)
+        N = a.weight.shape[0]
+        return both[0].view(*x.shape[:-1], N), both[1].view(*x.shape[:-1], N)
+    return a(x), b(x)
+
+
 def fp8_grouped_linear(x, weight, weight_scale, config: dict | None = None):
     """Block-diagonal weight-only FP8 linear: x [T, G, K] -> x.dtype [T, G, n], group g through
     weight rows [g n, (g + 1) n) (n = N / G, a whole number of 128-row scale blocks). The same

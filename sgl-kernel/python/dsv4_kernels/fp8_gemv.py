@@ -16,8 +16,10 @@ Numerics are those of quant_reference.fp8_block_linear_ref:
 The fp32 sums differ from the tensor cores' only in order (and are not truncated as the FP8
 MMA's accumulation is).
 
-Grouped (block-diagonal) use, wo_a's einsum: grid axis 1 is the group; group g reads x
-[:, g, :] and weight rows [g n, (g + 1) n).
+Groups share a launch (grid axis 1): group g reads its x columns, its weight and scale rows
+and writes its outputs, each at g times a stride. wo_a's block-diagonal einsum: x [:, g, :]
+through weight rows [g n, (g + 1) n); a pair of linears of one shape on the same x (the
+shared expert's gate and up): the second weight's offset from the first as the stride.
 
 Graph-safe: no host syncs; the grid depends only on shapes.
 """
@@ -36,7 +38,7 @@ DISPATCH_ROWS = 1  # fp8_gemm's auto path takes it for this many rows: from 2 on
 @triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
-    stride_xm, stride_xg, stride_w, stride_ws, stride_om, stride_og,
+    stride_xm, stride_xg, stride_w, stride_wg, stride_ws, stride_wsg, stride_om, stride_og,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT_QUANT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -44,8 +46,10 @@ def _fp8_gemv_kernel(
     NB: tl.constexpr = BLOCK_K // 128
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    # group g: its x columns, its weight rows (N rows per group), its scale rows, its outputs
-    rows_w = (g * N + offs_n).to(tl.int64)
+    # group g: its x columns, weight rows, scale rows and outputs, each g strides on
+    rows_w = offs_n.to(tl.int64)
+    w_ptr += g * stride_wg
+    ws_ptr += g * stride_wsg
     x_base = x_ptr + g * stride_xg
     offs_k = tl.arange(0, BLOCK_K)
     row_ids = tl.arange(0, ROWS)
@@ -104,7 +108,29 @@ def fp8_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         raise ValueError(f"fp8_gemv: x {tuple(x2.shape)} {x2.dtype} strides {x2.stride()} does not fit "
                          f"(1..{MAX_ROWS} rows, K % 128 == 0, unit last stride)")
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    _launch(x2, weight, weight_scale, out, M, N, K, 1, x2.stride(0), 0, out.stride(0), 0, act_quant, config)
+    ws = _scales(weight_scale)
+    _launch(x2, weight, ws, out, M, N, K, 1, x2.stride(0), 0, 0, 0, out.stride(0), 0, act_quant, config)
+    return out
+
+
+def fp8_gemv_pair(x2: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor, weight_b: torch.Tensor,
+                  scale_b: torch.Tensor, act_quant: bool, config: dict | None = None) -> torch.Tensor:
+    """Two linears of one shape on the same x [M, K] in one launch: [2, M, N] (a's, then b's).
+    The weights may live anywhere: group 1 is reached from group 0 by their address difference."""
+    M, K = x2.shape
+    N = weight_a.shape[0]
+    if weight_b.shape != weight_a.shape or weight_b.stride() != weight_a.stride() or weight_b.dtype != weight_a.dtype:
+        raise ValueError(f"fp8_gemv_pair: weights {tuple(weight_a.shape)} / {tuple(weight_b.shape)} differ in shape, "
+                         "strides or dtype")
+    if not fits(M, K, x2.dtype) or x2.stride(-1) != 1:
+        raise ValueError(f"fp8_gemv_pair: x {tuple(x2.shape)} does not fit (1..{MAX_ROWS} rows, K % 128 == 0)")
+    sa, sb = _scales(scale_a), _scales(scale_b)
+    if sb.shape != sa.shape or sb.stride() != sa.stride():
+        raise ValueError("fp8_gemv_pair: the two weights' scales differ in shape or strides")
+    out = torch.empty(2, M, N, dtype=x2.dtype, device=x2.device)
+    elem = weight_a.element_size()
+    _launch(x2, weight_a, sa, out, M, N, K, 2, x2.stride(0), 0, (weight_b.data_ptr() - weight_a.data_ptr()) // elem,
+            (sb.data_ptr() - sa.data_ptr()) // 4, out.stride(1), out.stride(0), act_quant, config)
     return out
 
 
@@ -118,18 +144,24 @@ def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         raise ValueError(f"fp8_grouped_gemv: x {tuple(x.shape)} does not fit (1..{MAX_ROWS} rows, "
                          "K % 128 == 0, unit last stride, whole 128-row blocks per group)")
     out = torch.empty(T, G, n, dtype=x.dtype, device=x.device)
-    _launch(x, weight, weight_scale, out, T, n, K, G, x.stride(0), x.stride(1), out.stride(0),
-            out.stride(1), False, config)
+    ws = _scales(weight_scale)
+    _launch(x, weight, ws, out, T, n, K, G, x.stride(0), x.stride(1), n * weight.stride(0), (n // 128) * ws.stride(0),
+            out.stride(0), out.stride(1), False, config)
     return out
 
 
-def _launch(x, weight, weight_scale, out, M, N, K, G, sxm, sxg, som, sog, act_quant, config):
+def _scales(weight_scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 block scales with a unit last stride (a copy only when they are not)."""
+    if weight_scale.dtype == torch.float32 and weight_scale.stride(-1) == 1:
+        return weight_scale
+    return weight_scale.float().contiguous()
+
+
+def _launch(x, weight, ws, out, M, N, K, G, sxm, sxg, swg, swsg, som, sog, act_quant, config):
     cfg = config or gemv_config(M, N, K, G)
     if cfg["BLOCK_K"] % 128:
         raise ValueError(f"fp8_gemv: BLOCK_K must be whole 128-blocks, got {cfg}")
-    ws = weight_scale if weight_scale.dtype == torch.float32 and weight_scale.stride(-1) == 1 \
-        else weight_scale.float().contiguous()
     _fp8_gemv_kernel[(cdiv(N, cfg["BLOCK_N"]), G)](
-        x, weight, ws, out, M, N, K, sxm, sxg, weight.stride(0), ws.stride(0), som, sog,
+        x, weight, ws, out, M, N, K, sxm, sxg, weight.stride(0), swg, ws.stride(0), swsg, som, sog,
         ROWS=next_power_of_2(M), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ACT_QUANT=act_quant,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -66,10 +66,12 @@ def inverse_rope_(o, cos, sin, positions, rope_dim):
     return impl.inverse_rope_(o, cos, sin, positions, rope_dim)
 
 
-def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out):
-    """out [E, D] fp32: per-channel softmax pooling of each emission's rows (see reference)."""
+def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out, ape=None, positions=None):
+    """out [E, D] fp32: per-channel softmax pooling of each emission's rows (see reference).
+    ape [ratio, C] fp32 with positions [T]: the fresh scores get their position's ape row as
+    they are read (the model's `score + ape[p % ratio]`, without a launch of its own)."""
     impl = _kernels("compressor") if _use_triton(out) else reference
-    return impl.compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out)
+    return impl.compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out, ape, positions)
 
 
 def compressor_norm_rope_store(pooled, norm_weight, eps, cos, sin, emit_pos, rope_dim, pool,
@@ -79,14 +81,16 @@ def compressor_norm_rope_store(pooled, norm_weight, eps, cos, sin, emit_pos, rop
                                     emit_out_loc)
 
 
-def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc, rows_unique=False):
+def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc, rows_unique=False,
+                            ape=None, positions=None):
     """Ring rows ring_write_loc[t] (flat req_slot * R + p % R, -1 skip) <- token t's fresh
     kv/score; when several tokens hit one row the last token wins. rows_unique: the caller
     guarantees no two tokens share a row (token_metadata's ring locs: only a request's last R
     positions write), so the winners need not be found (on CUDA: one launch instead of a
-    dozen)."""
+    dozen). ape / positions: as compressor_pool's; the ring stores the score with it added."""
     impl = _kernels("compressor") if _use_triton(kv_state) else reference
-    impl.compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc, rows_unique)
+    impl.compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc, rows_unique, ape,
+                                 positions)
 
 
 def indexer_topk(q_idx, weights, key_pool, cand_slots, cand_len, topk, out_slots):
@@ -234,6 +238,15 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, backend: str = "a
         raise ValueError(f"fp8_block_linear: backend={backend!r} needs CUDA tensors and triton "
                          f"(x is on {x.device.type}); 'auto' or 'triton' run the reference here")
     return quant_reference.fp8_block_linear_ref(x, weight, weight_scale, act_quant)
+
+
+def fp8_block_linear_pair(x, a, b):
+    """(a(x), b(x)) for two Fp8BlockLinear-like modules (weight, weight_scale, act_quant,
+    cublas_scale()) of one shape: on CUDA a single row takes one GEMV launch for both
+    (fp8_gemv.fp8_gemv_pair, the shared expert's gate and up); otherwise each its own linear."""
+    if _use_triton(x):
+        return _kernels("fp8_gemm").fp8_block_linear_pair(x, a, b)
+    return a(x), b(x)
 
 
 def dequantize_fp8_block(weight, scale, dtype=torch.float32):

@@ -201,8 +201,15 @@ def _gather_compressor_rows(state, new, gather_idx):
     return rows, idx == -1
 
 
-def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out):
-    """pooled [E, D] = per-channel softmax(score) weighted sum of kv over each emission's rows."""
+def with_ape(score_new, ape, positions):
+    """The fresh scores plus their positions' ape rows (none: as they are)."""
+    return score_new if ape is None else score_new + ape[positions[:score_new.shape[0]].long() % ape.shape[0]]
+
+
+def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out, ape=None, positions=None):
+    """pooled [E, D] = per-channel softmax(score) weighted sum of kv over each emission's rows.
+    ape [ratio, C] with positions [T]: fresh score rows get ape[position % ratio] first."""
+    score_new = with_ape(score_new, ape, positions)
     kv, empty = _gather_compressor_rows(kv_state, kv_new, gather_idx)
     score, _ = _gather_compressor_rows(score_state, score_new, gather_idx)
     kv = kv.masked_fill(empty[..., None], 0.0)
@@ -270,7 +277,9 @@ def ring_write_winners(ring_write_loc, num_rows: int):
     return keep & (winner[loc.clamp(min=0)] == order)
 
 
-def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc, rows_unique=False):
+def compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc, rows_unique=False,
+                            ape=None, positions=None):
+    score_new = with_ape(score_new, ape, positions)
     flat_kv = kv_state.view(-1, kv_state.shape[-1])
     flat_score = score_state.view(-1, score_state.shape[-1])
     # rows_unique only lets the kernel skip the search; the reference always applies the rule

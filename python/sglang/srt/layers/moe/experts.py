@@ -21,7 +21,7 @@ from torch import nn
 from sglang.srt.layers.moe.backends import Fp4MoEBackend, make_fp4_backend
 from sglang.srt.layers.moe.ep_dispatch import dispatch_and_compute
 from sglang.srt.layers.quantization import BF16, QuantMode
-from sglang.srt.layers.quantization.fp8_linear import make_linear
+from sglang.srt.layers.quantization.fp8_linear import Fp8BlockLinear, make_linear
 from sglang.srt.layers.moe.router import Gate
 from sglang.srt.model_executor.forward_context import get_forward_context, segment_kernel_ops
 
@@ -50,7 +50,10 @@ class SharedExpert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = segment_kernel_ops()
         if kernels is not None:  # one launch for the fp32 chain and its rounding
-            return self.w2(kernels.swiglu_clamped(self.w1(x), self.w3(x), self.limit, x.dtype))
+            # FP8 gate and up of one row: one GEMV launch for both
+            gate, up = (kernels.fp8_block_linear_pair(x, self.w1, self.w3) if isinstance(self.w1, Fp8BlockLinear)
+                        else (self.w1(x), self.w3(x)))
+            return self.w2(kernels.swiglu_clamped(gate, up, self.limit, x.dtype))
         return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
 
 

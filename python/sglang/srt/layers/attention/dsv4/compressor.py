@@ -74,22 +74,25 @@ class Compressor(nn.Module):
             # one GEMM: kv | score, fp32, same row stride (what the kernels ask of the pair)
             both = split_linear(x, self.proj_split)
             kv, score = both.split(self.wkv.out_features, dim=-1)
-            score.add_(self.ape[positions % self.ratio])
         else:
             xf = x.float()
-            kv = self.wkv(xf)
-            score = self.wgate(xf) + self.ape[positions % self.ratio]
+            kv, score = self.wkv(xf), self.wgate(xf)
         pooled = kv.new_empty(meta.gather_idx.shape[0], self.norm.weight.shape[0])
-        (kernels or reference).compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled)
-        if kernels is not None:  # dsv4_kernels: ring update, then norm + RoPE + store
-            # token_metadata writes a ring row from one token at most (a request's last R positions)
+        if kernels is not None:  # dsv4_kernels: pooling, ring update, then norm + RoPE + store
+            # Both kernels add the score's ape row (by position) as they read it: no launches for
+            # `score + ape[p % ratio]`. token_metadata writes a ring row from one token at most
+            # (a request's last R positions): no winner search.
+            kernels.compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled,
+                                    ape=self.ape, positions=positions)
             kernels.compressor_state_update(state.kv, state.score, kv, score, meta.ring_write_loc,
-                                            rows_unique=True)
+                                            rows_unique=True, ape=self.ape, positions=positions)
             # the KV cache-write kernel (what compressor_norm_rope_store runs), FP8-aware
             kernels.rmsnorm_rope_store(pooled, self.norm.weight, self.norm.eps, rope.cos, rope.sin,
                                        meta.positions, rope.rope_dim, pool if entries is None else None,
                                        meta.out_loc, kv_out=entries, nope_fp8=nope_fp8)
             return
+        score = score + self.ape[positions % self.ratio]
+        reference.compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled)
         # Ring update after pooling: this step's emissions read the previous contents.
         C = kv.shape[-1]
         reference.scatter_rows_(state.kv.view(-1, C), meta.ring_write_loc, kv)
