@@ -1,8 +1,9 @@
 """FP8 block-scaled linear for a few rows (decode): weights streamed once at HBM speed.
 
-At M <= 4 a GEMM's tensor-core tiles are mostly padding and its fixed cost dominates: the
-H200 took ~14 µs for cuBLAS's block-scaled GEMM at M = 1 whatever the weight (4 MB wq_a or
-32 MB wq_b), where reading the bytes takes 1-7 µs. This kernel is a GEMV on the CUDA cores:
+At one row a GEMM's tensor-core tiles are mostly padding and its fixed cost dominates: inside
+Flash's decode graph on an H200 cuBLAS's block-scaled GEMM took ~14 µs at M = 1 whatever the
+weight (4 MB wq_a or 32 MB wq_b), where reading the bytes takes 1-7 µs. Up to 4 rows run
+here; fp8_gemm sends it one row only (from two rows on its tensor-core GEMM measured faster). This kernel is a GEMV on the CUDA cores:
 each program owns BLOCK_N weight rows, walks K in BLOCK_K slabs (whole 128-blocks), and
 keeps one fp32 accumulator per (row of x, weight row). No split-K: the output rows are
 divided among programs, so the sum order is fixed (deterministic) and there is one launch.
