@@ -7,6 +7,7 @@ runs each step) and `run_bench` (the rows and the table). The command line: benc
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import time
 from typing import Optional
@@ -79,21 +80,19 @@ def top_kernels(fn, device, top: int) -> dict:
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         fn()
         _sync(device)
-    rows = []
-    for e in prof.key_averages():
-        # On CUDA only the device's own events: an op's self device time repeats its kernels'.
-        if cuda and e.device_type == torch.autograd.DeviceType.CPU:
-            continue
-        us = e.self_device_time_total if cuda else e.self_cpu_time_total
-        if us > 0:
-            rows.append((e.key, e.count, us / 1e3))
-    rows.sort(key=lambda r: -r[2])
+    own_us = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    # On CUDA only the device's own events: an op's self device time repeats its kernels'. In
+    # launch order (the result file keeps them): a layer's kernel list is one period of it.
+    events = sorted((e for e in prof.events()
+                     if not (cuda and e.device_type == torch.autograd.DeviceType.CPU) and own_us(e) > 0),
+                    key=lambda e: e.time_range.start)
+    sequence = [(e.name, round(own_us(e), 2)) for e in events]
+    calls, ms = collections.Counter(), collections.defaultdict(float)
+    for e in events:
+        calls[e.name] += 1
+        ms[e.name] += own_us(e) / 1e3
+    rows = sorted(((name, calls[name], ms[name]) for name in calls), key=lambda r: -r[2])
     total = sum(r[2] for r in rows)
-    # The device's kernels in launch order (the result file keeps them): a layer's kernel list is one period of it.
-    order = sorted((e for e in prof.events() if not cuda or e.device_type != torch.autograd.DeviceType.CPU),
-                   key=lambda e: e.time_range.start)
-    sequence = [(e.name, round((e.self_device_time_total if cuda else e.self_cpu_time_total), 2)) for e in order
-                if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
     return dict(kind="GPU kernels" if cuda else "CPU ops", num_kernels=sum(r[1] for r in rows), total_ms=total,
                 top=[dict(name=n, calls=c, ms=ms, share=ms / total if total else 0.0) for n, c, ms in rows[:top]],
                 sequence_us=sequence)

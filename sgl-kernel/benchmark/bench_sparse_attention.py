@@ -24,7 +24,7 @@ def main():
     if not require_cuda():
         return
     from dsv4_kernels import PageTableList, ops, reference
-    from dsv4_kernels.sparse_attention import SparseAttnConfig, sparse_attn_with_sink
+    from dsv4_kernels.sparse_attention import sparse_attn_with_sink
 
     from dsv4_kernels.kv_fp8 import FP8KVLayout
 
@@ -73,37 +73,32 @@ def main():
         args_pt = (q, kv_a, idx_a, len_a, kv_b, c128, len_b, sink, scale, out)
         report(f"T={T:<5} default, b through the page table", time_ms(lambda: ops.sparse_attn_with_sink(*args_pt)),
                nbytes, flops)
-        best = None
-        for bh, bn, nw, ns, keys_as_m in SWEEP:
-            for splits in (1, 2, 4, 8, 16) if T <= 64 else (1, 2) if T <= 256 else (1,):
-                cfg = SparseAttnConfig(bh, bn, nw, ns, splits, keys_as_m)
-                try:
-                    ms = time_ms(lambda: sparse_attn_with_sink(*args, config=cfg), iters=10)
-                except Exception as e:  # a config that does not fit (registers, smem) is skipped
-                    print(f"   {cfg}: failed ({type(e).__name__})")
-                    continue
-                if best is None or ms < best[0]:
-                    best = (ms, cfg)
-        cfg = best[1]
-        report(f"T={T:<5} best h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
-               f"splits{cfg.num_splits}{' keys_as_m' if cfg.keys_as_m else ''}", best[0], nbytes, flops)
+        splits = (1, 2, 4, 8, 16) if T <= 64 else (1, 2) if T <= 256 else (1,)
+        sweep(f"T={T:<5} best", lambda cfg: sparse_attn_with_sink(*args, config=cfg), splits, nbytes, flops)
         # The same sweep over the FP8 KV cache (the default with release numerics): its in-kernel
         # dequantization needs registers of its own, so its best tiles differ (kv_fp8_tiles).
-        best8 = None
-        for bh, bn, nw, ns, keys_as_m in SWEEP:
-            for splits in (1, 4, 16) if T <= 64 else (1, 2) if T <= 256 else (1,):
-                cfg = SparseAttnConfig(bh, bn, nw, ns, splits, keys_as_m)
-                try:
-                    ms = time_ms(lambda: sparse_attn_with_sink(*args8, config=cfg, kv_layout=layout), iters=10)
-                except Exception as e:  # a config that does not fit (registers, smem) is skipped
-                    print(f"   fp8 {cfg}: failed ({type(e).__name__})")
-                    continue
-                if best8 is None or ms < best8[0]:
-                    best8 = (ms, cfg)
-        cfg = best8[1]
-        report(f"T={T:<5} fp8 kv best h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
-               f"splits{cfg.num_splits}{' keys_as_m' if cfg.keys_as_m else ''}", best8[0], nbytes8, flops)
+        sweep(f"T={T:<5} fp8 kv best", lambda cfg: sparse_attn_with_sink(*args8, config=cfg, kv_layout=layout),
+              splits, nbytes8, flops)
 
+
+def sweep(label, run, splits, nbytes, flops):
+    """Every SWEEP config at every split count through run(config); reports the fastest."""
+    from dsv4_kernels.sparse_attention import SparseAttnConfig
+
+    best = None
+    for bh, bn, nw, ns, keys_as_m in SWEEP:
+        for n in splits:
+            cfg = SparseAttnConfig(bh, bn, nw, ns, n, keys_as_m)
+            try:
+                ms = time_ms(lambda: run(cfg), iters=10)
+            except Exception as e:  # a config that does not fit (registers, smem) is skipped
+                print(f"   {label} {cfg}: failed ({type(e).__name__})")
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, cfg)
+    ms, cfg = best
+    report(f"{label} h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
+           f"splits{cfg.num_splits}{' keys_as_m' if cfg.keys_as_m else ''}", ms, nbytes, flops)
 
 if __name__ == "__main__":
     main()

@@ -3,25 +3,16 @@ attributed to the innermost module running each op, layer indices folded togethe
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
+from sglang.test.repo_scripts import load_script
 from test_bench_one_batch import SMALL
-
-TOOL = Path(__file__).resolve().parents[3] / "benchmark" / "profiling" / "attribute_kernels.py"
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("attribute_kernels", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_attribution_folds_layers_and_names_the_owner_of_each_op(capfd):
     # every row (not a top 12): which op ranks where is timing, and timing moves with machine load
-    assert _load_tool().main([*SMALL, "--modes", "extend", "--top", "100000"]) == 0
+    tool = load_script("benchmark/profiling/attribute_kernels.py")
+    assert tool.main([*SMALL, "--modes", "extend", "--top", "100000"]) == 0
     out = capfd.readouterr().out
     head = re.search(r"dsv4-tiny \(all layers\) extend 8: ([\d.]+) ms of CPU time in (\d+) op calls", out)
     assert head, out

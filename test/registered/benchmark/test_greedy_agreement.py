@@ -1,20 +1,17 @@
 """benchmark/accuracy/greedy_agreement.py: collect against a real server (its top-2 logprobs per step),
 and compare's first divergences with their near-tie call."""
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from sglang.test.repo_scripts import REPO, load_script
 
-REPO = Path(__file__).resolve().parents[3]
+
 TOOL = REPO / "benchmark" / "accuracy" / "greedy_agreement.py"
-spec = importlib.util.spec_from_file_location("greedy_agreement", TOOL)
-greedy_agreement = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(greedy_agreement)
+greedy_agreement = load_script("benchmark/accuracy/greedy_agreement.py")
 
 
 def _write(path, outputs, top2=None):

@@ -3,20 +3,11 @@ each), one list per distinct layer kind with the mean time of each kernel."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[3] / "benchmark" / "profiling" / "layer_kernels.py"
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("layer_kernels", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from sglang.test.repo_scripts import load_script
 
 
 def _layer(attn: str, us: float) -> list:
@@ -25,7 +16,7 @@ def _layer(attn: str, us: float) -> list:
 
 
 def test_layers_are_cut_at_every_second_mixing_and_grouped_by_kind(tmp_path, capsys):
-    tool = _load_tool()
+    tool = load_script("benchmark/profiling/layer_kernels.py")
     head = [["_step_metadata_kernel", 1.5]]
     seq = head + _layer("window_attn", 3.0) + _layer("c4_attn", 5.0) + _layer("window_attn", 4.0) \
         + [["_rms_norm_kernel", 2.0], ["logits_gemm", 9.0]]
@@ -45,4 +36,4 @@ def test_layers_are_cut_at_every_second_mixing_and_grouped_by_kind(tmp_path, cap
 
 def test_a_sequence_without_layers_is_refused():
     with pytest.raises(ValueError, match="two _hc_mixes_kernel launches per layer"):
-        _load_tool().layers([["_hc_mixes_kernel", 1.0], ["x", 1.0]])
+        load_script("benchmark/profiling/layer_kernels.py").layers([["_hc_mixes_kernel", 1.0], ["x", 1.0]])

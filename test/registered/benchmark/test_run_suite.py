@@ -4,7 +4,6 @@ process group on timeout, skips items needing more GPUs than it sees, and lists 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -17,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
-spec = importlib.util.spec_from_file_location("run_suite", REPO / "benchmark" / "run_suite.py")
-run_suite = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(run_suite)
+from sglang.test.repo_scripts import REPO, load_script
+
+run_suite = load_script("benchmark/run_suite.py")
 
 PY = shlex.quote(sys.executable)
 REPO_PATH = re.compile(r"^(benchmark|sgl-kernel|test|python)/[^\s$]*$")

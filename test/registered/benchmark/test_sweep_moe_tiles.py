@@ -1,18 +1,15 @@
 """sgl-kernel/benchmark/sweep_moe_tiles.py --write-config: a sweep's winners become a tile file
 in configs/fp4_moe_tiles.json's format that fp4_moe's loader reads back."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 from dsv4_kernels import fp4_moe, tile_tables
+from sglang.test.repo_scripts import REPO, load_script
 
-BENCH = Path(__file__).resolve().parents[3] / "sgl-kernel" / "benchmark"
+BENCH = REPO / "sgl-kernel" / "benchmark"
 sys.path.insert(0, str(BENCH))
-spec = importlib.util.spec_from_file_location("sweep_moe_tiles", BENCH / "sweep_moe_tiles.py")
-sweep = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sweep)
+sweep = load_script("sgl-kernel/benchmark/sweep_moe_tiles.py")
 
 A = dict(block_m=16, block_n_up=64, block_n_down=64, num_warps=4, num_stages=4, step_dot=True)
 B = dict(block_m=64, block_n_up=64, block_n_down=128, num_warps=4, num_stages=3, step_dot=True)

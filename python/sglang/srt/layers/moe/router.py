@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from dsv4_kernels import reference
 from dsv4_kernels.reference import topk_indices
 from torch import nn
 
@@ -19,10 +20,12 @@ from sglang.srt.model_executor.forward_context import segment_kernel_ops
 def route(logits: torch.Tensor, topk: int, scaling: float, scoring_func: str,
           bias: Optional[torch.Tensor] = None, tid2eid: Optional[torch.Tensor] = None,
           input_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] fp32 -> (weights [T, k] fp32, expert ids [T, k] int64)."""
+    """logits [T, E] fp32 -> (weights [T, k] fp32, expert ids [T, k] int64). DSV4's
+    sqrt-softplus routing is the kernels' reference formula (dsv4_kernels.reference.moe_route,
+    which the Triton router matches); the other scoring functions are computed here."""
     if scoring_func == "sqrtsoftplus":
-        scores = F.softplus(logits).sqrt()
-    elif scoring_func == "sigmoid":
+        return reference.moe_route(logits, bias, topk, scaling, tid2eid, input_ids, ids_dtype=torch.int64)
+    if scoring_func == "sigmoid":
         scores = logits.sigmoid()
     elif scoring_func == "softmax":
         scores = logits.softmax(dim=-1)
