@@ -1,4 +1,4 @@
-"""FP8 block-scaled linears at decode sizes: cuBLAS vs the Triton GEMM vs the FP8 GEMV, side by side.
+"""Decode-size linears: cuBLAS vs the Triton GEMM vs the GEMVs, side by side.
 
     python sgl-kernel/benchmark/bench_small_m_linears.py [--m 1 2 4 8 16] [--sweep 1 4] [--json out.json]
 
@@ -8,6 +8,11 @@ L2 flush (median and p10-p90 of REPS), against reading its weight once at HBM sp
 numerics (FP8 activations) everywhere but wo_a; every output is checked against cuBLAS's (or the
 grouped Triton kernel's) before it is timed. `--sweep 1 4` times every GEMV tile at each shape at
 those M (what fp8_gemv.gemv_config's choices come from).
+
+Then the bf16 linears with fp32 sums at one row (bf16_gemv.py): the router's logits, the
+indexer's head weights and the compressors' split-bf16 wkv + wgate, as the model runs them on
+cuBLAS (an fp32-output GEMM; for a split weight after concatenating x three times; for the head
+weights a bf16 GEMM, a cast and a scale) and as one GEMV launch.
 """
 
 import argparse
@@ -25,6 +30,10 @@ FLASH = [  # (name, N, K): Flash's FP8 block-scaled linears
     ("wo_b", 4096, 8192), ("shared_gate_up", 2048, 4096), ("shared_down", 4096, 2048),
 ]
 WO_A = (8, 1024, 4096)  # groups, rows per group, K
+BF16_FP32 = [  # (name, N, terms, K): bf16 x bf16 -> fp32 linears of one row (bf16_gemv.py)
+    ("router_logits", 256, 1, 4096), ("idx_weights", 64, 1, 4096), ("c4_compressor", 2048, 3, 4096),
+    ("c128_compressor", 1024, 3, 4096), ("idx_compressor", 512, 3, 4096),
+]
 REPS = 30
 
 
@@ -112,6 +121,27 @@ def main(argv=None) -> int:
                                else json.dumps(cfg))
             record("wo_a", M, label, time_graph(lambda: fp8_gemv.fp8_grouped_gemv(x, w, ws, cfg)), nbytes,
                    config=cfg or fp8_gemv.gemv_config(M, n, K, G))
+
+    from dsv4_kernels import bf16_gemv
+
+    for name, N, terms, K in BF16_FP32:
+        w = (torch.randn(N, terms * K, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+        nbytes = w.numel() * 2
+        if name == "idx_weights":  # nn.Linear in bf16, then .float() * scale
+            def cublas():
+                return torch.nn.functional.linear(x, w).float() * 0.0625
+        else:
+            def cublas():
+                xr = torch.cat([x] * terms, dim=-1) if terms > 1 else x
+                return torch.mm(xr, w.t(), out_dtype=torch.float32)
+        ref = cublas()
+        record(name, 1, "cublas", time_graph(cublas), nbytes)
+        rounded = name == "idx_weights"
+        got = bf16_gemv.bf16_gemv(x, w, 0.0625 if rounded else 1.0, rounded)
+        assert close(got, ref), f"bf16 gemv {name}"
+        record(name, 1, "gemv " + json.dumps(bf16_gemv.gemv_config(N, K)),
+               time_graph(lambda: bf16_gemv.bf16_gemv(x, w, 0.0625 if rounded else 1.0, rounded)), nbytes)
 
     print("\nbest per shape and M:")
     for (name, M), group in itertools.groupby(sorted(rows, key=lambda r: (r["name"], r["M"])),

@@ -83,9 +83,12 @@ def main():
     for paged in (False, True):  # paged: candidates read through the page table
         compile_report(f"indexer_logits 64x128{' paged' if paged else ''}", indexer._indexer_logits_kernel,
                        dict(q_ptr="*bf16", w_ptr="*fp32", key_ptr="*bf16", slots_ptr="*i32",
-                            rows_ptr="*i32", len_ptr="*i32", logits_ptr="*fp32"),
+                            rows_ptr="*i32", len_ptr="*i32", logits_ptr="*i32"),
                        dict(TILES_PER_PROG=4, BLOCK_H=64, BLOCK_N=64, BLOCK_D=128, DOT_PREC="tf32",
-                            PAGED=paged, RATIO=4 if paged else 1, KEYS=True, FP4_KEYS=False, FP4_BLOCK=32), 4)
+                            PAGED=paged, RATIO=4 if paged else 1, OUT=1, FP4_KEYS=False, FP4_BLOCK=32), 4)
+        compile_report(f"indexer select{' paged' if paged else ''}", indexer._select_topk_kernel,
+                       dict(keys_ptr="*i32", len_ptr="*i32", slots_ptr="*i32", rows_ptr="*i32", out_ptr="*i32"),
+                       dict(BLOCK=indexer.SELECT_BLOCK, PAGED=paged, RATIO=4 if paged else 1), 4)
     for bn, bk in ((4, 4096), (8, 2048), (16, 1024)):  # fp8_gemv.gemv_config's tiles at Flash's shapes
         compile_report(f"fp8_gemv {bn}x{bk} w4 (one row, release numerics)", fp8_gemv._fp8_gemv_kernel,
                        dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr="*bf16"),

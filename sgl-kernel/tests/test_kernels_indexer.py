@@ -29,6 +29,16 @@ def test_reference_topk_pads_with_minus_one(topk, expected):
     assert sorted(out[0].tolist()) == sorted(expected)
 
 
+@pytest.fixture(params=["select", "wide"])
+def selection(request, monkeypatch):
+    """Both selections of indexer_topk: the select kernel (lists up to SELECT_MAX_WIDTH wide)
+    and the wide lists' int64 keys + torch.topk + slot kernel (forced with a zero bound)."""
+    if request.param == "wide":
+        from dsv4_kernels import indexer
+        monkeypatch.setattr(indexer, "SELECT_MAX_WIDTH", 0)
+    return request.param
+
+
 def _rows_sorted(slots: torch.Tensor) -> torch.Tensor:
     """Each token's chosen slots as a sorted row: the op promises a selection, not an order."""
     return slots.sort(dim=-1).values
@@ -72,7 +82,7 @@ def test_triton_logits_match_reference(device, num_heads):
 
 
 @pytest.mark.parametrize("C, topk", [(300, 64), (40, 64), (0, 8)])
-def test_triton_topk_selects_best_visible_slots(device, C, topk):
+def test_triton_topk_selects_best_visible_slots(device, C, topk, selection):
     require_triton()
     from dsv4_kernels import indexer
 
@@ -101,7 +111,7 @@ def _integer_case(device, lengths, C, NH=4, DI=16, S=300, negative_weights=False
 
 @pytest.mark.parametrize("C, topk", [(300, 64), (40, 64), (64, 64), (1, 8)])
 @pytest.mark.parametrize("negative_weights", [False, True])
-def test_triton_topk_equals_the_reference_exactly_on_tied_scores(device, C, topk, negative_weights):
+def test_triton_topk_equals_the_reference_exactly_on_tied_scores(device, C, topk, negative_weights, selection):
     """The reference's slots (ties: the lower candidate position), in whatever order, on
     scores full of exact ties, -0.0 among them."""
     require_triton()
@@ -116,36 +126,70 @@ def test_triton_topk_equals_the_reference_exactly_on_tied_scores(device, C, topk
     assert torch.equal(_rows_sorted(out.cpu()), _rows_sorted(want))
 
 
-def test_triton_topk_packs_live_slots_first_whatever_the_selection_order(device, monkeypatch):
-    """The attention reads a row's first topk_len entries, so the live slots must lead even
-    when the unsorted top-k returns masked candidates first (here: the selection reversed)."""
+def _ordered(scores: torch.Tensor) -> torch.Tensor:
+    """fp32 scores as their order-preserving int32 (the logits kernel's ordered=True)."""
+    bits = (scores.float() + 0.0).view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _near_tied_scores(T, C, seed):
+    """Scores that agree in their high bytes: ulp neighbours of a few values, exact ties,
+    +-0.0, negatives and -inf (masked), so the radix select must go down to the last byte."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.tensor([1.5, -2.25, 0.0, 1e-30, 3.0e4])[torch.randint(0, 5, (T, C), generator=g)]
+    steps = torch.randint(-3, 4, (T, C), generator=g)
+    scores = base.clone()
+    for _ in range(3):  # walk up to 3 ulps either way
+        scores = torch.where(steps > 0, torch.nextafter(scores, torch.tensor(float("inf"))), scores)
+        scores = torch.where(steps < 0, torch.nextafter(scores, torch.tensor(float("-inf"))), scores)
+        steps = steps - steps.sign()
+    scores[torch.rand(T, C, generator=g) < 0.1] = -0.0
+    scores[torch.rand(T, C, generator=g) < 0.1] = float("-inf")
+    return scores
+
+
+@pytest.mark.parametrize("topk", [1, 7, 64, 200])
+def test_triton_select_equals_the_reference_on_near_tied_scores(device, topk):
+    """The select kernel's slots equal the reference's (score descending, ties by the lower
+    position, -inf never chosen) on scores that differ only in their lowest bits, for rows
+    below, at and above topk live candidates, and over more candidates than one pass step."""
     require_triton()
     from dsv4_kernels import indexer
 
-    lengths = [0, 5, 40, 17]  # fewer live candidates than topk in every row but the third
-    case = _integer_case(device, lengths, 40)
-    want = indexer.indexer_topk(*case, 32, torch.empty(4, 32, dtype=torch.int32, device=device))
-    original = torch.Tensor.topk
+    T, C = 8, 1500
+    scores = _near_tied_scores(T, C, seed=topk)
+    lengths = torch.tensor([0, 1, topk, topk + 1, 1024, 1025, 1500, 37], dtype=torch.int32)
+    scores[torch.arange(C)[None, :] >= lengths[:, None]] = float("-inf")  # what the logits kernel stores
+    slots = torch.stack([torch.randperm(5000)[:C] for _ in range(T)]).int()
+    want = reference.select_topk_slots(scores, slots, topk, torch.empty(T, topk, dtype=torch.int32))
+    got = indexer.select_topk_slots(_ordered(scores).to(device), slots.to(device), lengths.to(device), topk,
+                                    torch.full((T, topk), 7, dtype=torch.int32, device=device)).cpu()
+    assert torch.equal(_rows_sorted(got), _rows_sorted(want))
+    # live slots lead in candidate order, -1 after them (the attention reads the first topk_len)
+    for t in range(T):
+        n = int((want[t] >= 0).sum())
+        position = {int(s): j for j, s in enumerate(slots[t].tolist())}
+        assert [position[int(s)] for s in got[t, :n]] == sorted(position[int(s)] for s in got[t, :n])
+        assert (got[t, n:] == -1).all(), (t, got[t].tolist())
+    # the wide lists' selection from int64 keys: the same slots, live ones first
+    keys = _ordered(scores).long() * (1 << 32) + (C - 1 - torch.arange(C))
+    wide = indexer.topk_slots_by_keys(keys.to(device), slots.to(device), lengths.to(device), topk,
+                                      torch.full((T, topk), 7, dtype=torch.int32, device=device)).cpu()
+    assert torch.equal(_rows_sorted(wide), _rows_sorted(want))
+    for t in range(T):
+        n = int((want[t] >= 0).sum())
+        assert (wide[t, :n] >= 0).all() and (wide[t, n:] == -1).all(), (t, wide[t].tolist())
 
-    def reversed_topk(self, k, dim=-1, largest=True, sorted=True):
-        values, idx = original(self, k, dim=dim, largest=largest, sorted=True)
-        return torch.return_types.topk((values.flip(dim), idx.flip(dim)))
 
-    monkeypatch.setattr(torch.Tensor, "topk", reversed_topk)
-    got = indexer.indexer_topk(*case, 32, torch.full((4, 32), 7, dtype=torch.int32, device=device))
-    assert torch.equal(_rows_sorted(got.cpu()), _rows_sorted(want.cpu()))
-    for t, n in enumerate(min(32, n) for n in lengths):
-        assert (got[t, :n] >= 0).all() and (got[t, n:] == -1).all(), (t, got[t].tolist())
-
-
-def test_triton_topk_chunks_of_tokens_equal_one_pass(device, monkeypatch):
+def test_triton_topk_chunks_of_tokens_equal_one_pass(device, monkeypatch, selection):
     require_triton()
     from dsv4_kernels import indexer
 
     lengths = [0, 5, 40, 40, 33, 2, 40]
     case = _integer_case(device, lengths, 40)
     whole = indexer.indexer_topk(*case, 16, torch.empty(7, 16, dtype=torch.int32, device=device))
-    monkeypatch.setattr(indexer, "MAX_LOGITS_ELEMENTS", 2 * 40 * 3)  # 3 tokens per chunk
+    per_token = 40 * (2 if selection == "wide" else 1)  # int64 keys count twice
+    monkeypatch.setattr(indexer, "MAX_LOGITS_ELEMENTS", per_token * 3)  # 3 tokens per chunk
     chunked = indexer.indexer_topk(*case, 16, torch.full((7, 16), 7, dtype=torch.int32, device=device))
     assert torch.equal(chunked, whole)
 
@@ -200,7 +244,7 @@ def test_triton_over_the_page_table_equals_its_gathered_list(device, num_heads):
     _assert_same_selection(out.cpu(), q.cpu(), w.cpu(), keys.cpu(), listed.cpu(), lens.cpu(), 64)
 
 
-def test_triton_topk_over_the_page_table_equals_the_reference_exactly(device):
+def test_triton_topk_over_the_page_table_equals_the_reference_exactly(device, selection):
     require_triton()
     from dsv4_kernels import indexer
 

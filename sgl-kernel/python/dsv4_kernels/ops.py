@@ -240,6 +240,23 @@ def fp8_block_linear(x, weight, weight_scale, act_quant: bool, backend: str = "a
     return quant_reference.fp8_block_linear_ref(x, weight, weight_scale, act_quant)
 
 
+def bf16_gemv_takes(x, weight) -> bool:
+    """Whether bf16_gemv runs its one-row kernel for x and weight (CUDA, bf16, a row-major
+    weight of whole repeats of K): callers keep their tensor-core GEMM otherwise."""
+    K = x.shape[-1]
+    return (_use_triton(x) and x.dtype == weight.dtype == torch.bfloat16 and weight.stride(-1) == 1
+            and K > 0 and _kernels("bf16_gemv").fits(x.numel() // K, K, weight.shape[1]))
+
+
+def bf16_gemv(x, weight, scale: float = 1.0, round_bf16: bool = False):
+    """x [..., K] bf16 @ weight bf16 [N, R * K]^T, x repeated R times along K (a split fp32
+    weight's terms, tensor_core_gemm.split_weight) -> fp32 [..., N]: exact products, fp32
+    sums; round_bf16 rounds them to bf16 (a bf16 linear's output); then times scale. One
+    launch for a row on CUDA (bf16_gemv.py; see bf16_gemv_takes), the reference elsewhere."""
+    impl = _kernels("bf16_gemv") if _use_triton(x) else reference
+    return impl.bf16_gemv(x, weight, scale, round_bf16)
+
+
 def fp8_block_linear_pair(x, a, b):
     """(a(x), b(x)) for two Fp8BlockLinear-like modules (weight, weight_scale, act_quant,
     cublas_scale()) of one shape: on CUDA a single row takes one GEMV launch for both

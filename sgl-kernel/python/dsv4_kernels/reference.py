@@ -33,6 +33,17 @@ def topk_indices(score: torch.Tensor, k: int) -> torch.Tensor:
     return key.topk(k, dim=-1).indices
 
 
+def bf16_gemv(x, weight, scale: float = 1.0, round_bf16: bool = False):
+    """ops.bf16_gemv: [x] * R along K (R = weight columns / K) @ weight^T, fp32 products and
+    sums, optionally rounded to bf16, times scale."""
+    repeat = weight.shape[1] // x.shape[-1]
+    xr = torch.cat([x] * repeat, dim=-1) if repeat > 1 else x
+    out = xr.float() @ weight.float().t()
+    if round_bf16:
+        out = out.to(torch.bfloat16).float()
+    return out * scale
+
+
 # ----------------------------------------------------------------------------------------
 # Sparse attention with a per-head sink
 # ----------------------------------------------------------------------------------------

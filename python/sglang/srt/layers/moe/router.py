@@ -63,11 +63,13 @@ class Gate(nn.Module):
                                    and self.weight.dtype == torch.bfloat16)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor):
-        if self.tensor_core_logits:
+        kernels = segment_kernel_ops()
+        if self.tensor_core_logits and kernels is not None and kernels.bf16_gemv_takes(x, self.weight):
+            logits = kernels.bf16_gemv(x, self.weight)  # a decode row: one launch (cuBLAS: split-K + sum)
+        elif self.tensor_core_logits:
             logits = mm_fp32(x, self.weight.t())
         else:
             logits = F.linear(x.float(), self.weight.float())
-        kernels = segment_kernel_ops()
         if kernels is not None and self.scoring_func == "sqrtsoftplus":  # one launch on CUDA, torch's experts
             return kernels.moe_route(logits, self.bias, self.topk, self.scaling, self.tid2eid, input_ids,
                                      ids_dtype=torch.int64)

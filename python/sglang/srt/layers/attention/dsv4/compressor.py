@@ -71,8 +71,12 @@ class Compressor(nn.Module):
         With `entries` ([E, D], x's dtype) every emission row goes there instead, unrounded, and
         pool is not written (the indexer packs its keys from them)."""
         if self.proj_split is not None:
-            # one GEMM: kv | score, fp32, same row stride (what the kernels ask of the pair)
-            both = split_linear(x, self.proj_split)
+            # one GEMM: kv | score, fp32, same row stride (what the kernels ask of the pair); a
+            # decode row takes one GEMV launch (cuBLAS: a concatenation, split-K and its sum)
+            if kernels is not None and kernels.bf16_gemv_takes(x, self.proj_split):
+                both = kernels.bf16_gemv(x, self.proj_split)
+            else:
+                both = split_linear(x, self.proj_split)
             kv, score = both.split(self.wkv.out_features, dim=-1)
         else:
             xf = x.float()

@@ -75,6 +75,9 @@ class Indexer(nn.Module):
             keys = (kernels.indexer_rope_rotate_round_(keys, None, None, None, 0) if kernels is not None
                     else _rotate_round(keys))
             key_pool.index_copy_(0, loc, keys)
+        w = self.weights_proj.weight
+        if kernels is not None and kernels.bf16_gemv_takes(x, w):  # a decode row: one launch, not four
+            return q, kernels.bf16_gemv(x, w, self.weight_scale, round_bf16=True)
         return q, self.weights_proj(x).float() * self.weight_scale
 
 
