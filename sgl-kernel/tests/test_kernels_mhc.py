@@ -75,6 +75,37 @@ def test_triton_hc_pre_matches_reference(device, monkeypatch, dtype, T, d, plan)
     torch.testing.assert_close(y.float(), y_ref.float(), **_tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,d,plan", [
+    (1, 64, None),  # decode: one program writes the row, another does the Sinkhorn
+    (6, 40, (16, 16, 3)),  # a ragged row (40 in a 64-wide block), split mixes
+    (3, 1536, None),  # a row of two 1024-column blocks, the second ragged
+])
+def test_triton_hc_pre_with_the_sublayer_norm_is_the_norm_of_y(device, monkeypatch, dtype, T, d, plan):
+    """rms_weight: the first result is RMSNorm(y) * weight in y's dtype (the norm of the y the
+    kernel stores), post and comb exactly the unfused call's."""
+    require_triton()
+    from dsv4_kernels import mhc
+
+    if plan is not None:
+        monkeypatch.setattr(mhc, "_plan", lambda T, D, hc, num_sms: mhc.make_plan(D, hc, *plan))
+    x, fn, scale, base = _pre_case(T, d, dtype, device)
+    w = torch.rand(d, device=device) + 0.5
+    y, post, comb = mhc.hc_pre(x, fn, scale, base, HC, ITERS, HC_EPS, NORM_EPS)
+    y_out = torch.full((T, d), 7.0, device=device, dtype=dtype)
+    yn, post_n, comb_n = mhc.hc_pre(x, fn, scale, base, HC, ITERS, HC_EPS, NORM_EPS, y_out=y_out,
+                                    rms_weight=w, rms_eps=1e-5)
+    assert yn.data_ptr() == y_out.data_ptr() and yn.dtype == dtype
+    assert torch.equal(post_n, post) and torch.equal(comb_n, comb)
+    want = reference.rms_norm(y, w, 1e-5).to(dtype)
+    torch.testing.assert_close(yn.float(), want.float(), **_tol(dtype))
+    # and through ops, whose off-CUDA path is reference.hc_pre then ops.rms_norm
+    got_ops = ops.hc_pre(x.cpu(), fn.cpu(), scale.cpu(), base.cpu(), HC, ITERS, HC_EPS, NORM_EPS,
+                         rms_weight=w.cpu(), rms_eps=1e-5)[0]
+    y_ref = reference.hc_pre(x.cpu(), fn.cpu(), scale.cpu(), base.cpu(), HC, ITERS, HC_EPS, NORM_EPS)[0]
+    assert torch.equal(got_ops, ops.rms_norm(y_ref, w.cpu(), 1e-5))
+
+
 def test_make_plan_spreads_k_tiles_over_splits_none_empty():
     from dsv4_kernels import mhc
 

@@ -125,10 +125,16 @@ def _hc_mixes_kernel(
 @triton.jit
 def _hc_finish_kernel(
     x_ptr, stride_xt, stride_xh, ws_ptr, stride_ws, sq_ptr, stride_sq, scale_ptr, base_ptr,
-    y_ptr, stride_yt, post_ptr, stride_pt, comb_ptr, stride_ct,
-    D, split, iters, hc_eps, norm_eps,
+    y_ptr, stride_yt, post_ptr, stride_pt, comb_ptr, stride_ct, rms_w_ptr, yn_ptr, stride_ynt,
+    D, split, iters, hc_eps, norm_eps, rms_eps,
     HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    RMS: tl.constexpr, BLOCK_ROW: tl.constexpr, SINKHORN_PID: tl.constexpr,
 ):
+    """Without RMS: program (t, 0) does the Sinkhorn, every program (t, c) y's BLOCK_D columns
+    c. With RMS (grid (T, 2)): program (t, 1) does the Sinkhorn while (t, 0) writes the whole y
+    row, then the sub-layer's RMSNorm of it into yn (elementwise._rms_norm_kernel's math on
+    the stored y read back as one row: the same formula, one launch fewer; its sums may run in
+    another order than the norm kernel's)."""
     tok = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HC)
     s = tl.arange(0, BLOCK_S)
@@ -146,7 +152,7 @@ def _hc_finish_kernel(
     inv_rms = tl.rsqrt(tl.sum(p_sq, axis=0) / (HC * D) + norm_eps)
     pre = tl.sigmoid(tl.sum(p_pre, axis=0) * inv_rms * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
 
-    if tl.program_id(1) == 0:
+    if tl.program_id(1) == SINKHORN_PID:
         j = tl.arange(0, HC)
         ij = i[:, None] * HC + j[None, :]
         p_post = tl.zeros([BLOCK_S, HC], dtype=tl.float32)
@@ -171,8 +177,27 @@ def _hc_finish_kernel(
         tl.store(post_ptr + tok * stride_pt + i, post)
         tl.store(comb_ptr + tok * stride_ct + ij, comb)
 
-    # This program's BLOCK_D columns of y, from a second read of the token's copies.
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if RMS:
+        if tl.program_id(1) == 0:
+            for c0 in tl.static_range(0, BLOCK_ROW, BLOCK_D):
+                _gated_sum_block(x_ptr, stride_xt, stride_xh, y_ptr, stride_yt, tok, i, pre, c0, D, BLOCK_D)
+            tl.debug_barrier()  # the row's y stores are visible to every thread of the program
+            offs = tl.arange(0, BLOCK_ROW)
+            r_mask = offs < D
+            yr = tl.load(y_ptr + tok * stride_yt + offs, mask=r_mask, other=0.0).to(tl.float32)
+            yr = yr * tl.rsqrt(tl.sum(yr * yr, 0) / D + rms_eps)
+            yr = tl.load(rms_w_ptr + offs, mask=r_mask, other=0.0).to(tl.float32) * yr
+            tl.store(yn_ptr + tok * stride_ynt + offs, yr.to(yn_ptr.dtype.element_ty), mask=r_mask)
+    else:
+        # This program's BLOCK_D columns of y, from a second read of the token's copies.
+        _gated_sum_block(x_ptr, stride_xt, stride_xh, y_ptr, stride_yt, tok, i, pre,
+                         tl.program_id(1) * BLOCK_D, D, BLOCK_D)
+
+
+@triton.jit
+def _gated_sum_block(x_ptr, stride_xt, stride_xh, y_ptr, stride_yt, tok, i, pre, c0, D, BLOCK_D: tl.constexpr):
+    """y[tok, c0:c0 + BLOCK_D] = sum_i pre_i x[tok, i, c0:c0 + BLOCK_D], stored in y's dtype."""
+    cols = c0 + tl.arange(0, BLOCK_D)
     c_mask = cols < D
     xv = tl.load(x_ptr + tok * stride_xt + i[:, None] * stride_xh + cols[None, :],
                  mask=c_mask[None, :], other=0.0).to(tl.float32)
@@ -238,8 +263,10 @@ def _plan(T: int, D: int, hc: int, num_sms: int) -> MixPlan:
     return make_plan(D, hc, block_t, block_k, cdiv(_PROGRAMS_PER_SM * num_sms, token_blocks))
 
 
-def hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out=None):
-    """x [T, hc, d] -> (y [T, d] x.dtype (y_out if given), post [T, hc], comb [T, hc, hc])."""
+def hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out=None, rms_weight=None, rms_eps=0.0):
+    """x [T, hc, d] -> (y [T, d] x.dtype (y_out if given), post [T, hc], comb [T, hc, hc]).
+    rms_weight [d]: y is followed by the sub-layer's RMSNorm (elementwise.rms_norm's formula)
+    in the same launch, and the first result is the normed y (y_out then holds it)."""
     _check_hc(hc)
     T, _, D = x.shape
     mix = (2 + hc) * hc
@@ -266,14 +293,24 @@ def hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out=None):
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     # BLOCK_S covers a decode step's splits in one pass: a loop over small chunks would pay a
-    # memory latency per chunk. y is split over D so a small T still spreads over SMs.
+    # memory latency per chunk. y is split over D so a small T still spreads over SMs; with the
+    # norm one program writes the row while another does the Sinkhorn. 4 warps either way: 8
+    # (the norm kernel's at d = 4096) made the finish 3 µs slower at T = 1 on an H200.
     block_d = min(next_power_of_2(D), 4096 // hc)
-    _hc_finish_kernel[(T, cdiv(D, block_d))](
+    rms = rms_weight is not None
+    if rms:
+        assert rms_weight.shape == (D,) and rms_weight.stride(-1) == 1
+        y_row = torch.empty(T, D, dtype=x.dtype, device=x.device)  # y before the norm
+        block_row = next_power_of_2(D)
+    else:
+        y_row, block_row = y, block_d
+    _hc_finish_kernel[(T, 2 if rms else cdiv(D, block_d))](
         x, x.stride(0), x.stride(1), ws, ws.stride(0), sq, sq.stride(0), scale, base,
-        y, y.stride(0), post, post.stride(0), comb, comb.stride(0),
-        D, plan.split, int(iters), float(hc_eps), float(norm_eps),
+        y_row, y_row.stride(0), post, post.stride(0), comb, comb.stride(0),
+        rms_weight if rms else scale, y, y.stride(0),
+        D, plan.split, int(iters), float(hc_eps), float(norm_eps), float(rms_eps),
         HC=hc, BLOCK_M=block_m, BLOCK_S=min(256, max(16, next_power_of_2(plan.split))),
-        BLOCK_D=block_d, num_warps=4,
+        BLOCK_D=block_d, RMS=rms, BLOCK_ROW=block_row, SINKHORN_PID=1 if rms else 0, num_warps=4,
     )
     return y, post, comb
 

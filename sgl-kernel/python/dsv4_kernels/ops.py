@@ -154,12 +154,20 @@ def keep_window_rows_(raw, staging_start, keep_loc):
 compressor_plan = reference.compressor_plan
 
 
-def hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out=None):
+def hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out=None, rms_weight=None, rms_eps=0.0):
     """mHC input mixing of x [T, hc, d] in two launches (mhc.py: a split-K mixes GEMM, then the
     per-token gates, Sinkhorn and gated sum): (y [T, d] in x.dtype, written into
-    y_out if given; post [T, hc] fp32; comb [T, hc, hc] fp32, Sinkhorn-projected)."""
-    impl = _kernels("mhc") if _use_triton(x) else reference
-    return impl.hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out)
+    y_out if given; post [T, hc] fp32; comb [T, hc, hc] fp32, Sinkhorn-projected).
+    rms_weight [d]: the sub-layer's RMSNorm follows (rms_norm's formula), inside the second
+    launch on CUDA, and the first result is the normed y."""
+    if _use_triton(x):
+        return _kernels("mhc").hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out, rms_weight, rms_eps)
+    y, post, comb = reference.hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps)
+    if rms_weight is not None:
+        y = rms_norm(y, rms_weight, rms_eps)
+    if y_out is not None:
+        y = y_out.copy_(y)
+    return y, post, comb
 
 
 def hc_post(f, residual, post, comb, out=None):

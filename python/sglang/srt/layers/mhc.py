@@ -39,10 +39,16 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros(mix, dtype=torch.float32), requires_grad=False)
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32), requires_grad=False)
 
-    def pre(self, x: torch.Tensor):
-        """x [T, hc, d] -> (y [T, d], post, comb)."""
-        ops = segment_kernel_ops() or kernel_reference  # one fused launch with the kernels
-        return ops.hc_pre(x, self.fn, self.scale, self.base, self.hc, self.iters, self.hc_eps, self.norm_eps)
+    def pre(self, x: torch.Tensor, norm=None):
+        """x [T, hc, d] -> (y [T, d], post, comb); with `norm` (the sub-layer's RMSNorm) the
+        first result is norm(y), in the same launch as the gated sum with the kernels."""
+        ops = segment_kernel_ops()
+        if ops is None:
+            y, post, comb = kernel_reference.hc_pre(x, self.fn, self.scale, self.base, self.hc, self.iters,
+                                                    self.hc_eps, self.norm_eps)
+            return (y if norm is None else norm(y)), post, comb
+        return ops.hc_pre(x, self.fn, self.scale, self.base, self.hc, self.iters, self.hc_eps, self.norm_eps,
+                          rms_weight=None if norm is None else norm.weight, rms_eps=0.0 if norm is None else norm.eps)
 
     @staticmethod
     def post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

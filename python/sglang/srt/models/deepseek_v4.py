@@ -183,10 +183,10 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.hc_ffn = HyperConnection(*hc)
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        x, post, comb = self.hc_attn.pre(h)
-        h = HyperConnection.post(self.attn(self.attn_norm(x)), h, post, comb)
-        x, post, comb = self.hc_ffn.pre(h)
-        return HyperConnection.post(self.ffn(self.ffn_norm(x), input_ids), h, post, comb)
+        x, post, comb = self.hc_attn.pre(h, self.attn_norm)  # x = attn_norm(mixed streams)
+        h = HyperConnection.post(self.attn(x), h, post, comb)
+        x, post, comb = self.hc_ffn.pre(h, self.ffn_norm)
+        return HyperConnection.post(self.ffn(x, input_ids), h, post, comb)
 
 
 class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
