@@ -17,6 +17,7 @@ import json
 import sys
 
 LAYER_START = "_hc_mixes_kernel"
+LAYER_END = ("_hc_post_kernel", "_fp8_gemv_kernel")  # what a layer's FFN ends with
 
 
 def short(name: str) -> str:
@@ -33,9 +34,11 @@ def layers(sequence: list) -> tuple[list, list]:
         raise ValueError(f"expected two {LAYER_START} launches per layer, found {len(starts)}")
     bounds = starts[::2] + [None]
     out = [sequence[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
-    # the last layer's slice runs to the end of the step: cut the head at the last FFN's mHC post
+    # the last layer's slice runs to the end of the step: cut the head off after the last FFN's
+    # mHC post, which is its own kernel or (FP8 decode rows) the epilogue of the shared expert's
+    # down GEMV
     last = out[-1]
-    tail = max(i for i, (name, _) in enumerate(last) if name.startswith("_hc_post_kernel"))
+    tail = max(i for i, (name, _) in enumerate(last) if name.startswith(LAYER_END))
     out[-1] = last[:tail + 1]
     return sequence[:starts[0]], out
 

@@ -14,6 +14,11 @@ points (in the rows the backend looks up: T x top-k x local / total experts). A 
 fails to launch or disagrees with the current one is dropped.
 
     python sgl-kernel/benchmark/tune_humming_moe.py [--experts 256 128] [--acts fp8] [--sample 12]
+    python sgl-kernel/benchmark/tune_humming_moe.py --experts 256 --t 1 2 4 8 --sample 32  # decode sizes
+
+A --t grid that stops short of the default's largest T retunes only the rows up to its largest T;
+the file's earlier ranges above that are kept (spliced). Lists of other GEMMs, expert counts
+and activation types stay as they were.
 
 Prints every T's best time beside the current configuration's (the gain tuning buys).
 """
@@ -147,6 +152,14 @@ def ranges(results, n_local: int) -> list:
     return out
 
 
+def splice(new: list, old: list, cut: int) -> list:
+    """The tuned ranges below `cut` rows, the earlier file's from there on: retuning part of the
+    T grid (--t a few sizes) keeps what the rest of the grid measured before."""
+    out = [[lo, min(hi, cut), c] for lo, hi, c in new if lo < cut]
+    out += [[max(lo, cut), hi, c] for lo, hi, c in old if hi > cut]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, nargs="+", default=[256, 128])
@@ -164,7 +177,7 @@ def main():
 
     dev = torch.cuda.current_device()
     path = Path(a.out) if a.out else CONFIG_DIR / f"humming_{device_key(dev)}.json"
-    tuned = dict(load_tuned(dev)) if not a.out else {}
+    tuned = dict(load_tuned(dev))  # the lists this run does not retune are kept
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n_local in a.experts:
         packed = fp4_expert_weights(n_local, gen)
@@ -175,8 +188,11 @@ def main():
                 print(f"== {name} n={g.config.shape_n} k={g.config.shape_k} experts {n_local}/{N_TOTAL} act {act}",
                       flush=True)
                 results = tune_one(experts, name, a.t, a.sample, gen)
-                tuned[gemm_key(name, g.config.shape_n, g.config.shape_k, n_local, N_TOTAL, act == "fp8")] = \
-                    ranges(results, n_local)
+                key = gemm_key(name, g.config.shape_n, g.config.shape_k, n_local, N_TOTAL, act == "fp8")
+                new = ranges(results, n_local)
+                if key in tuned and max(a.t) < max(T_GRID):  # a partial grid: splice into the old list
+                    new = splice(new, tuned[key], rows_of(max(a.t), n_local))
+                tuned[key] = new
             del experts
             torch.cuda.empty_cache()
         del packed

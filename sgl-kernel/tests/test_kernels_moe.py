@@ -215,3 +215,25 @@ def test_gpu_bf16_moe_matches_reference(T, shard):
     torch.testing.assert_close(got.float(), expected, rtol=3e-2, atol=3e-2)
     got32 = ops.fused_moe(x, w1, w3, w2, ids, weights, 10.0, torch.empty(T, d, device="cuda"))
     torch.testing.assert_close(got32, expected, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("first,drop", [(0, True), (64, True), (64, False)])
+def test_local_expert_ids_kernel_is_the_reference(device, first, drop):
+    """Local ids in one launch: the offset by the rank's first expert, and every occurrence of
+    an id that repeats later in its row dropped (-1), as the torch formula does."""
+    require_triton()
+    from dsv4_kernels import moe, reference
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 6, (70, 6), generator=g)  # 6 values over 6 slots: many repeats
+    ids[0] = torch.tensor([5, 5, 5, 1, 2, 1])
+    ids = ids.to(device)
+    got = moe.local_expert_ids(ids, first, drop)
+    want = reference.local_expert_ids(ids, first, drop)
+    assert got.dtype == ids.dtype and torch.equal(got, want)
+    if drop:  # row 0: [5, 5, 5, 1, 2, 1] keeps its last 5 and its last 1
+        assert got[0].tolist() == [-1, -1, 5 - first, -1, 2 - first, 1 - first]
+    if first == 0 and drop:
+        # each kept id appears once per row, and every distinct id of the row is kept
+        for row, orig in zip(got.tolist(), ids.tolist()):
+            kept = [i for i in row if i >= 0]
+            assert len(kept) == len(set(kept)) and set(kept) == set(orig)

@@ -33,6 +33,8 @@ import triton.language as tl
 
 from . import fp8_gemv, fp8_scaled_mm
 from ._dot import dot_precision
+from .elementwise import add_fp32, swiglu_clamped
+from .mhc import hc_post
 from .fp8_act_quant import INV_E4M3_MAX, QBLOCK, e4m3_bits, pow2_recip, pow2_scale, quantize_act, round_act
 from .host_math import cdiv, sm_count
 
@@ -320,6 +322,50 @@ def fp8_block_linear_pair(x, a, b):
         N = a.weight.shape[0]
         return both[0].view(*x.shape[:-1], N), both[1].view(*x.shape[:-1], N)
     return a(x), b(x)
+
+
+def _gemv_streams_fit(streams, rows: int, N: int, dtype) -> bool:
+    if streams is None:
+        return True
+    try:
+        fp8_gemv.check_streams(streams, rows, N, dtype)
+    except ValueError:
+        return False
+    return True
+
+
+def fp8_swiglu_linear_add(gate, up, linear, limit: float, add, streams=None):
+    """(add + linear(swiglu_clamped(gate, up, limit) in gate.dtype)) summed in fp32, rounded to
+    gate.dtype, for an FP8 block linear module (weight, weight_scale, act_quant): one GEMV launch
+    for the activation, the linear and the sum where a single row would take the GEMV anyway
+    (the shared expert's down projection at decode), else the three steps. streams (residual,
+    post, comb): the mHC streams after that output instead (mhc.hc_post), in the same launch."""
+    K = gate.shape[-1]
+    rows = gate.numel() // K if K else 0
+    N = linear.weight.shape[0]
+    if (gate.is_cuda and rows <= fp8_gemv.DISPATCH_ROWS and fp8_gemv.fits(rows, K, gate.dtype)
+            and linear.weight.shape[1] == K and gate.dim() == 2 and up.shape == gate.shape
+            and up.stride() == gate.stride() and gate.stride(-1) == 1 and add.shape == (rows, N)
+            and add.stride(-1) == 1 and _gemv_streams_fit(streams, rows, N, gate.dtype)):
+        return fp8_gemv.fp8_gemv_swiglu_add(gate, up, linear.weight, linear.weight_scale, linear.act_quant,
+                                            limit, add, streams=streams)
+    y = add_fp32(add, linear(swiglu_clamped(gate, up, limit, gate.dtype)), gate.dtype)
+    return y if streams is None else hc_post(y, *streams)
+
+
+def fp8_linear_hc_post(x, linear, residual, post, comb):
+    """mhc.hc_post(linear(x), residual, post, comb) for an FP8 block linear module: one GEMV
+    launch where a single row would take the GEMV anyway (a decode sub-layer's last linear),
+    else the linear and the post step."""
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    N = linear.weight.shape[0]
+    streams = (residual, post, comb)
+    if (x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and rows <= fp8_gemv.DISPATCH_ROWS
+            and fp8_gemv.fits(rows, K, x.dtype) and linear.weight.shape[1] == K
+            and _gemv_streams_fit(streams, rows, N, x.dtype)):
+        return fp8_gemv.fp8_gemv(x, linear.weight, linear.weight_scale, linear.act_quant, streams=streams)
+    return hc_post(linear(x), residual, post, comb)
 
 
 def fp8_grouped_linear(x, weight, weight_scale, config: dict | None = None):

@@ -17,6 +17,14 @@ Numerics are those of quant_reference.fp8_block_linear_ref:
 The fp32 sums differ from the tensor cores' only in order (and are not truncated as the FP8
 MMA's accumulation is).
 
+Two optional steps ride along (the shared expert's tail at decode, one launch instead of
+three): SWIGLU takes x as a gate / up pair and feeds the kernel silu(min(gate, limit)) *
+clamp(up, +-limit) rounded to the output dtype (elementwise.swiglu_clamped's formula); ADD
+returns (add + the output rounded to its dtype) in fp32, rounded once more (add_fp32: the
+routed experts' fp32 sum plus the shared expert's output). HC writes, instead of the output
+f, the mHC streams after it (mhc.hc_post's formula and order on f as stored): a decode
+sub-layer's last linear ends the sub-layer, and the post step's launch is gone.
+
 Groups share a launch (grid axis 1): group g reads its x columns, its weight and scale rows
 and writes its outputs, each at g times a stride. wo_a's block-diagonal einsum: x [:, g, :]
 through weight rows [g n, (g + 1) n); a pair of linears of one shape on the same x (the
@@ -40,7 +48,10 @@ DISPATCH_ROWS = 1  # fp8_gemm's auto path takes it for this many rows: from 2 on
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
     stride_xm, stride_xg, stride_w, stride_wg, stride_ws, stride_wsg, stride_om, stride_og,
+    up_offset, limit, add_ptr, stride_am,
+    res_ptr, stride_rm, stride_rh, post_ptr, stride_pm, comb_ptr, stride_cm, stride_ci, stride_oh,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT_QUANT: tl.constexpr,
+    SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, ADD: tl.constexpr, HC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
@@ -65,6 +76,13 @@ def _fp8_gemv_kernel(
                      mask=n_mask[:, None] & (kb * 128 < K)[None, :], other=0.0)
         for r in tl.static_range(ROWS):
             xr = tl.load(x_base + r * stride_xm + k, mask=k_mask & (offs_k * 0 + r < M), other=0.0).to(tl.float32)
+            if SWIGLU:  # xr is the gate; the up row sits up_offset elements on
+                ur = tl.load(x_base + up_offset + r * stride_xm + k, mask=k_mask & (offs_k * 0 + r < M),
+                             other=0.0).to(tl.float32)
+                if HAS_LIMIT:
+                    xr = tl.minimum(xr, limit)
+                    ur = tl.minimum(tl.maximum(ur, -limit), limit)
+                xr = (xr / (1.0 + tl.exp(-xr)) * ur).to(out_ptr.dtype.element_ty).to(tl.float32)
             xb = tl.reshape(xr, [NB, 128])
             if ACT_QUANT:
                 sx = pow2_scale(tl.max(tl.abs(xb), axis=1), INV_E4M3_MAX)
@@ -78,7 +96,25 @@ def _fp8_gemv_kernel(
                 part = part * sw
             acc += tl.where(row_ids[:, None] == r, tl.sum(part, axis=1)[None, :], 0.0)
     out = out_ptr + g * stride_og + row_ids[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(row_ids < M)[:, None] & n_mask[None, :])
+    out_mask = (row_ids < M)[:, None] & n_mask[None, :]
+    if ADD:
+        a = tl.load(add_ptr + row_ids[:, None] * stride_am + offs_n[None, :], mask=out_mask, other=0.0)
+        acc = a.to(tl.float32) + acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+    if HC:
+        # out holds the streams: X'_j = post_j * f + sum_i comb[i, j] * X_i, f as stored
+        f = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        m_mask = row_ids < M
+        for j in tl.static_range(HC):
+            mixed = tl.zeros([ROWS, BLOCK_N], tl.float32)
+            for i in tl.static_range(HC):
+                c = tl.load(comb_ptr + row_ids * stride_cm + i * stride_ci + j, mask=m_mask, other=0.0)
+                r = tl.load(res_ptr + row_ids[:, None] * stride_rm + i * stride_rh + offs_n[None, :],
+                            mask=out_mask, other=0.0).to(tl.float32)
+                mixed += c[:, None] * r
+            pj = tl.load(post_ptr + row_ids * stride_pm + j, mask=m_mask, other=0.0)
+            tl.store(out + j * stride_oh, (pj[:, None] * f + mixed).to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def gemv_config(M: int, N: int, K: int, groups: int = 1) -> dict:
@@ -101,17 +137,41 @@ def fits(M: int, K: int, x_dtype: torch.dtype) -> bool:
 
 
 def fp8_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, act_quant: bool,
-             config: dict | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS, unit last stride) -> x.dtype [M, N] = fp8_block_linear_ref."""
+             config: dict | None = None, streams: tuple | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS, unit last stride) -> x.dtype [M, N] = fp8_block_linear_ref.
+    streams (residual [M, hc, N], post [M, hc], comb [M, hc, hc]): returns hc_post(that output,
+    residual, post, comb) [M, hc, N] instead, in the residual's dtype (check_streams)."""
     M, K = x2.shape
     N = weight.shape[0]
     if not fits(M, K, x2.dtype) or x2.stride(-1) != 1:
         raise ValueError(f"fp8_gemv: x {tuple(x2.shape)} {x2.dtype} strides {x2.stride()} does not fit "
                          f"(1..{MAX_ROWS} rows, K % 128 == 0, unit last stride)")
-    out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    out = _output(M, N, x2, streams)
     ws = _scales(weight_scale)
-    _launch(x2, weight, ws, out, M, N, K, 1, x2.stride(0), 0, 0, 0, out.stride(0), 0, act_quant, config)
+    _launch(x2, weight, ws, out, M, N, K, 1, x2.stride(0), 0, 0, 0, out.stride(0), 0, act_quant, config,
+            streams=streams)
     return out
+
+
+def check_streams(streams: tuple, M: int, N: int, dtype: torch.dtype) -> None:
+    """What the HC epilogue reads: residual [M, hc, N] of the output dtype with unit last
+    stride, fp32 post [M, hc] and comb [M, hc, hc] contiguous per row; hc a power of two."""
+    res, post, comb = streams
+    hc = res.shape[1] if res.dim() == 3 else 0
+    if (res.shape != (M, hc, N) or res.dtype != dtype or res.stride(-1) != 1 or hc < 1 or hc & (hc - 1)
+            or post.shape != (M, hc) or comb.shape != (M, hc, hc) or post.dtype != torch.float32
+            or comb.dtype != torch.float32 or post.stride(-1) != 1 or comb.stride(-1) != 1
+            or comb.stride(1) != hc):
+        raise ValueError(f"fp8_gemv streams: residual {tuple(res.shape)} {res.dtype}, post {tuple(post.shape)}, comb "
+                         f"{tuple(comb.shape)} do not fit [{M}, hc, {N}] {dtype} / fp32 [{M}, hc] / fp32 "
+                         f"[{M}, hc, hc] (hc a power of two, unit last strides)")
+
+
+def _output(M: int, N: int, x: torch.Tensor, streams: tuple | None) -> torch.Tensor:
+    if streams is None:
+        return torch.empty(M, N, dtype=x.dtype, device=x.device)
+    check_streams(streams, M, N, x.dtype)
+    return torch.empty(M, streams[0].shape[1], N, dtype=x.dtype, device=x.device)
 
 
 def fp8_gemv_pair(x2: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor, weight_b: torch.Tensor,
@@ -132,6 +192,31 @@ def fp8_gemv_pair(x2: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tenso
     elem = weight_a.element_size()
     _launch(x2, weight_a, sa, out, M, N, K, 2, x2.stride(0), 0, (weight_b.data_ptr() - weight_a.data_ptr()) // elem,
             (sb.data_ptr() - sa.data_ptr()) // 4, out.stride(1), out.stride(0), act_quant, config)
+    return out
+
+
+def fp8_gemv_swiglu_add(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        act_quant: bool, limit: float, add: torch.Tensor, config: dict | None = None,
+                        streams: tuple | None = None) -> torch.Tensor:
+    """gate.dtype [M, N] = (add + fp8_block_linear_ref(swiglu_clamped(gate, up, limit) in
+    gate.dtype)) summed in fp32: the shared expert's down projection with its activation before
+    and the routed experts' fp32 sum `add` [M, N] after, in one launch. gate and up [M, K] with
+    one row stride (up may sit anywhere relative to gate: fp8_gemv_pair's two halves).
+    streams: as fp8_gemv's (the MoE's output goes straight into the mHC streams)."""
+    M, K = gate.shape
+    N = weight.shape[0]
+    if up.shape != gate.shape or up.dtype != gate.dtype or up.stride() != gate.stride():
+        raise ValueError(f"fp8_gemv_swiglu_add: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape, "
+                         "dtype or strides")
+    if not fits(M, K, gate.dtype) or gate.stride(-1) != 1:
+        raise ValueError(f"fp8_gemv_swiglu_add: gate {tuple(gate.shape)} does not fit (1..{MAX_ROWS} rows, "
+                         "K % 128 == 0, unit last stride)")
+    if add.shape != (M, N) or add.stride(-1) != 1:
+        raise ValueError(f"fp8_gemv_swiglu_add: add {tuple(add.shape)} must be [{M}, {N}] with a unit last stride")
+    out = _output(M, N, gate, streams)
+    _launch(gate, weight, _scales(weight_scale), out, M, N, K, 1, gate.stride(0), 0, 0, 0, out.stride(0), 0,
+            act_quant, config, up_offset=(up.data_ptr() - gate.data_ptr()) // gate.element_size(), limit=limit,
+            add=add, streams=streams)
     return out
 
 
@@ -158,11 +243,19 @@ def _scales(weight_scale: torch.Tensor) -> torch.Tensor:
     return weight_scale.float().contiguous()
 
 
-def _launch(x, weight, ws, out, M, N, K, G, sxm, sxg, swg, swsg, som, sog, act_quant, config):
+def _launch(x, weight, ws, out, M, N, K, G, sxm, sxg, swg, swsg, som, sog, act_quant, config,
+            up_offset=None, limit=0.0, add=None, streams=None):
+    """streams: (residual [M, hc, N], post [M, hc], comb [M, hc, hc]); out is then [M, hc, N]."""
     cfg = config or gemv_config(M, N, K, G)
     if cfg["BLOCK_K"] % 128:
         raise ValueError(f"fp8_gemv: BLOCK_K must be whole 128-blocks, got {cfg}")
+    res, post, comb = streams if streams is not None else (out, out, out)  # (never read without)
+    hc = res.shape[1] if streams is not None else 0
     _fp8_gemv_kernel[(cdiv(N, cfg["BLOCK_N"]), G)](
         x, weight, ws, out, M, N, K, sxm, sxg, weight.stride(0), swg, ws.stride(0), swsg, som, sog,
+        up_offset or 0, float(limit), out if add is None else add, 0 if add is None else add.stride(0),
+        res, res.stride(0), res.stride(1) if hc else 0, post, post.stride(0), comb, comb.stride(0),
+        comb.stride(1) if hc else 0, out.stride(1) if hc else 0,
         ROWS=next_power_of_2(M), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ACT_QUANT=act_quant,
+        SWIGLU=up_offset is not None, HAS_LIMIT=limit > 0, ADD=add is not None, HC=hc,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -65,6 +65,37 @@ def _align_one_kernel(
         tl.store(block_expert_ptr + b, tl.sum(done.to(tl.int32), axis=1), mask=b < MAX_BLOCKS)
 
 
+@triton.jit
+def _local_ids_kernel(ids_ptr, out_ptr, T, K, first, BLOCK_T: tl.constexpr, KP: tl.constexpr,
+                      DROP_REPEATS: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    j = tl.arange(0, KP)
+    live = (t[:, None] < T) & (j[None, :] < K)
+    offs = t[:, None].to(tl.int64) * K + j[None, :]
+    ids = tl.load(ids_ptr + offs, mask=live, other=-1)
+    local = ids - first
+    if DROP_REPEATS:  # an id repeated later in its row: this occurrence is dropped
+        later = (j[None, None, :] > j[None, :, None]) & (j < K)[None, None, :]
+        same = (ids[:, :, None] == ids[:, None, :]) & later
+        local = tl.where(tl.max(same.to(tl.int32), axis=2) > 0, -1, local)
+    tl.store(out_ptr + offs, local.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def local_expert_ids(ids: torch.Tensor, first_expert: int, drop_repeats: bool) -> torch.Tensor:
+    """reference.local_expert_ids in one launch (the torch formula is five: the hash-routed
+    layers' duplicate test at decode)."""
+    T, K = ids.shape
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    out = torch.empty_like(ids)
+    if T == 0:
+        return out
+    block_t = min(64, next_power_of_2(T))
+    _local_ids_kernel[(cdiv(T, block_t),)](ids, out, T, K, int(first_expert), BLOCK_T=block_t,
+                                           KP=next_power_of_2(K), DROP_REPEATS=drop_repeats, num_warps=1)
+    return out
+
+
 def align_one_launch(M: int) -> tuple[int, int]:
     """(num_warps, FILL) of _align_one_kernel for M assignments. Measured on an H200 (256
     experts, graph replay): 16 warps cost 11.3 / 53.6 / 377 us at M = 6 / 384 / 4096 where 4

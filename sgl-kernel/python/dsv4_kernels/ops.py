@@ -109,6 +109,13 @@ def moe_route(router_logits, bias, topk, scaling, tid2eid=None, input_ids=None, 
     return impl.moe_route(router_logits, bias, topk, scaling, tid2eid, input_ids, ids_dtype)
 
 
+def local_expert_ids(ids, first_expert: int, drop_repeats: bool):
+    """Routing ids [T, k] -> this rank's local expert ids, repeats dropped on request
+    (reference.local_expert_ids); one launch on CUDA."""
+    impl = _kernels("moe") if _use_triton(ids) else reference
+    return impl.local_expert_ids(ids, first_expert, drop_repeats)
+
+
 def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out):
     """out [T, d] = sum_k weights[t,k] * W2_e(silu(min(W1_e x, L)) * clamp(W3_e x, -L, L))."""
     impl = _kernels("moe") if _use_triton(x) else reference
@@ -272,6 +279,27 @@ def fp8_block_linear_pair(x, a, b):
     if _use_triton(x):
         return _kernels("fp8_gemm").fp8_block_linear_pair(x, a, b)
     return a(x), b(x)
+
+
+def fp8_swiglu_linear_add(gate, up, linear, limit: float, add, streams=None):
+    """(add + linear(swiglu_clamped(gate, up, limit, gate.dtype))) in fp32, rounded to gate.dtype
+    (gate, up [T, K]; linear an Fp8BlockLinear-like module; add fp32 [T, N]): the shared
+    expert's down projection between its activation and the MoE's routed + shared sum. streams
+    (residual, post, comb): hc_post of that instead. On CUDA a single row is one GEMV launch for
+    all of it (fp8_gemv.fp8_gemv_swiglu_add)."""
+    if _use_triton(gate):
+        return _kernels("fp8_gemm").fp8_swiglu_linear_add(gate, up, linear, limit, add, streams)
+    act = reference.swiglu_clamped(gate.float(), up.float(), limit).to(gate.dtype)
+    y = (add.float() + linear(act).float()).to(gate.dtype)
+    return y if streams is None else reference.hc_post(y, *streams)
+
+
+def fp8_linear_hc_post(x, linear, residual, post, comb):
+    """hc_post(linear(x), residual, post, comb) (linear an Fp8BlockLinear-like module): a
+    sub-layer's last linear and the mHC post step; on CUDA one GEMV launch for a single row."""
+    if _use_triton(x):
+        return _kernels("fp8_gemm").fp8_linear_hc_post(x, linear, residual, post, comb)
+    return reference.hc_post(linear(x), residual, post, comb)
 
 
 def dequantize_fp8_block(weight, scale, dtype=torch.float32):

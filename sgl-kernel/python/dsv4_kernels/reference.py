@@ -482,6 +482,18 @@ def swiglu_clamped(gate, up, swiglu_limit: float):
     return torch.nn.functional.silu(gate) * up
 
 
+def local_expert_ids(ids, first_expert: int, drop_repeats: bool):
+    """Routing ids [T, k] as a rank's local expert ids (ids - first_expert; another rank's
+    experts fall outside [0, local count) and fused_moe skips them); with drop_repeats, every
+    occurrence of an id that repeats later in its row becomes -1 (skipped), so a repeated
+    expert counts once, at the gate score all its occurrences share (hash-routed layers)."""
+    local = ids - first_expert if first_expert else ids.clone()
+    if drop_repeats and ids.shape[1] > 1:
+        later_dup = (ids[:, :, None] == ids[:, None, :]).triu(1).any(-1)
+        local = local.masked_fill(later_dup, -1)
+    return local
+
+
 def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out):
     """out[t] = sum_k W2_e(swiglu(W1_e x[t], W3_e x[t]) * weights[t,k]) over e = ids[t,k]; ids
     outside [0, E) are skipped. The weight scales the activation before it is rounded to x's

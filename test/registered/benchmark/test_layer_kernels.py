@@ -34,6 +34,15 @@ def test_layers_are_cut_at_every_second_mixing_and_grouped_by_kind(tmp_path, cap
     assert "window_attn" in out and "<" not in out.split("layers [0, 2]")[1]
 
 
+def test_the_last_layer_may_end_in_the_gemv_that_writes_the_streams():
+    """FP8 decode rows: the shared expert's down GEMV writes the mHC streams (no `_hc_post`)."""
+    tool = load_script("benchmark/profiling/layer_kernels.py")
+    layer = [["_hc_mixes_kernel", 1.0], ["_sparse_attn_kernel", 3.0], ["_fp8_gemv_kernel", 1.0],
+             ["_hc_mixes_kernel", 1.0], ["humming", 2.0], ["_fp8_gemv_kernel", 1.0]]
+    _, layers = tool.layers(layer + layer + [["at::native::reduce_kernel", 2.0], ["logits_gemm", 9.0]])
+    assert [len(x) for x in layers] == [6, 6]
+
+
 def test_a_sequence_without_layers_is_refused():
     with pytest.raises(ValueError, match="two _hc_mixes_kernel launches per layer"):
         load_script("benchmark/profiling/layer_kernels.py").layers([["_hc_mixes_kernel", 1.0], ["x", 1.0]])

@@ -108,7 +108,10 @@ class DeepseekV4Attention(nn.Module):
             ok = self.wo_a.scales_are_pow2()
         self.wo_a_tensor_cores = ok
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, streams: Optional[tuple] = None) -> torch.Tensor:
+        """x [T, d] -> the attention output [T, d]; with streams (residual [T, hc, d], post,
+        comb from the layer's hc_pre) the mHC streams after it instead (HyperConnection.post),
+        at decode in the same launch as wo_b."""
         ctx = get_forward_context()
         backend = ctx.attn_backend
         meta, pool = backend.forward_metadata, backend.kv_pool
@@ -165,7 +168,12 @@ class DeepseekV4Attention(nn.Module):
         else:
             wo_a = dense_weight(self.wo_a).view(self.n_groups, self.o_lora_rank, -1)
             o = torch.einsum("tgd,grd->tgr", o.float(), wo_a.float()).to(x.dtype)
-        return self.wo_b(o.flatten(1))
+        o = o.flatten(1)
+        if streams is None:
+            return self.wo_b(o)
+        if kernels is not None and isinstance(self.wo_b, Fp8BlockLinear):
+            return kernels.fp8_linear_hc_post(o, self.wo_b, *streams)
+        return HyperConnection.post(self.wo_b(o), *streams)
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -183,10 +191,11 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.hc_ffn = HyperConnection(*hc)
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        # each sub-layer returns the streams with its output written back (HyperConnection.post)
         x, post, comb = self.hc_attn.pre(h, self.attn_norm)  # x = attn_norm(mixed streams)
-        h = HyperConnection.post(self.attn(x), h, post, comb)
+        h = self.attn(x, streams=(h, post, comb))
         x, post, comb = self.hc_ffn.pre(h, self.ffn_norm)
-        return HyperConnection.post(self.ffn(x, input_ids), h, post, comb)
+        return self.ffn(x, input_ids, streams=(h, post, comb))
 
 
 class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):

@@ -16,8 +16,10 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from dsv4_kernels import reference as kernel_reference
 from torch import nn
 
+from sglang.srt.layers.mhc import HyperConnection
 from sglang.srt.layers.moe.backends import Fp4MoEBackend, make_fp4_backend
 from sglang.srt.layers.moe.ep_dispatch import dispatch_and_compute
 from sglang.srt.layers.quantization import BF16, QuantMode
@@ -47,14 +49,29 @@ class SharedExpert(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: Optional[torch.Tensor] = None,
+                streams: Optional[tuple] = None) -> torch.Tensor:
+        """The shared expert of x [T, d]; with `add` (fp32 [T, d], the routed experts' sum),
+        (add + that) in fp32, rounded to x.dtype; with streams (residual, post, comb), the mHC
+        streams after that result (HyperConnection.post)."""
         kernels = segment_kernel_ops()
-        if kernels is not None:  # one launch for the fp32 chain and its rounding
-            # FP8 gate and up of one row: one GEMV launch for both
-            gate, up = (kernels.fp8_block_linear_pair(x, self.w1, self.w3) if isinstance(self.w1, Fp8BlockLinear)
-                        else (self.w1(x), self.w3(x)))
-            return self.w2(kernels.swiglu_clamped(gate, up, self.limit, x.dtype))
-        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+        if kernels is not None:
+            if isinstance(self.w1, Fp8BlockLinear):
+                # one GEMV launch for gate and up of one row, one for the activation, down
+                # projection, sum and post step (fp8_gemv's SWIGLU / ADD / HC steps)
+                gate, up = kernels.fp8_block_linear_pair(x, self.w1, self.w3)
+                if add is not None:
+                    return kernels.fp8_swiglu_linear_add(gate, up, self.w2, self.limit, add, streams)
+            else:
+                gate, up = self.w1(x), self.w3(x)
+            y = self.w2(kernels.swiglu_clamped(gate, up, self.limit, x.dtype))  # one launch for the fp32 chain
+            if add is not None:
+                y = kernels.add_fp32(add, y, x.dtype)
+        else:
+            y = self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+            if add is not None:
+                y = (add + y.float()).to(x.dtype)
+        return y if streams is None else HyperConnection.post(y, *streams)
 
 
 class RoutedExperts(nn.Module):
@@ -98,16 +115,13 @@ class RoutedExperts(nn.Module):
     def _local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Routing ids as this rank's local expert ids, -1 (skipped) for duplicates."""
         # Under DP attention another rank's experts fall outside [0, n_local) and are
-        # skipped, so they contribute exactly zero from this rank.
-        local = ids - self.first_expert if self.first_expert else ids
-        if self.may_repeat_ids and ids.shape[1] > 1:
-            # An expert listed twice for a token (hash tables can do that) counts once, as in
-            # the dense path and the reference; the grouped GEMMs would sum both. Both
-            # occurrences carry the same gate score, so skipping every occurrence that has a
-            # later duplicate in its row keeps exactly one at the right weight.
-            later_dup = (ids[:, :, None] == ids[:, None, :]).triu(1).any(-1)
-            local = local.masked_fill(later_dup, -1)
-        return local
+        # skipped, so they contribute exactly zero from this rank. An expert listed twice for
+        # a token (hash tables can do that) counts once, as in the dense path and the
+        # reference; the grouped GEMMs would sum both (reference.local_expert_ids).
+        repeats = self.may_repeat_ids and ids.shape[1] > 1
+        if not repeats and not self.first_expert:
+            return ids
+        return (segment_kernel_ops() or kernel_reference).local_expert_ids(ids, self.first_expert, repeats)
 
     def _forward_grouped(self, x, weights, ids, kernels) -> torch.Tensor:
         """The routed pairs only, through fused_moe, which skips ids outside [0, n_local) and
@@ -190,14 +204,14 @@ class DeepseekV4MoE(nn.Module):
             if config.n_shared_experts > 0 else None
         )
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, streams: Optional[tuple] = None) -> torch.Tensor:
+        """x [T, d] -> the MoE output [T, d]; with streams (residual, post, comb), the mHC
+        streams after it (HyperConnection.post), at decode in the shared expert's last launch."""
         weights, ids = self.gate(x, input_ids)
         # Under DP attention (expert parallel) the rows go to the ranks holding their experts
         # and come back summed (layers/moe/ep_dispatch.py); else the local experts run them.
         y = dispatch_and_compute(self.experts, x, weights, ids, get_forward_context().dp_moe)
         if self.shared_experts is not None:
-            kernels = segment_kernel_ops()
-            if kernels is not None:  # the fp32 sum and its rounding in one launch
-                return kernels.add_fp32(y, self.shared_experts(x), x.dtype)
-            y = y + self.shared_experts(x).float()
-        return y.to(x.dtype)
+            return self.shared_experts(x, add=y, streams=streams)  # y + shared in fp32, rounded once
+        y = y.to(x.dtype)
+        return y if streams is None else HyperConnection.post(y, *streams)
