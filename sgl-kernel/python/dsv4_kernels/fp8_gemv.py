@@ -17,13 +17,14 @@ Numerics are those of quant_reference.fp8_block_linear_ref:
 The fp32 sums differ from the tensor cores' only in order (and are not truncated as the FP8
 MMA's accumulation is).
 
-Two optional steps ride along (the shared expert's tail at decode, one launch instead of
-three): SWIGLU takes x as a gate / up pair and feeds the kernel silu(min(gate, limit)) *
-clamp(up, +-limit) rounded to the output dtype (elementwise.swiglu_clamped's formula); ADD
-returns (add + the output rounded to its dtype) in fp32, rounded once more (add_fp32: the
-routed experts' fp32 sum plus the shared expert's output). HC writes, instead of the output
-f, the mHC streams after it (mhc.hc_post's formula and order on f as stored): a decode
-sub-layer's last linear ends the sub-layer, and the post step's launch is gone.
+Three optional steps ride along, so that a decode sub-layer ends in its last linear's launch
+(the shared expert's tail: one launch instead of four):
+- SWIGLU takes x as a gate / up pair and feeds the kernel silu(min(gate, limit)) *
+  clamp(up, +-limit) rounded to the output dtype (elementwise.swiglu_clamped's formula);
+- ADD returns (add + the output rounded to its dtype) in fp32, rounded once more (add_fp32:
+  the routed experts' fp32 sum plus the shared expert's output);
+- HC writes, instead of the output f, the mHC streams after it (mhc.hc_post's formula and
+  order on f as stored).
 
 Groups share a launch (grid axis 1): group g reads its x columns, its weight and scale rows
 and writes its outputs, each at g times a stride. wo_a's block-diagonal einsum: x [:, g, :]
