@@ -50,13 +50,17 @@ def _assert_close_bf16(what, got, expect):
     assert agree >= MIN_ARGMAX_AGREEMENT, what
 
 
-@pytest.fixture(scope="module")
-def runner():
-    r = ModelRunner(cpu_server_args(model_path="dsv4-mini", dtype="bfloat16", device="cuda",
-                                    context_length=2048, max_total_tokens=16384, max_running_requests=8))
+def _cuda_runner(model_path, **sizes):
+    """A bf16 runner on CUDA, freed with the module's fixture."""
+    r = ModelRunner(cpu_server_args(model_path=model_path, dtype="bfloat16", device="cuda", **sizes))
     yield r
     del r
     torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def runner():
+    yield from _cuda_runner("dsv4-mini", context_length=2048, max_total_tokens=16384, max_running_requests=8)
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +99,7 @@ def test_mini_full_prefill_matches_token_by_token_decode(runner, tokens, decode_
 
 @pytest.fixture(scope="module")
 def runner_fp8():
-    r = ModelRunner(cpu_server_args(model_path="dsv4-mini-fp8", dtype="bfloat16", device="cuda",
-                                    context_length=1024, max_total_tokens=8192, max_running_requests=4))
-    yield r
-    del r
-    torch.cuda.empty_cache()
+    yield from _cuda_runner("dsv4-mini-fp8", context_length=1024, max_total_tokens=8192, max_running_requests=4)
 
 
 def test_mini_release_format_decode_rows_match_full_prefill(runner_fp8):
