@@ -2,7 +2,11 @@
 512): achieved bandwidth over gathered KV rows + q + out, for the default and a config sweep,
 the default config reading an FP8 KV cache (584-byte rows, dequantized on load), and list b
 read through the page table as the c128 entries are (PageTableList, 512 entries = 64K tokens);
-the config sweep runs over bf16 rows and again over FP8 rows."""
+the config sweep runs over bf16 rows and again over FP8 rows. Then one decode token (FP8 rows,
+CUDA-graph replay) with the lists a Flash layer of each kind reads: the window alone, the window
+and a second list of 8 to 512 live entries (slot lists as the indexer's top-k, page-table lists
+as the c128 entries), and the window + top-256 case at each split count: what a list costs
+beside what its bytes cost."""
 
 import torch
 
@@ -79,6 +83,47 @@ def main():
         # dequantization needs registers of its own, so its best tiles differ (kv_fp8_tiles).
         sweep(f"T={T:<5} fp8 kv best", lambda cfg: sparse_attn_with_sink(*args8, config=cfg, kv_layout=layout),
               splits, nbytes8, flops)
+    decode_lists(kv_a8, kv_b8, layout, sink, scale)
+
+
+def decode_lists(kv_a8, kv_b8, layout, sink, scale):
+    """One token, FP8 rows, graph replay: the time of each list shape a decode layer reads."""
+    from dsv4_kernels import PageTableList, ops
+    from dsv4_kernels.sparse_attention import SparseAttnConfig, measured_config, sparse_attn_with_sink
+
+    print(f"== one decode token, FP8 rows, graph replay (default: {measured_config(1, kv_fp8=True)})")
+    q = torch.randn(1, H, D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    window = torch.randint(0, POOL_ROWS, (1, WA), device="cuda", dtype=torch.int32)
+    def full(n):  # a one-token length
+        return torch.full((1,), n, device="cuda", dtype=torch.int32)
+
+    def slots(width, live):
+        idx = torch.full((1, width), -1, device="cuda", dtype=torch.int32)
+        idx[:, :live] = torch.randint(0, POOL_ROWS, (1, live), device="cuda", dtype=torch.int32)
+        return idx
+
+    pos = torch.arange(128 * 64, device="cuda")
+    pages = torch.randperm(POOL_ROWS // 128, device="cuda")[:64]
+    rtt = (pages[pos // 128] * 128 + pos % 128).int()[None]
+    c128 = PageTableList(rtt, torch.zeros(1, device="cuda", dtype=torch.int32), 128, 64)
+    cases = {"window (128) alone": (None, None, None)}
+    for width, live in ((512, 8), (512, 256), (512, 512)):
+        cases[f"window + top-k slots, {live} live of {width}"] = (kv_b8, slots(width, live), full(live))
+    for live in (8, 64):
+        cases[f"window + c128 page-table list, {live} live"] = (kv_b8, c128, full(live))
+    for name, (kv_b, idx_b, len_b) in cases.items():
+        args = (q, kv_a8, window, full(WA), kv_b, idx_b, len_b, sink, scale, out)
+        keys = WA + (0 if len_b is None else int(len_b.item()))
+        report(name, time_ms(lambda: ops.sparse_attn_with_sink(*args, kv_layout=layout), graph=True),
+               keys * layout.row_bytes + 2 * q.numel() * 2)
+    idx_b = slots(512, 256)
+    for n in (4, 8, 16):
+        cfg = SparseAttnConfig(block_h=16, block_n=32, num_warps=8, num_stages=2, num_splits=n)
+        args = (q, kv_a8, window, full(WA), kv_b8, idx_b, full(256), sink, scale, out)
+        report(f"window + top-256, {n} splits", time_ms(
+            lambda: sparse_attn_with_sink(*args, config=cfg, kv_layout=layout), graph=True),
+            (WA + 256) * layout.row_bytes + 2 * q.numel() * 2)
 
 
 def sweep(label, run, splits, nbytes, flops):
