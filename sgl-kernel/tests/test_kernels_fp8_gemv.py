@@ -297,3 +297,51 @@ def test_gpu_sublayer_last_linear_writes_the_streams(N, K):
     want = mhc.hc_post(ops.fp8_block_linear(x, mod.weight, mod.weight_scale, True), *streams)
     torch.testing.assert_close(out, want, rtol=2 ** -8, atol=0)
     print("max |diff| vs two launches:", (out.float() - want.float()).abs().max().item())
+
+
+@pytest.mark.parametrize("M,K,dtype,block_k", [(1, 1024, torch.bfloat16, None), (2, 384, torch.float32, None),
+                                               (1, 512, torch.float32, 256)])  # last: K over two slabs
+def test_rms_prologue_is_the_norm_then_the_gemv(device, M, K, dtype, block_k):
+    """RMS: the rows RMS-normalised with a weight inside the GEMV's launch, as the norm kernel
+    writes them (rounded to x's dtype) and the GEMV then reads them."""
+    require_triton()
+    from dsv4_kernels import elementwise, fp8_gemv
+    N = 256
+    w, s = _weight(N, K, device)
+    x = (torch.randn(M, K) * 3).to(device=device, dtype=dtype)
+    norm_w = (torch.rand(K) + 0.5).to(device)
+    cfg = None if block_k is None else dict(BLOCK_N=16, BLOCK_K=block_k, num_warps=4, num_stages=2)
+    got = fp8_gemv.fp8_gemv(x, w, s, True, cfg, rms=(norm_w, 1e-6))
+    want = fp8_gemv.fp8_gemv(elementwise.rms_norm(x, norm_w, 1e-6), w, s, True, cfg)
+    if block_k is None:  # one slab: the norm's sum of squares in the norm kernel's order
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    ref = Q.fp8_block_linear_ref(elementwise.rms_norm(x, norm_w, 1e-6).float(), w, s, True)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=5e-2)
+    torch.testing.assert_close(got.float(), ref, **tol)
+    with pytest.raises(ValueError, match="norm weight"):
+        fp8_gemv.fp8_gemv(x, w, s, True, rms=(norm_w[:128], 1e-6))
+
+
+def test_ops_rms_linear_off_cuda_is_the_norm_then_the_module():
+    from dsv4_kernels import ops
+    mod = _Linear(*_weight(128, 256, "cpu"), True)
+    x, norm_w = torch.randn(1, 256), torch.rand(256) + 0.5
+    assert not ops.rms_linear_fuses(x, mod)
+    assert torch.equal(ops.fp8_rms_linear(x, norm_w, 1e-6, mod), mod(ops.rms_norm(x, norm_w, 1e-6)))
+
+
+@pytest.mark.gpu
+def test_gpu_q_norm_inside_wq_b():
+    """Flash's wq_b (1024 -> 32768) at one row with q_norm in the prologue: the norm kernel then
+    the GEMV, up to the order of the norm's sum of squares (the two launches reduce it in
+    different layouts)."""
+    from dsv4_kernels import elementwise, fp8_gemv
+    w, s = Q.quantize_fp8_weight(torch.randn(32768, 1024, device="cuda") / 32)
+    x = torch.randn(1, 1024, device="cuda").bfloat16()
+    norm_w = torch.rand(1024, device="cuda") + 0.5
+    got = fp8_gemv.fp8_gemv(x, w, s, True, rms=(norm_w, 1e-6))
+    want = fp8_gemv.fp8_gemv(elementwise.rms_norm(x, norm_w, 1e-6), w, s, True)
+    print("max |diff| vs two launches:", (got.float() - want.float()).abs().max().item())
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2e-2)

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from . import fp8_gemv, fp8_scaled_mm
 from ._dot import dot_precision
-from .elementwise import add_fp32, swiglu_clamped
+from .elementwise import add_fp32, rms_norm, swiglu_clamped
 from .mhc import hc_post
 from .fp8_act_quant import INV_E4M3_MAX, QBLOCK, e4m3_bits, pow2_recip, pow2_scale, quantize_act, round_act
 from .host_math import cdiv, sm_count
@@ -351,6 +351,25 @@ def fp8_swiglu_linear_add(gate, up, linear, limit: float, add, streams=None):
                                             limit, add, streams=streams)
     y = add_fp32(add, linear(swiglu_clamped(gate, up, limit, gate.dtype)), gate.dtype)
     return y if streams is None else hc_post(y, *streams)
+
+
+def rms_linear_fuses(x, linear) -> bool:
+    """Whether fp8_rms_linear runs as one GEMV launch: a single row on CUDA into an FP8 block
+    linear module (weight e4m3 [N, K], weight_scale, act_quant)."""
+    w = getattr(linear, "weight", None)
+    if not (x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and w is not None and w.dtype == torch.float8_e4m3fn
+            and hasattr(linear, "weight_scale") and hasattr(linear, "act_quant")):
+        return False
+    return x.shape[0] <= fp8_gemv.DISPATCH_ROWS and fp8_gemv.fits(x.shape[0], x.shape[1], x.dtype) \
+        and w.shape[1] == x.shape[1]
+
+
+def fp8_rms_linear(x, norm_weight, eps: float, linear):
+    """linear(rms_norm(x, norm_weight, eps)) for an FP8 block linear module: one GEMV launch,
+    the norm in its prologue, where rms_linear_fuses; else the norm kernel, then the linear."""
+    if rms_linear_fuses(x, linear):
+        return fp8_gemv.fp8_gemv(x, linear.weight, linear.weight_scale, linear.act_quant, rms=(norm_weight, eps))
+    return linear(rms_norm(x, norm_weight, eps))
 
 
 def fp8_linear_hc_post(x, linear, residual, post, comb):

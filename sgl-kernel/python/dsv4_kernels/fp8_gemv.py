@@ -17,8 +17,11 @@ Numerics are those of quant_reference.fp8_block_linear_ref:
 The fp32 sums differ from the tensor cores' only in order (and are not truncated as the FP8
 MMA's accumulation is).
 
-Three optional steps ride along, so that a decode sub-layer ends in its last linear's launch
-(the shared expert's tail: one launch instead of four):
+Optional steps ride along. Before the products, RMS: x's rows RMS-normalised with a weight
+first (elementwise.rms_norm's formula, rounded to x's dtype), so an RMSNorm between two linears
+costs no launch of its own (q_norm before wq_b and the indexer's wq_b). And so that a decode
+sub-layer ends in its last linear's launch (the shared expert's tail: one launch instead of
+four):
 - SWIGLU takes x as a gate / up pair and feeds the kernel silu(min(gate, limit)) *
   clamp(up, +-limit) rounded to the output dtype (elementwise.swiglu_clamped's formula);
 - ADD returns (add + the output rounded to its dtype) in fp32, rounded once more (add_fp32:
@@ -51,8 +54,9 @@ def _fp8_gemv_kernel(
     stride_xm, stride_xg, stride_w, stride_wg, stride_ws, stride_wsg, stride_om, stride_og,
     up_offset, limit, add_ptr, stride_am,
     res_ptr, stride_rm, stride_rh, post_ptr, stride_pm, comb_ptr, stride_cm, stride_ci, stride_oh,
+    rms_w_ptr, rms_eps,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT_QUANT: tl.constexpr,
-    SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, ADD: tl.constexpr, HC: tl.constexpr,
+    SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, ADD: tl.constexpr, HC: tl.constexpr, RMS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
@@ -67,6 +71,15 @@ def _fp8_gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     row_ids = tl.arange(0, ROWS)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    if RMS:  # each row's 1 / RMS over all of K, before any product
+        inv_rms = tl.zeros([ROWS], tl.float32)
+        for r in tl.static_range(ROWS):
+            sq = tl.zeros([BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xs = tl.load(x_base + r * stride_xm + k0 + offs_k, mask=(k0 + offs_k < K) & (offs_k * 0 + r < M),
+                             other=0.0).to(tl.float32)
+                sq += xs * xs
+            inv_rms = tl.where(row_ids == r, tl.rsqrt(tl.sum(sq, 0) / K + rms_eps), inv_rms)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < K
@@ -77,6 +90,10 @@ def _fp8_gemv_kernel(
                      mask=n_mask[:, None] & (kb * 128 < K)[None, :], other=0.0)
         for r in tl.static_range(ROWS):
             xr = tl.load(x_base + r * stride_xm + k, mask=k_mask & (offs_k * 0 + r < M), other=0.0).to(tl.float32)
+            if RMS:
+                xr = xr * tl.sum(tl.where(row_ids == r, inv_rms, 0.0), 0)
+                xr = tl.load(rms_w_ptr + k, mask=k_mask, other=0.0).to(tl.float32) * xr
+                xr = xr.to(x_ptr.dtype.element_ty).to(tl.float32)
             if SWIGLU:  # xr is the gate; the up row sits up_offset elements on
                 ur = tl.load(x_base + up_offset + r * stride_xm + k, mask=k_mask & (offs_k * 0 + r < M),
                              other=0.0).to(tl.float32)
@@ -138,19 +155,22 @@ def fits(M: int, K: int, x_dtype: torch.dtype) -> bool:
 
 
 def fp8_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, act_quant: bool,
-             config: dict | None = None, streams: tuple | None = None) -> torch.Tensor:
+             config: dict | None = None, streams: tuple | None = None, rms: tuple | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS, unit last stride) -> x.dtype [M, N] = fp8_block_linear_ref.
     streams (residual [M, hc, N], post [M, hc], comb [M, hc, hc]): returns hc_post(that output,
-    residual, post, comb) [M, hc, N] instead, in the residual's dtype (check_streams)."""
+    residual, post, comb) [M, hc, N] instead, in the residual's dtype (check_streams).
+    rms (weight [K], eps): x's rows go through that RMSNorm first (elementwise.rms_norm)."""
     M, K = x2.shape
     N = weight.shape[0]
     if not fits(M, K, x2.dtype) or x2.stride(-1) != 1:
         raise ValueError(f"fp8_gemv: x {tuple(x2.shape)} {x2.dtype} strides {x2.stride()} does not fit "
                          f"(1..{MAX_ROWS} rows, K % 128 == 0, unit last stride)")
+    if rms is not None and (rms[0].shape != (K,) or rms[0].stride(-1) != 1):
+        raise ValueError(f"fp8_gemv: the norm weight {tuple(rms[0].shape)} must be [{K}] with a unit stride")
     out = _output(M, N, x2, streams)
     ws = _scales(weight_scale)
     _launch(x2, weight, ws, out, M, N, K, 1, x2.stride(0), 0, 0, 0, out.stride(0), 0, act_quant, config,
-            streams=streams)
+            streams=streams, rms=rms)
     return out
 
 
@@ -245,8 +265,9 @@ def _scales(weight_scale: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x, weight, ws, out, M, N, K, G, sxm, sxg, swg, swsg, som, sog, act_quant, config,
-            up_offset=None, limit=0.0, add=None, streams=None):
-    """streams: (residual [M, hc, N], post [M, hc], comb [M, hc, hc]); out is then [M, hc, N]."""
+            up_offset=None, limit=0.0, add=None, streams=None, rms=None):
+    """streams: (residual [M, hc, N], post [M, hc], comb [M, hc, hc]); out is then [M, hc, N].
+    rms: (weight [K], eps) of the norm applied to x's rows first."""
     cfg = config or gemv_config(M, N, K, G)
     if cfg["BLOCK_K"] % 128:
         raise ValueError(f"fp8_gemv: BLOCK_K must be whole 128-blocks, got {cfg}")
@@ -257,6 +278,7 @@ def _launch(x, weight, ws, out, M, N, K, G, sxm, sxg, swg, swsg, som, sog, act_q
         up_offset or 0, float(limit), out if add is None else add, 0 if add is None else add.stride(0),
         res, res.stride(0), res.stride(1) if hc else 0, post, post.stride(0), comb, comb.stride(0),
         comb.stride(1) if hc else 0, out.stride(1) if hc else 0,
+        rms[0] if rms is not None else ws, float(rms[1]) if rms is not None else 0.0,
         ROWS=next_power_of_2(M), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ACT_QUANT=act_quant,
-        SWIGLU=up_offset is not None, HAS_LIMIT=limit > 0, ADD=add is not None, HC=hc,
+        SWIGLU=up_offset is not None, HAS_LIMIT=limit > 0, ADD=add is not None, HC=hc, RMS=rms is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

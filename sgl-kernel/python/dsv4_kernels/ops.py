@@ -294,6 +294,19 @@ def fp8_swiglu_linear_add(gate, up, linear, limit: float, add, streams=None):
     return y if streams is None else reference.hc_post(y, *streams)
 
 
+def rms_linear_fuses(x, linear) -> bool:
+    """Whether fp8_rms_linear takes one launch here (CUDA, one row, an FP8 block linear)."""
+    return _use_triton(x) and _kernels("fp8_gemm").rms_linear_fuses(x, linear)
+
+
+def fp8_rms_linear(x, norm_weight, eps: float, linear):
+    """linear(rms_norm(x, norm_weight, eps)): on CUDA a single row into an FP8 block linear is
+    one GEMV launch with the norm in its prologue (fp8_gemv's RMS step)."""
+    if _use_triton(x):
+        return _kernels("fp8_gemm").fp8_rms_linear(x, norm_weight, eps, linear)
+    return linear(rms_norm(x, norm_weight, eps))
+
+
 def fp8_linear_hc_post(x, linear, residual, post, comb):
     """hc_post(linear(x), residual, post, comb) (linear an Fp8BlockLinear-like module): a
     sub-layer's last linear and the mHC post step; on CUDA one GEMV launch for a single row."""

@@ -22,3 +22,25 @@ class RMSNorm(nn.Module):
         if kernels is not None:  # one launch; the torch chain below is eight fp32 passes
             return kernels.rms_norm(x, self.weight, self.eps)
         return (self.weight * rms_normalize(x, self.eps)).to(x.dtype)
+
+
+class NormedInput:
+    """x with the RMSNorm its consumers read it through (q_norm's output feeds wq_b and, in
+    ratio-4 layers, the indexer's wq_b). `through(linear)` is linear(norm(x)): with segment
+    kernels a single row into an FP8 linear takes the norm into the GEMV's own launch, so a
+    decode step runs no norm launch at all; every other consumer shares one computed norm(x)."""
+
+    def __init__(self, x: torch.Tensor, norm: RMSNorm):
+        self.x, self.norm = x, norm
+        self._normed: torch.Tensor | None = None
+
+    def normed(self) -> torch.Tensor:
+        if self._normed is None:
+            self._normed = self.norm(self.x)
+        return self._normed
+
+    def through(self, linear) -> torch.Tensor:
+        kernels = segment_kernel_ops()
+        if kernels is not None and kernels.rms_linear_fuses(self.x, linear):
+            return kernels.fp8_rms_linear(self.x, self.norm.weight, self.norm.eps, linear)
+        return linear(self.normed())

@@ -18,7 +18,7 @@ from torch import nn
 
 from sglang.srt.layers.attention.dsv4.compressor import Compressor
 from sglang.srt.layers.attention.dsv4.indexer import Indexer
-from sglang.srt.layers.layernorm import RMSNorm, rms_normalize
+from sglang.srt.layers.layernorm import NormedInput, RMSNorm, rms_normalize
 from sglang.srt.layers.mhc import HyperConnection, HyperHead
 from sglang.srt.layers.moe.backends import make_fp4_backend
 from sglang.srt.layers.moe.experts import DeepseekV4MoE, Fp4RoutedExperts
@@ -121,8 +121,8 @@ class DeepseekV4Attention(nn.Module):
         cos, sin = self.rope.lookup(meta.positions) if kernels is None else (None, None)
         rd = self.rope.rope_dim
 
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        qr = NormedInput(self.wq_a(x), self.q_norm)  # q_norm applied by each consumer's linear
+        q = qr.through(self.wq_b).unflatten(-1, (self.n_heads, self.head_dim))
         if kernels is not None:  # one launch each: per-head RMS + RoPE; norm + RoPE + cache write
             kernels.q_rms_rope(q, self.rope.cos, self.rope.sin, meta.positions, rd, self.eps)
             kernels.rmsnorm_rope_store(self.wkv(x), self.kv_norm.weight, self.eps, self.rope.cos, self.rope.sin,

@@ -43,12 +43,13 @@ class Indexer(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, x, qr, cos, sin, meta, state, key_pool, rope, kernels=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The in-segment half: writes this step's indexer keys; returns (q_I [T, nH, D] with
+        """qr: the attention's q_lora with its norm (layernorm.NormedInput).
+        The in-segment half: writes this step's indexer keys; returns (q_I [T, nH, D] with
         RoPE, w [T, nH] fp32) for `select_topk` in the attention break. Release numerics:
         q_I and the written keys Hadamard-rotated and FP4-rounded (the rotation keeps dot
         products; the rounding is the release's); a uint8 key_pool stores the keys packed
         (e2m1 + e8m0 per 32, index_key_fp4.py), which holds those rounded values exactly."""
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = qr.through(self.wq_b).unflatten(-1, (self.n_heads, self.head_dim))
         if kernels is not None:  # RoPE, and the rotation + FP4 rounding, in one launch
             kernels.indexer_rope_rotate_round_(q, rope.cos, rope.sin, meta.positions, rope.rope_dim, self.fp4_qk)
         else:
