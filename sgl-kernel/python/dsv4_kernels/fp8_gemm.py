@@ -324,14 +324,19 @@ def fp8_block_linear_pair(x, a, b):
     return a(x), b(x)
 
 
-def _gemv_streams_fit(streams, rows: int, N: int, dtype) -> bool:
-    if streams is None:
-        return True
-    try:
-        fp8_gemv.check_streams(streams, rows, N, dtype)
-    except ValueError:
-        return False
-    return True
+def takes_one_row_gemv(x, linear) -> bool:
+    """Whether x feeds the FP8 block linear module `linear` (weight e4m3 [N, K], weight_scale,
+    act_quant) through fp8_gemv, as fp8_block_linear's auto path would send it: a single
+    [rows, K] row block on CUDA with a unit last stride. The fused entry points below add their
+    steps to that launch only then."""
+    w = getattr(linear, "weight", None)
+    return (x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and w is not None and w.dtype == torch.float8_e4m3fn
+            and hasattr(linear, "weight_scale") and hasattr(linear, "act_quant") and w.shape[1] == x.shape[1]
+            and x.shape[0] <= fp8_gemv.DISPATCH_ROWS and fp8_gemv.fits(x.shape[0], x.shape[1], x.dtype))
+
+
+def _streams_fit(streams, x, linear) -> bool:
+    return streams is None or fp8_gemv.streams_fit(streams, x.shape[0], linear.weight.shape[0], x.dtype)
 
 
 def fp8_swiglu_linear_add(gate, up, linear, limit: float, add, streams=None):
@@ -340,34 +345,19 @@ def fp8_swiglu_linear_add(gate, up, linear, limit: float, add, streams=None):
     for the activation, the linear and the sum where a single row would take the GEMV anyway
     (the shared expert's down projection at decode), else the three steps. streams (residual,
     post, comb): the mHC streams after that output instead (mhc.hc_post), in the same launch."""
-    K = gate.shape[-1]
-    rows = gate.numel() // K if K else 0
-    N = linear.weight.shape[0]
-    if (gate.is_cuda and rows <= fp8_gemv.DISPATCH_ROWS and fp8_gemv.fits(rows, K, gate.dtype)
-            and linear.weight.shape[1] == K and gate.dim() == 2 and up.shape == gate.shape
-            and up.stride() == gate.stride() and gate.stride(-1) == 1 and add.shape == (rows, N)
-            and add.stride(-1) == 1 and _gemv_streams_fit(streams, rows, N, gate.dtype)):
+    if (takes_one_row_gemv(gate, linear) and up.shape == gate.shape and up.stride() == gate.stride()
+            and add.shape == (gate.shape[0], linear.weight.shape[0]) and add.stride(-1) == 1
+            and _streams_fit(streams, gate, linear)):
         return fp8_gemv.fp8_gemv_swiglu_add(gate, up, linear.weight, linear.weight_scale, linear.act_quant,
                                             limit, add, streams=streams)
     y = add_fp32(add, linear(swiglu_clamped(gate, up, limit, gate.dtype)), gate.dtype)
     return y if streams is None else hc_post(y, *streams)
 
 
-def rms_linear_fuses(x, linear) -> bool:
-    """Whether fp8_rms_linear runs as one GEMV launch: a single row on CUDA into an FP8 block
-    linear module (weight e4m3 [N, K], weight_scale, act_quant)."""
-    w = getattr(linear, "weight", None)
-    if not (x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and w is not None and w.dtype == torch.float8_e4m3fn
-            and hasattr(linear, "weight_scale") and hasattr(linear, "act_quant")):
-        return False
-    return x.shape[0] <= fp8_gemv.DISPATCH_ROWS and fp8_gemv.fits(x.shape[0], x.shape[1], x.dtype) \
-        and w.shape[1] == x.shape[1]
-
-
 def fp8_rms_linear(x, norm_weight, eps: float, linear):
     """linear(rms_norm(x, norm_weight, eps)) for an FP8 block linear module: one GEMV launch,
-    the norm in its prologue, where rms_linear_fuses; else the norm kernel, then the linear."""
-    if rms_linear_fuses(x, linear):
+    the norm in its prologue, where takes_one_row_gemv; else the norm kernel, then the linear."""
+    if takes_one_row_gemv(x, linear):
         return fp8_gemv.fp8_gemv(x, linear.weight, linear.weight_scale, linear.act_quant, rms=(norm_weight, eps))
     return linear(rms_norm(x, norm_weight, eps))
 
@@ -376,13 +366,8 @@ def fp8_linear_hc_post(x, linear, residual, post, comb):
     """mhc.hc_post(linear(x), residual, post, comb) for an FP8 block linear module: one GEMV
     launch where a single row would take the GEMV anyway (a decode sub-layer's last linear),
     else the linear and the post step."""
-    K = x.shape[-1]
-    rows = x.numel() // K if K else 0
-    N = linear.weight.shape[0]
     streams = (residual, post, comb)
-    if (x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and rows <= fp8_gemv.DISPATCH_ROWS
-            and fp8_gemv.fits(rows, K, x.dtype) and linear.weight.shape[1] == K
-            and _gemv_streams_fit(streams, rows, N, x.dtype)):
+    if takes_one_row_gemv(x, linear) and _streams_fit(streams, x, linear):
         return fp8_gemv.fp8_gemv(x, linear.weight, linear.weight_scale, linear.act_quant, streams=streams)
     return hc_post(linear(x), residual, post, comb)
 

@@ -174,15 +174,21 @@ def fp8_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     return out
 
 
-def check_streams(streams: tuple, M: int, N: int, dtype: torch.dtype) -> None:
-    """What the HC epilogue reads: residual [M, hc, N] of the output dtype with unit last
-    stride, fp32 post [M, hc] and comb [M, hc, hc] contiguous per row; hc a power of two."""
+def streams_fit(streams: tuple, M: int, N: int, dtype: torch.dtype) -> bool:
+    """Whether the HC epilogue can read these streams: residual [M, hc, N] of the output dtype
+    with unit last stride, fp32 post [M, hc] and comb [M, hc, hc] contiguous per row; hc a
+    power of two."""
     res, post, comb = streams
     hc = res.shape[1] if res.dim() == 3 else 0
-    if (res.shape != (M, hc, N) or res.dtype != dtype or res.stride(-1) != 1 or hc < 1 or hc & (hc - 1)
-            or post.shape != (M, hc) or comb.shape != (M, hc, hc) or post.dtype != torch.float32
-            or comb.dtype != torch.float32 or post.stride(-1) != 1 or comb.stride(-1) != 1
-            or comb.stride(1) != hc):
+    return (res.shape == (M, hc, N) and res.dtype == dtype and res.stride(-1) == 1 and hc >= 1 and not hc & (hc - 1)
+            and post.shape == (M, hc) and comb.shape == (M, hc, hc) and post.dtype == torch.float32
+            and comb.dtype == torch.float32 and post.stride(-1) == 1 and comb.stride(-1) == 1
+            and comb.stride(1) == hc)
+
+
+def check_streams(streams: tuple, M: int, N: int, dtype: torch.dtype) -> None:
+    if not streams_fit(streams, M, N, dtype):
+        res, post, comb = streams
         raise ValueError(f"fp8_gemv streams: residual {tuple(res.shape)} {res.dtype}, post {tuple(post.shape)}, comb "
                          f"{tuple(comb.shape)} do not fit [{M}, hc, {N}] {dtype} / fp32 [{M}, hc] / fp32 "
                          f"[{M}, hc, hc] (hc a power of two, unit last strides)")

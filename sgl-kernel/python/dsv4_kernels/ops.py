@@ -296,7 +296,7 @@ def fp8_swiglu_linear_add(gate, up, linear, limit: float, add, streams=None):
 
 def rms_linear_fuses(x, linear) -> bool:
     """Whether fp8_rms_linear takes one launch here (CUDA, one row, an FP8 block linear)."""
-    return _use_triton(x) and _kernels("fp8_gemm").rms_linear_fuses(x, linear)
+    return _use_triton(x) and _kernels("fp8_gemm").takes_one_row_gemv(x, linear)
 
 
 def fp8_rms_linear(x, norm_weight, eps: float, linear):
