@@ -112,6 +112,7 @@ def test_server_args_are_frozen():
         ({"context_length": -1}, "--context-length must be positive"),
         ({"chunked_prefill_size": 0}, "--chunked-prefill-size must be positive or -1"),
         ({"cuda_graph_max_bs": 0}, "--cuda-graph-max-bs must be positive"),
+        ({"prefix_cache_state_gb": 0}, "--prefix-cache-state-gb must be positive"),
         ({"breakable_cuda_graph_tokens": [16, 0]}, "--breakable-cuda-graph-tokens must be positive"),
         ({"dp_size": 0}, "--dp-size must be >= 1"),
         ({"dp_size": 2}, "--dp-size > 1 needs --enable-dp-attention"),

@@ -80,6 +80,7 @@ class ServerArgs:
     disable_overlap_schedule: bool = False
     enable_prefix_caching: Optional[bool] = None  # None: on unless disable_radix_cache (resolve())
     disable_radix_cache: bool = False  # SGLang's spelling of prefix caching off
+    prefix_cache_state_gb: float = 8.0  # host memory of the cached prefixes' resume states, per DP rank
     # kernels and graphs
     attention_backend: str = "auto"
     enable_breakable_cuda_graph: bool = False
@@ -351,6 +352,8 @@ def _validate(a: ServerArgs) -> None:
     if a.enable_prefix_caching is True and a.disable_radix_cache:
         raise ValueError("--enable-prefix-caching and --disable-radix-cache contradict each other: "
                          "--disable-radix-cache turns prefix caching off; give one of them")
+    if not a.prefix_cache_state_gb > 0:
+        raise ValueError(f"--prefix-cache-state-gb must be positive, got {a.prefix_cache_state_gb}")
     if not isinstance(a.model_path, str) or not a.model_path:
         raise ValueError("--model-path must be a preset name or a checkpoint directory")
     if a.page_size <= 0 or a.page_size % 128:
@@ -459,7 +462,7 @@ _CHOICES = {
 _INT_FIELDS = {"load_balance_max_imbalance", "num_layers", "random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
                "chunked_prefill_size", "breakable_cuda_graph_max_tokens", "cuda_graph_max_bs", "dp_size", "nnodes",
                "node_rank", "stream_interval", "max_request_bytes", "speculative_num_steps"}
-_FLOAT_FIELDS = {"mem_fraction_static", "watchdog_timeout", "shutdown_timeout"}
+_FLOAT_FIELDS = {"mem_fraction_static", "watchdog_timeout", "shutdown_timeout", "prefix_cache_state_gb"}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -52,8 +52,13 @@ HELP = {
                                 "finish checks and outputs lag one step)",
     "enable_prefix_caching": "reuse the KV pages of prompt prefixes earlier requests computed (a radix tree "
                              "over token ids, matched at page boundaries where a request's compressor state "
-                             "was saved; least recently used prefixes are evicted when pages run short); "
-                             "on by default: the flag only states it, --disable-radix-cache turns it off",
+                             "was saved, or where a finished request's computed tokens end; least recently "
+                             "used prefixes are evicted when pages run short); on by default: the flag only "
+                             "states it, --disable-radix-cache turns it off",
+    "prefix_cache_state_gb": "host memory (GiB per DP rank; pinned on CUDA) for the state the prefix cache keeps "
+                             "at each cached prefix's end: the window's raw KV rows and the compressors' rings, "
+                             "3.9 to 14.4 MiB each at DeepSeek-V4-Flash; past it the least recently used "
+                             "prefixes are evicted",
     "disable_radix_cache": "turn prefix caching off (SGLang's switch; on by default); contradicts "
                            "--enable-prefix-caching",
     "attention_backend": "the attention core: triton (sgl-kernel's Triton kernels; CUDA only) or torch (the "

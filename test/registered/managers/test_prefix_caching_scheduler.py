@@ -53,6 +53,9 @@ class KVReadingRunner:
             logits[i, next_token_of(self.kv_token[rtt[slot, :n].long()].tolist())] = 5.0
         return SimpleNamespace(next_token_logits=logits)
 
+    def copy_kv_page(self, src, dst):
+        self.kv_token[dst * P:(dst + 1) * P] = self.kv_token[src * P:(src + 1) * P]
+
 
 def make_scheduler(pages, caching=True, **kw):
     args = ServerArgs(model_path="dsv4-tiny", device="cpu", context_length=2048, max_total_tokens=pages * P,
@@ -93,15 +96,19 @@ def test_random_shared_prefix_traffic_under_memory_pressure(seed, overlap, mixed
     s = make_scheduler(pages=14, disable_overlap_schedule=not overlap, enable_mixed_chunk=mixed)
     prompts, max_new, aborted, results = {}, {}, set(), {}
     next_id = 0
+
+    def add(prompt):
+        nonlocal next_id
+        rid = f"r{next_id}"
+        prompts[rid], max_new[rid] = prompt, rng.randrange(1, 160)
+        s.add_request(GenerateReqInput(rid=rid, input_ids=prompt, sampling_params=SamplingParams(
+            max_new_tokens=max_new[rid], temperature=0.0, ignore_eos=True)))
+        next_id += 1
+
     for step in range(3000):
         if next_id < 60 and rng.random() < 0.3:
             stem = rng.choice(stems)
-            prompt = stem[:rng.randrange(0, 4 * P)] + [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 200))]
-            rid = f"r{next_id}"
-            prompts[rid], max_new[rid] = prompt, rng.randrange(1, 160)
-            s.add_request(GenerateReqInput(rid=rid, input_ids=prompt, sampling_params=SamplingParams(
-                max_new_tokens=max_new[rid], temperature=0.0, ignore_eos=True)))
-            next_id += 1
+            add(stem[:rng.randrange(0, 4 * P)] + [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 200))])
         if rng.random() < 0.02 and s._live:
             rid = rng.choice(sorted(s._live))
             s.abort_request(rid)
@@ -109,6 +116,10 @@ def test_random_shared_prefix_traffic_under_memory_pressure(seed, overlap, mixed
         for o in s.step():
             ids, _ = results.get(o.rid, ([], None))
             results[o.rid] = (ids + o.new_token_ids, o)
+            # a next chat turn (under this pressure its tail is mostly evicted before it is admitted)
+            chat = prompts[o.rid] + results[o.rid][0]
+            if o.finished and o.rid not in aborted and next_id < 60 and len(chat) < 6 * P and rng.random() < 0.5:
+                add(chat + [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 100))])
         check_invariants(s)
         if next_id >= 60 and not s.has_work():
             break
@@ -121,7 +132,7 @@ def test_random_shared_prefix_traffic_under_memory_pressure(seed, overlap, mixed
     assert stats["num_retracted_reqs"] > 0 and aborted
     assert stats["prefix_cache_hit_tokens"] == sum(results[rid][1].cached_tokens for rid in done if rid in results) \
         + sum(results[rid][1].cached_tokens for rid in aborted if rid in results)
-    assert all(results[rid][1].cached_tokens % P == 0 for rid in results)
+    assert stats["prefix_cache_cached_tokens"] == sum(len(n.key) for n in s.prefix_caching.tree.nodes())
     tree = s.prefix_caching.tree
     assert tree.evictable_pages == tree.cached_pages  # no request holds a lock any more
     tree.reset()
@@ -150,6 +161,40 @@ def test_a_request_that_can_never_fit_fails_without_leaking_pages_or_locks():
     assert s.pool.num_free_pages == s.pool.pages.capacity
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_chat_turns_resume_from_the_tail_their_last_answer_left(overlap):
+    """Four sessions of four turns, interleaved: each turn's prompt is the session so far plus a
+    new message; with room in the pool, every later turn resumes exactly where the previous
+    answer's computed tokens end (inside a page), and every output is the reference's."""
+    rng = random.Random(7)
+    s = make_scheduler(pages=60, disable_overlap_schedule=not overlap)
+    chats = {k: [rng.randrange(2, VOCAB) for _ in range(rng.randrange(100, 300))] for k in range(4)}
+    computed = {}  # session -> tokens with KV after its last turn (the last sampled one has none)
+    expect_cached, got = {}, {}
+    for turn in range(4):
+        max_new = {k: rng.randrange(5, 60) for k in chats}
+        for k, chat in chats.items():
+            expect_cached[f"{k}.{turn}"] = computed.get(k, 0)
+            s.add_request(GenerateReqInput(rid=f"{k}.{turn}", input_ids=list(chat), sampling_params=SamplingParams(
+                max_new_tokens=max_new[k], temperature=0.0, ignore_eos=True)))
+        outs = {}
+        while s.has_work():
+            for o in s.step():
+                outs[o.rid] = (outs.get(o.rid, ([], None))[0] + o.new_token_ids, o)
+            check_invariants(s)
+        for k, chat in chats.items():
+            ids, last = outs[f"{k}.{turn}"]
+            assert ids == reference(chat, max_new[k])
+            got[f"{k}.{turn}"] = last.cached_tokens
+            computed[k] = len(chat) + max_new[k] - 1
+            chats[k] = chat + ids + [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 40))]
+    assert got == expect_cached and any(v % P for v in got.values())
+    stats = s.get_stats()
+    assert stats["prefix_cache_evicted_pages"] == 0
+    s.prefix_caching.tree.reset()
+    assert s.pool.num_free_pages == s.pool.pages.capacity
+
+
 def _serve_one_after_another(s, prompt, rids):
     """Each request of `prompt` served to its end before the next is added: their last outputs."""
     last = []
@@ -174,9 +219,11 @@ def test_cache_is_on_by_default_and_its_pages_are_counted_in_the_stats():
     s = make_scheduler(pages=14)
     assert s.prefix_caching is not None and s.server_args.disable_radix_cache is False
     last = _serve_one_after_another(s, [3] * (2 * P + 5), ("a", "b"))
-    assert [o.cached_tokens for o in last] == [0, 2 * P]  # b resumed after a's two cached pages
+    # b resumed after a's two cached pages (a's tail, 5 tokens past them, would be the whole prompt)
+    assert [o.cached_tokens for o in last] == [0, 2 * P]
     stats = s.get_stats()
-    assert stats["num_evictable_pages"] == stats["prefix_cache_cached_pages"] == 2
+    assert stats["num_evictable_pages"] == stats["prefix_cache_cached_pages"] == 3  # a tail's page too
+    assert stats["prefix_cache_cached_tokens"] == 2 * P + 5
     assert stats["num_free_pages"] + stats["num_evictable_pages"] == stats["num_total_pages"] == 14
     assert sorted(s.prefix_caching.cache_only_pages()) == sorted(s.prefix_caching.tree.held_pages())
 
@@ -187,7 +234,7 @@ def test_a_new_scheduler_over_the_same_runner_gets_the_whole_pool_back():
         max_new_tokens=1)))
     while first.has_work():
         first.step()
-    assert first.pool.num_free_pages == 14 - 2 and first.num_evictable_pages == 2
+    assert first.pool.num_free_pages == 14 - 3 and first.num_evictable_pages == 3  # 2 pages and a tail
     # the earlier cache's pages are dropped, whether the next scheduler caches or not
     on = Scheduler(first.server_args, first.model_runner)
     assert on.pool is first.pool and on.pool.num_free_pages == 14 and on.pool.reclaimer is not None
@@ -195,7 +242,7 @@ def test_a_new_scheduler_over_the_same_runner_gets_the_whole_pool_back():
         max_new_tokens=1)))
     while on.has_work():
         on.step()
-    assert on.pool.num_free_pages == 14 - 2
+    assert on.pool.num_free_pages == 14 - 3
     off = Scheduler(dataclasses.replace(first.server_args, enable_prefix_caching=False, disable_radix_cache=True),
                     first.model_runner)
     assert off.prefix_caching is None and off.pool.reclaimer is None and off.pool.num_free_pages == 14

@@ -1,5 +1,6 @@
 """The prefix cache's radix tree and the page counts it shares with requests: page-granular
-match and insert (matches end only at nodes with a resume state), locks that keep nodes in
+match and insert (matches end only at nodes with a resume state), tails (part of a page past
+a node, matched by the longest one within the limit), locks that keep nodes in
 use from eviction, LRU eviction of unlocked leaves asked for by the pool before an
 allocation fails, and a seeded fuzz of 2,000 operations holding every invariant:
 free + held-by-requests + cached-only = pool, every page's count = its holders, no page held
@@ -8,6 +9,7 @@ twice by the tree or by one request, lock counts = the locks taken at or below e
 import random
 
 import pytest
+import torch
 
 from sglang.srt.mem_cache.allocator import KVCacheExhausted, RefCountedPageAllocator
 from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -102,6 +104,78 @@ def test_insert_splits_at_page_boundaries_and_keeps_the_trees_pages_for_known_po
 # ---- locks and eviction ------------------------------------------------------------------
 
 
+def test_a_match_ends_in_the_longest_tail_within_the_limit():
+    pool = _pool()
+    tree = RadixCache(pool.pages, P)
+    toks = _seq(1, 2) + list(range(10, 50))
+    slot = _request(pool, toks)
+    pages = pool.pages_of(slot)
+    node = tree.insert(toks[:2 * P], pages[:2], ResumeState(2 * P))
+    short = tree.insert_tail(node, toks[2 * P:2 * P + 5], pages[2], ResumeState(2 * P + 5))
+    long = tree.insert_tail(node, toks[2 * P:], pages[2], ResumeState(2 * P + 40))
+    assert pool.pages.refcount(pages[2]) == 3 and tree.cached_pages == 4 and tree.cached_tokens == 2 * P + 45
+    m = tree.match_prefix(toks + [7], max_len=len(toks))
+    assert (m.node, m.length, m.state.length) == (long, 2 * P + 40, 2 * P + 40)
+    assert m.pages == pages and m.shared_pages(P) == pages[:2] and m.tail_page(P) == pages[2]
+    # the limit (a prompt's length - 1) drops the longer tail; a token off inside both, the page state
+    assert tree.match_prefix(toks, max_len=len(toks) - 1).node is short
+    off = list(toks)
+    off[2 * P + 3] = 99
+    m = tree.match_prefix(off, max_len=len(off))
+    assert (m.node, m.length, m.tail_page(P)) == (node, 2 * P, None)
+    # the same tokens again: the tree keeps its tail and takes no second hold
+    assert tree.insert_tail(node, toks[2 * P:], pages[3 % len(pages)], ResumeState(2 * P + 40)) is long
+    assert pool.pages.refcount(pages[2]) == 3
+    with pytest.raises(ValueError, match="1..127 tokens"):
+        tree.insert_tail(node, _seq(3), pages[2], ResumeState(3 * P))
+    with pytest.raises(ValueError, match="cannot end a tail"):
+        tree.insert_tail(node, [5], pages[2], ResumeState(2 * P))
+
+
+def test_a_tail_is_a_leaf_evicted_before_the_node_it_hangs_off():
+    pool = _pool()
+    tree = RadixCache(pool.pages, P)
+    toks = _seq(1) + [4] * 9
+    slot, other = _request(pool, toks), _request(pool, [4] * 3)
+    pages = pool.pages_of(slot)
+    node = tree.insert(toks[:P], pages[:1], ResumeState(P))
+    tail = tree.insert_tail(node, toks[P:], pages[1], ResumeState(P + 9))
+    tree.insert_tail(tree.root, [4] * 3, pool.pages_of(other)[0], ResumeState(3))  # a tail off the root
+    pool.free_req(slot)
+    pool.free_req(other)
+    assert tree.evictable_pages == 3 and pool.num_free_pages == pool.pages.capacity - 3
+    tree.lock(tail)  # a tail in use keeps its page and the node it hangs off
+    assert tree.evict(3) == 1 and tree.num_nodes == 2  # only the root's tail could go
+    tree.unlock(tail)
+    assert tree.evict(1) == 1 and node.num_tails == 0 and tree.num_nodes == 1
+    assert tree.evict(1) == 1 and tree.num_nodes == 0 and tree.cached_tokens == 0
+    assert pool.num_free_pages == pool.pages.capacity
+
+
+def test_states_past_their_budget_evict_the_least_recently_used_unlocked_prefixes():
+    pool = _pool()
+    tree = RadixCache(pool.pages, P)
+    state = lambda n: ResumeState(n, window=torch.zeros(1000, dtype=torch.uint8))  # noqa: E731
+    nodes = []
+    for first in (1, 2, 3, 4):
+        toks = _seq(first) + [5] * 3
+        slot = _request(pool, toks)
+        pages = pool.pages_of(slot)
+        nodes.append(tree.insert(toks[:P], pages[:1], state(P)))
+        nodes.append(tree.insert_tail(nodes[-1], toks[P:], pages[1], state(P + 3)))
+        pool.free_req(slot)
+    assert tree.state_bytes == 8000 and tree.num_states == 8
+    tree.lock(nodes[1])  # the oldest session's tail is in use
+    tree.match_prefix(_seq(2) + [5] * 4, max_len=P + 3)  # the second session's tail is the newest
+    freed = tree.trim_states(4500)
+    assert tree.state_bytes == 4000 and freed == 4
+    # left: the locked tail and its node, the touched session (node and tail)
+    assert {n.end for n in tree.nodes()} == {P, P + 3} and tree.num_nodes == 4
+    assert all(any(n is m for m in tree.nodes()) for n in (nodes[0], nodes[1], nodes[2], nodes[3]))
+    assert tree.trim_states(0) == 2 and tree.state_bytes == 2000  # a locked prefix never goes
+    tree.unlock(nodes[1])
+
+
 def test_eviction_frees_unlocked_leaves_in_lru_order_and_never_a_node_in_use():
     pool = _pool(num_pages=7)  # 6 usable pages
     tree = RadixCache(pool.pages, P)
@@ -155,9 +229,14 @@ class _World:
         self.pool.reclaimer = self.tree.evict
         self.reqs = {}  # slot -> (tokens, locked node or None)
         self.extra_locks = []  # nodes locked by readers other than requests
+        self.tail_hits = 0
+        self.finished = []  # token lists of finished requests short enough to continue
         self.counts = {}
 
     def tokens(self):
+        if self.finished and self.rng.random() < 0.3:  # a next turn: continues a finished request
+            prev = self.rng.choice(self.finished)
+            return prev + [self.rng.randrange(1, 9) for _ in range(self.rng.randrange(1, P))]
         stem = self.rng.choice([(1, 2, 3, 4), (1, 2, 5, 6), (7, 8, 9, 1)])
         k = self.rng.randrange(0, 5)
         pages = list(stem[:k]) + [self.rng.randrange(1, 4) for _ in range(self.rng.randrange(0, 3))]
@@ -175,7 +254,7 @@ class _World:
         if m.length:
             self.tree.lock(m.node)
         slot = self.pool.alloc_req()
-        self.pool.map_cached_prefix(slot, m.pages)
+        self.pool.map_cached_prefix(slot, m.shared_pages(P))  # a tail's page: the request's own copy
         try:
             self.pool.ensure_capacity(slot, len(toks))
         except KVCacheExhausted:  # a failed request leaks nothing
@@ -184,13 +263,15 @@ class _World:
             self.pool.free_req(slot)
             return
         self.reqs[slot] = (toks, m.node if m.length else None)
+        self.tail_hits += m.tail_page(P) is not None
 
     def match(self):
         toks = self.tokens()
         m = self.tree.match_prefix(toks, max_len=self.rng.randrange(0, len(toks)))
-        assert m.length % P == 0 and m.length <= len(toks)
+        assert m.length <= len(toks)
         if m.length:
-            assert m.state.length == m.length and len(m.pages) == m.length // P
+            assert m.state.length == m.length and len(m.pages) == -(-m.length // P)
+            assert m.tail_page(P) == (m.pages[-1] if m.length % P else None)
 
     def lock(self):
         nodes = self.tree.nodes()
@@ -209,9 +290,14 @@ class _World:
         slot = self.rng.choice(sorted(self.reqs))
         toks, node = self.reqs.pop(slot)
         if insert:
+            if len(toks) < 6 * P:
+                self.finished = (self.finished + [toks])[-8:]
             L = len(toks) // P * P
-            if L:
-                new = self.tree.insert(toks[:L], self.pool.pages_of(slot)[: L // P], ResumeState(L))
+            new = self.tree.insert(toks[:L], self.pool.pages_of(slot)[: L // P], ResumeState(L)) if L else None
+            if len(toks) % P and self.rng.random() < 0.5:  # and the tokens past the last boundary
+                new = self.tree.insert_tail(new or self.tree.root, toks[L:], self.pool.pages_of(slot)[L // P],
+                                            ResumeState(len(toks)))
+            if new is not None:
                 self.tree.lock(new)
                 if node is not None:
                     self.tree.unlock(node)
@@ -262,7 +348,10 @@ class _World:
         # an unlocked node's pages are the tree's alone (so evicting it frees them)
         assert all(pool.pages.refcount(p) == 1 for n in nodes if n.lock_ref == 0 for p in n.pages)
         for n in nodes:
-            assert len(n.key) == len(n.pages) * P and n.end == n.parent.end + len(n.key)
+            tail = len(n.pages) == 1 and 0 < len(n.key) < P and not n.children and n.state is not None
+            assert (len(n.key) == len(n.pages) * P or tail) and n.end == n.parent.end + len(n.key)
+        assert tree.cached_tokens == sum(len(n.key) for n in nodes)
+        assert all(n.num_tails == sum(len(c.key) < P for c in n.children.values()) for n in nodes + [tree.root])
 
 
 def test_seeded_fuzz_of_2000_operations_keeps_every_invariant():
@@ -273,7 +362,7 @@ def test_seeded_fuzz_of_2000_operations_keeps_every_invariant():
         w.op(rng.choice(ops))
         w.check()
     assert min(w.counts.values()) >= 100, w.counts  # every kind of operation ran many times
-    assert w.tree.evicted_pages > 0 and w.tree.num_nodes > 0
+    assert w.tree.evicted_pages > 0 and w.tree.num_nodes > 0 and w.tail_hits > 10
     while w.reqs:
         w.abort()
     while w.extra_locks:

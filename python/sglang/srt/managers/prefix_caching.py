@@ -14,20 +14,28 @@ tree.
   the prompt's last boundary), and when the request finishes (its decode reached later
   boundaries), the tokens up to the state's length go into the tree with their pages. While
   it runs, the request keeps the deepest node it inserted or matched locked.
+- Tails: a request that finishes between boundaries (the usual case: a chat answer rarely
+  ends on one) also caches the tokens past its last boundary, with a state taken at its end,
+  as a tail (radix_cache.py). A later request matching it maps the whole pages before it and
+  starts from a copy of its page (`DSV4KVPool.copy_page`: the compressed entries and indexer
+  keys of that page), so the next turn of a chat prefills only its new message.
 - Aborted and failed requests insert nothing; every request unlocks its node and drops its
   page holds when it releases its KV (finish, abort, failure, retraction).
 
 Memory: a node that ends a cached insertion holds one ResumeState in host memory
 (resume_state.py: the window's raw rows on every layer and the ratio-4 compressor rings'
 last block, 3.89 MiB for DeepSeek-V4-Flash with its FP8 KV cache at any boundary past the
-window); nodes made by splits hold none. Pages are the pool's own: cached pages are evicted before anything else
-is refused, so caching never lowers what the pool admits.
+window; a tail's state also holds the ratio-128 rings' partial block: up to 14.4 MiB); nodes
+made by splits hold none. The states' host memory is bounded (--prefix-cache-state-gb): past
+it the least recently used unlocked prefixes are evicted, pages and all. Pages are the pool's
+own: cached pages are evicted before anything else is refused, so caching never lowers what
+the pool admits.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from sglang.srt.mem_cache.radix_cache import PrefixMatch, RadixCache
 from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -37,9 +45,16 @@ logger = logging.getLogger(__name__)
 
 
 class PrefixCaching:
-    def __init__(self, pool: ReqToTokenPool, kv_pool):
+    def __init__(self, pool: ReqToTokenPool, kv_pool, copy_page: Optional[Callable[[int, int], None]] = None,
+                 state_budget_bytes: int = 8 << 30):
+        """copy_page(src, dst): the runner's copy of every paged cache's page (tails need it:
+        a runner without one caches whole pages only). state_budget_bytes: the host memory the
+        tree's resume states may take (--prefix-cache-state-gb); past it the least recently
+        used prefixes are evicted."""
         self.pool = pool
         self.kv_pool = kv_pool  # None for runners without KV pools (tests' fake runners)
+        self.copy_page = copy_page
+        self.state_budget_bytes = state_budget_bytes
         self.page_size = pool.page_size
         self.tree = RadixCache(pool.pages, pool.page_size)
         pool.reclaimer = self.tree.evict
@@ -78,7 +93,12 @@ class PrefixCaching:
         self.lookup_tokens += req.seq_len
         if not match.length:
             return
-        self.pool.map_cached_prefix(req.req_pool_idx, match.pages)
+        ps = self.page_size
+        self.pool.map_cached_prefix(req.req_pool_idx, match.shared_pages(ps))
+        tail_page = match.tail_page(ps)
+        if tail_page is not None:  # the request's own copy of the tail's page, which it fills on
+            self.pool.ensure_capacity(req.req_pool_idx, match.length)
+            self.copy_page(tail_page, self.pool.pages_of(req.req_pool_idx)[-1])
         restore_resume_state(self.kv_pool, req.req_pool_idx, match.state)
         req.prefix_len = match.length
         req.cache_node = match.node
@@ -109,13 +129,28 @@ class PrefixCaching:
             self._insert(req)
 
     def on_finish(self, req) -> None:
-        """A request that finished normally caches what it computed, up to its last state."""
-        self._insert(req)
+        """A request that finished normally caches what it computed: up to its last state, and
+        past its last page boundary as a tail with the state at its end."""
+        L = req.prefix_len
+        locked_end = req.cache_node.end if req.cache_node is not None else 0
+        tails = self.copy_page is not None
+        tokens = req.token_slice(0, L) if tails and L % self.page_size and L > locked_end else None
+        if tokens is None or req.req_pool_idx is None or not _known(tokens, L):
+            self._insert(req)
+            return
+        F = L - L % self.page_size
+        state = req.resume_state if req.resume_state is not None and req.resume_state.length == F else None
+        pages = self.pool.pages_of(req.req_pool_idx)
+        node = self.tree.insert(tokens[:F], pages[: F // self.page_size], state) if F else self.tree.root
+        tail = self.tree.insert_tail(node, tokens[F:], pages[F // self.page_size],
+                                     take_resume_state(self.kv_pool, req.req_pool_idx, L))
+        self._lock_instead(req, tail)
 
     def release(self, req) -> None:
         """Before the request's page holds are dropped."""
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node)
+            self._within_budget()  # what the request's lock kept past the budget may go now
         req.cache_node = None
         req.resume_state = None
 
@@ -126,14 +161,23 @@ class PrefixCaching:
             return
         L = state.length
         tokens = req.token_slice(0, L)
-        if len(tokens) < L or min(tokens) < 0:
-            return  # a position whose token the host does not know yet (in flight)
+        if not _known(tokens, L):
+            return
         pages = self.pool.pages_of(req.req_pool_idx)[: L // self.page_size]
-        node = self.tree.insert(tokens, pages, state)
+        self._lock_instead(req, self.tree.insert(tokens, pages, state))
+
+    def _lock_instead(self, req, node) -> None:
+        """The request's lock moves to `node`, which it just inserted; then the states are
+        brought back within their budget (the new one is locked: never what goes)."""
         self.tree.lock(node)
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node)
         req.cache_node = node
+        self._within_budget()
+
+    def _within_budget(self) -> None:
+        if self.tree.state_bytes > self.state_budget_bytes:
+            self.tree.trim_states(self.state_budget_bytes)
 
     # ---- stats -----------------------------------------------------------------------
 
@@ -145,13 +189,18 @@ class PrefixCaching:
             "prefix_cache_lookup_tokens": self.lookup_tokens,
             "prefix_cache_hits": self.num_hits,
             "prefix_cache_lookups": self.num_lookups,
-            "prefix_cache_cached_tokens": t.cached_pages * self.page_size,
+            "prefix_cache_cached_tokens": t.cached_tokens,
             "prefix_cache_cached_pages": t.cached_pages,
             "prefix_cache_evictable_pages": t.evictable_pages,
             "prefix_cache_evicted_pages": t.evicted_pages,
             "prefix_cache_nodes": t.num_nodes,
             "prefix_cache_state_bytes": t.state_bytes,
         }
+
+
+def _known(tokens: List[int], length: int) -> bool:
+    """Whether a request's tokens of positions [0, length) are all on the host (none in flight)."""
+    return len(tokens) == length and min(tokens) >= 0
 
 
 def make_prefix_caching(server_args, model_runner) -> Optional[PrefixCaching]:
@@ -164,4 +213,5 @@ def make_prefix_caching(server_args, model_runner) -> Optional[PrefixCaching]:
     if not server_args.enable_prefix_caching:
         pool.reclaimer = None
         return None
-    return PrefixCaching(pool, getattr(model_runner, "kv_pool", None))
+    return PrefixCaching(pool, getattr(model_runner, "kv_pool", None), getattr(model_runner, "copy_kv_page", None),
+                         int(server_args.prefix_cache_state_gb * (1 << 30)))

@@ -355,7 +355,9 @@ class Scheduler:
                 if match is not None:
                     cache.unlock(match)
                 break
-            fits = (-(-prefix // self.page_size) + page_budget) * self.page_size - prefix
+            # pages held once admitted: a match's shared ones (a tail's page is copied into a new one)
+            held = prefix // self.page_size if match is not None else -(-prefix // self.page_size)
+            fits = (held + page_budget) * self.page_size - prefix
             n = int(min(pending, tokens_left, fits))
             if n > 0 and cache is not None:
                 n = cache.cut_chunk(req.seq_len, prefix, n)

@@ -158,6 +158,14 @@ class DSV4KVPool:
         base = req_slot * self.window
         return [slice(base + s.start, base + s.stop) for s in ring_slices(self.window, positions)]
 
+    def copy_page(self, src: int, dst: int, page_size: int) -> None:
+        """Page `dst` of every paged cache (compressed entries, indexer keys) becomes a copy of
+        page `src`: what a request resumed inside a cached prefix's partial page starts from.
+        Enqueued on the current stream (no host sync, graph-free: between steps)."""
+        for layer, rows in list(self.compressed.items()) + list(self.indexer_keys.items()):
+            n = page_size // self.config.layer_compress_ratio(layer)
+            rows[dst * n:(dst + 1) * n].copy_(rows[src * n:(src + 1) * n])
+
     def _kv_rows(self, n: int) -> torch.Tensor:
         if self.fp8_layout is not None:  # all-zero bytes read back as 0.0 (scale 2^-127)
             return torch.zeros(n, self.fp8_layout.row_bytes, dtype=torch.uint8, device=self.device)

@@ -236,6 +236,10 @@ class ModelRunner:
         if path.extend_or_mixed:  # the steps breakable graphs are for; the replayed share is what we report
             self.stats["dp_extend_steps"] = self.stats.get("dp_extend_steps", 0) + 1
 
+    def copy_kv_page(self, src: int, dst: int) -> None:
+        """Page `dst` of every paged KV cache becomes a copy of page `src` (prefix caching's tails)."""
+        self.kv_pool.copy_page(src, dst, self.req_to_token_pool.page_size)
+
     def get_stats(self) -> dict:
         # Which kernels run: the first thing to check when a GPU step is slower than expected.
         out = dict(self.stats, **self.kv_capacity, attention_kernels=self.attn_backend.kernels,
