@@ -80,6 +80,21 @@ def main():
                             score_new_ptr="*fp32", idx_ptr="*i32", out_ptr="*fp32", ape_ptr="*fp32",
                             pos_ptr="*i64"),
                        dict(RATIO=ratio, COFF=2 if ratio == 4 else 1, BLOCK_C=block_c, HAS_APE=True), warps)
+    # the fused emission: Flash's compressors (D 512, ratio 4 / 128, FP8 rows; the indexer's:
+    # D 128, ratio 4, entries), the ring update in the launch (a decode step)
+    for ratio, D, fp8 in ((4, 512, True), (128, 512, True), (4, 128, False)):
+        compile_report(f"compressor_emit r={ratio} D={D}{' fp8 rows' if fp8 else ' entries'}",
+                       compressor._compressor_emit_kernel,
+                       dict(kv_state_ptr="*fp32", score_state_ptr="*fp32", kv_new_ptr="*fp32", score_new_ptr="*fp32",
+                            idx_ptr="*i32", pooled_ptr="*fp32", ape_ptr="*fp32", pos_ptr="*i64", weight_ptr="*fp32",
+                            cos_ptr="*fp32", sin_ptr="*fp32", emit_pos_ptr="*i32", out_loc_ptr="*i32",
+                            entries_ptr="*bf16", pool_ptr="*u8" if fp8 else "*fp32", rope_pool_ptr="*bf16",
+                            ring_loc_ptr="*i32"),
+                       dict(RATIO=ratio, COFF=2 if ratio == 4 else 1, BLOCK_C=min(D, 16 if ratio == 128 else 256),
+                            HAS_APE=True, BLOCK_HALF=D // 2, HAS_OUT=not fp8, HAS_POOL=fp8, NOPE_FP8=fp8,
+                            FP8_ROWS=fp8, NUM_SCALES=7 if fp8 else 0, PAIRS_PER_BLOCK=32, RING_WRITE=True,
+                            BLOCK_RING=min(1024, (2 if ratio == 4 else 1) * D)), 4 if D >= 512 else 1,
+                       scalar_types=dict(eps="fp32", amax_floor="fp32", inv_qmax="fp32"))
     for paged in (False, True):  # paged: candidates read through the page table
         compile_report(f"indexer_logits 64x128{' paged' if paged else ''}", indexer._indexer_logits_kernel,
                        dict(q_ptr="*bf16", w_ptr="*fp32", key_ptr="*bf16", slots_ptr="*i32",

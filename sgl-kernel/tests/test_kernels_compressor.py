@@ -268,3 +268,93 @@ def test_gpu_real_shapes_match_reference(ratio):
     ops.compressor_state_update(kv_state, score_state, kv_new, score_new, loc)
     torch.testing.assert_close(kv_state, ref_state[0], rtol=0, atol=0)
     torch.testing.assert_close(score_state, ref_state[1], rtol=0, atol=0)
+
+
+def _emit_case(ratio, D, device, seed):
+    """A decode step of T requests (ring slots 0..T-1), each at its own position, some of them
+    completing a block; garbage in the rings' other rows."""
+    from dsv4_kernels import ops
+
+    coff = 2 if ratio == 4 else 1
+    R, T = coff * ratio, 5
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.tensor([ratio - 1, 3 * ratio - 1, 2 * ratio + 1, 5 * ratio - 1, 7])
+    req = torch.arange(T)
+    gather_idx, emit_pos, ring_loc = ops.compressor_plan(req.to(device), pos.to(device), ratio)
+    rows = lambda *shape: (torch.randn(*shape, generator=g) * 2).to(device)  # noqa: E731
+    return dict(kv_state=rows(T + 1, R, coff * D), score_state=rows(T + 1, R, coff * D), kv_new=rows(T, coff * D),
+                score_new=rows(T, coff * D), gather_idx=gather_idx, emit_pos=emit_pos, ring_loc=ring_loc,
+                positions=pos.to(device), ape=rows(ratio, coff * D) * 0.5, weight=(torch.rand(D, generator=g) + 0.5)
+                .to(device))
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+@pytest.mark.parametrize("target", ["float pool", "fp8 rows", "entries"])
+@pytest.mark.parametrize("ring_write", [False, True], ids=["ring apart", "ring in the launch"])
+def test_fused_emission_equals_pool_norm_rope_store_and_ring_update(device, ratio, target, ring_write):
+    """compressor_emit gives the bits of compressor_pool, rmsnorm_rope_store (nope FP8 rounding
+    into a float pool, FP8 rows into a uint8 pool, or unrounded entries) and the ring update."""
+    require_triton()
+    from dsv4_kernels import compressor
+    from dsv4_kernels.kv_fp8 import FP8KVLayout
+
+    D, rope_dim, S = 128, 64, 64
+    c = _emit_case(ratio, D, device, seed=ratio + len(target))
+    cos, sin = rope_tables(64 * ratio, rope_dim, device=device)
+    E = c["gather_idx"].shape[0]
+    out_loc = torch.randperm(S)[:E].to(torch.int32).to(device)
+    out_loc[1] = -1
+
+    def run(emit):
+        kv_state, score_state = c["kv_state"].clone(), c["score_state"].clone()
+        pool = entries = None
+        if target == "fp8 rows":
+            pool = torch.zeros(S, FP8KVLayout(D, rope_dim, torch.float32).row_bytes, dtype=torch.uint8, device=device)
+        elif target == "float pool":
+            pool = torch.full((S, D), 7.0, device=device)
+        else:
+            entries = torch.full((E, D), float("nan"), device=device)
+        pooled = torch.full((E, D), float("nan"), device=device)
+        args = (kv_state, score_state, c["kv_new"], c["score_new"], c["gather_idx"], ratio, pooled)
+        ape = dict(ape=c["ape"], positions=c["positions"])
+        if emit:
+            compressor.compressor_emit(*args, c["weight"], 1e-6, cos, sin, c["emit_pos"], rope_dim, pool, out_loc,
+                                       entries=entries, nope_fp8=target == "float pool",
+                                       ring_write_loc=c["ring_loc"] if ring_write else None, **ape)
+            if not ring_write:
+                compressor.compressor_state_update(kv_state, score_state, c["kv_new"], c["score_new"], c["ring_loc"],
+                                                   rows_unique=True, **ape)
+        else:
+            compressor.compressor_pool(*args, **ape)
+            compressor.compressor_state_update(kv_state, score_state, c["kv_new"], c["score_new"], c["ring_loc"],
+                                               rows_unique=True, **ape)
+            compressor.rmsnorm_rope_store(pooled, c["weight"], 1e-6, cos, sin, c["emit_pos"], rope_dim, pool, out_loc,
+                                          kv_out=entries, nope_fp8=target == "float pool")
+        return kv_state, score_state, pooled, pool, entries
+
+    want, got = run(emit=False), run(emit=True)
+    for name, w, g in zip(("kv ring", "score ring", "pooled", "pool", "entries"), want, got):
+        if w is not None:
+            assert torch.equal(g, w), name
+    emitting = c["gather_idx"].ne(-1).any(1)
+    assert 0 < int(emitting.sum()) < E  # some tokens complete a block, others do not
+
+
+def test_reference_emission_is_the_three_steps(device):
+    from dsv4_kernels import ops
+
+    c = _emit_case(4, 16, "cpu", seed=3)
+    cos, sin = rope_tables(64, 8)
+    E = c["gather_idx"].shape[0]
+    out_loc = torch.arange(E, dtype=torch.int32)
+    got_pool, want_pool = torch.zeros(E, 16), torch.zeros(E, 16)
+    rings = [(c["kv_state"].clone(), c["score_state"].clone()) for _ in range(2)]
+    ape = dict(ape=c["ape"], positions=c["positions"])
+    ops.compressor_emit(*rings[0], c["kv_new"], c["score_new"], c["gather_idx"], 4, torch.empty(E, 16), c["weight"],
+                        1e-6, cos, sin, c["emit_pos"], 8, got_pool, out_loc, ring_write_loc=c["ring_loc"], **ape)
+    pooled = reference.compressor_pool(*rings[1], c["kv_new"], c["score_new"], c["gather_idx"], 4, torch.empty(E, 16),
+                                       **ape)
+    reference.compressor_state_update(*rings[1], c["kv_new"], c["score_new"], c["ring_loc"], True, **ape)
+    reference.rmsnorm_rope_store(pooled, c["weight"], 1e-6, cos, sin, c["emit_pos"], 8, want_pool, out_loc)
+    assert torch.equal(got_pool, want_pool)
+    assert all(torch.equal(a, b) for a, b in zip(rings[0], rings[1]))

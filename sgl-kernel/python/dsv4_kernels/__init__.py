@@ -5,6 +5,7 @@ ground truth. Importing this package never imports triton.
 """
 
 from .ops import (
+    compressor_emit,
     compressor_norm_rope_store,
     compressor_plan,
     compressor_pool,
@@ -33,6 +34,7 @@ from .page_table_list import PageTableList
 
 __all__ = [
     "PageTableList",
+    "compressor_emit",
     "compressor_norm_rope_store",
     "compressor_plan",
     "compressor_pool",

@@ -95,7 +95,27 @@ def _norm_rope_row_kernel(
     row = x_ptr + t * stride_xt + h * stride_xh
     x0 = tl.load(row + 2 * k, mask=k_mask, other=0.0).to(tl.float32)
     x1 = tl.load(row + 2 * k + 1, mask=k_mask, other=0.0).to(tl.float32)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    loc = tl.load(loc_ptr + t).to(tl.int64) if HAS_POOL else t
+    norm_rope_store_row(
+        x0, x1, k, k_mask, pos, loc, out_ptr + t * stride_ot + h * stride_oh, weight_ptr, cos_ptr, sin_ptr,
+        stride_cs, stride_cs_k, pool_ptr, stride_pool, rope_pool_ptr, stride_rope, scale_offset, amax_floor,
+        inv_qmax, D, rope_dim, eps, HAS_NORM, HAS_WEIGHT, INVERSE, HAS_OUT, HAS_POOL, BLOCK_HALF, NOPE_FP8,
+        FP8_ROWS, NUM_SCALES, PAIRS_PER_BLOCK)
 
+
+@triton.jit
+def norm_rope_store_row(
+    x0, x1, k, k_mask, pos, loc, orow, weight_ptr, cos_ptr, sin_ptr, stride_cs, stride_cs_k,
+    pool_ptr, stride_pool, rope_pool_ptr, stride_rope, scale_offset, amax_floor, inv_qmax, D, rope_dim, eps,
+    HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, INVERSE: tl.constexpr,
+    HAS_OUT: tl.constexpr, HAS_POOL: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    NOPE_FP8: tl.constexpr, FP8_ROWS: tl.constexpr, NUM_SCALES: tl.constexpr,
+    PAIRS_PER_BLOCK: tl.constexpr,
+):
+    """One row's pairs (x0 = even dims, x1 = odd, fp32) through the norm, the RoPE at `pos` and
+    the stores: `orow` (the row's output, HAS_OUT) and pool row `loc` (HAS_POOL; -1 skips).
+    Shared by the row kernel and the compressor's fused emission kernel."""
     if HAS_NORM:
         inv_rms = tl.rsqrt((tl.sum(x0 * x0, 0) + tl.sum(x1 * x1, 0)) / D + eps)
         x0 = x0 * inv_rms
@@ -107,7 +127,6 @@ def _norm_rope_row_kernel(
     # RoPE covers the last rope_dim dims: pairs k >= (D - rope_dim) / 2.
     first_rope_pair = (D - rope_dim) // 2
     rope_mask = k_mask & (k >= first_rope_pair)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
     freq = tl.maximum(k - first_rope_pair, 0)
     cs_off = pos * stride_cs + freq * stride_cs_k
     c = tl.load(cos_ptr + cs_off, mask=rope_mask, other=1.0).to(tl.float32)
@@ -118,11 +137,9 @@ def _norm_rope_row_kernel(
     y1 = x0 * s + x1 * c
 
     if HAS_OUT:
-        orow = out_ptr + t * stride_ot + h * stride_oh
-        tl.store(orow + 2 * k, y0.to(out_ptr.dtype.element_ty), mask=k_mask)
-        tl.store(orow + 2 * k + 1, y1.to(out_ptr.dtype.element_ty), mask=k_mask)
+        tl.store(orow + 2 * k, y0.to(orow.dtype.element_ty), mask=k_mask)
+        tl.store(orow + 2 * k + 1, y1.to(orow.dtype.element_ty), mask=k_mask)
     if HAS_POOL:
-        loc = tl.load(loc_ptr + t).to(tl.int64)
         # -1 marks a padding token: nothing is written. (loc is broadcast to a vector before
         # the compare: the interpreter rejects a scalar-bool & vector-bool mask.)
         pmask = k_mask & ((k * 0 + loc) >= 0)

@@ -1,5 +1,9 @@
 """Triton kernels of the KV compressor: per-channel softmax pooling of an emission's rows, and
 the per-request ring-state update. Norm + RoPE + store of the pooled entry reuses cache_write.
+
+`compressor_emit` does all of it in one launch: each program pools one emission (every
+channel), normalises, rotates and stores it, and, when the caller says no emission reads a ring
+row this step writes (a decode step: one token per request), writes one token's ring rows too.
 """
 
 import torch
@@ -7,21 +11,18 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .cache_write import rmsnorm_rope_store
+from .cache_write import INV_E4M3_MAX, norm_rope_store_row, rmsnorm_rope_store
+from .kv_fp8 import KV_FP8_BLOCK, FP8KVLayout
+from .quant_reference import AMAX_FLOOR
 from .host_math import cdiv, next_power_of_2
 
 
 @triton.jit
-def _compressor_pool_kernel(
-    kv_state_ptr, score_state_ptr, kv_new_ptr, score_new_ptr, idx_ptr, out_ptr, ape_ptr, pos_ptr,
-    stride_state, stride_new, stride_idx, stride_out, stride_ape, D,
-    RATIO: tl.constexpr, COFF: tl.constexpr, BLOCK_C: tl.constexpr, HAS_APE: tl.constexpr,
-):
-    e = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_mask = c < D
+def _pool_tile(kv_state_ptr, score_state_ptr, kv_new_ptr, score_new_ptr, idx, c, c_mask, ape_ptr, pos_ptr,
+               stride_state, stride_new, stride_ape, D, RATIO: tl.constexpr, COFF: tl.constexpr,
+               HAS_APE: tl.constexpr):
+    """The pooled values of channels c (fp32) of the emission whose source rows are idx."""
     rows = tl.arange(0, RATIO * COFF)
-    idx = tl.load(idx_ptr + e * stride_idx + rows).to(tl.int64)
     from_state = idx >= 0
     from_new = idx <= -2
     # Ratio 4 overlaps blocks: its first RATIO rows (block i-1) read channel half [0:D], the
@@ -45,8 +46,73 @@ def _compressor_pool_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)
     p = tl.exp(score - m[None, :])
     denom = tl.sum(p, 0)
-    pooled = tl.sum(p * kv, 0) / tl.where(denom > 0, denom, 1.0)
+    return tl.sum(p * kv, 0) / tl.where(denom > 0, denom, 1.0)
+
+
+@triton.jit
+def _compressor_pool_kernel(
+    kv_state_ptr, score_state_ptr, kv_new_ptr, score_new_ptr, idx_ptr, out_ptr, ape_ptr, pos_ptr,
+    stride_state, stride_new, stride_idx, stride_out, stride_ape, D,
+    RATIO: tl.constexpr, COFF: tl.constexpr, BLOCK_C: tl.constexpr, HAS_APE: tl.constexpr,
+):
+    e = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < D
+    idx = tl.load(idx_ptr + e * stride_idx + tl.arange(0, RATIO * COFF)).to(tl.int64)
+    pooled = _pool_tile(kv_state_ptr, score_state_ptr, kv_new_ptr, score_new_ptr, idx, c, c_mask, ape_ptr,
+                        pos_ptr, stride_state, stride_new, stride_ape, D, RATIO, COFF, HAS_APE)
     tl.store(out_ptr + e * stride_out + c, pooled, mask=c_mask)
+
+
+@triton.jit
+def _compressor_emit_kernel(
+    kv_state_ptr, score_state_ptr, kv_new_ptr, score_new_ptr, idx_ptr, pooled_ptr, ape_ptr, pos_ptr,
+    stride_state, stride_new, stride_idx, stride_pooled, stride_ape, D, E,
+    weight_ptr, eps, cos_ptr, sin_ptr, stride_cs, stride_cs_k, emit_pos_ptr, out_loc_ptr,
+    entries_ptr, stride_entries, pool_ptr, stride_pool, rope_pool_ptr, stride_rope, scale_offset,
+    amax_floor, inv_qmax, rope_dim, ring_loc_ptr, T,
+    RATIO: tl.constexpr, COFF: tl.constexpr, BLOCK_C: tl.constexpr, HAS_APE: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, HAS_OUT: tl.constexpr, HAS_POOL: tl.constexpr, NOPE_FP8: tl.constexpr,
+    FP8_ROWS: tl.constexpr, NUM_SCALES: tl.constexpr, PAIRS_PER_BLOCK: tl.constexpr,
+    RING_WRITE: tl.constexpr, BLOCK_RING: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    if i < E:
+        # pool every channel of emission i into its fp32 row of `pooled`, then read that row
+        # back as the row kernel reads its input (even / odd dims)
+        idx = tl.load(idx_ptr + i * stride_idx + tl.arange(0, RATIO * COFF)).to(tl.int64)
+        for c0 in range(0, D, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            c_mask = c < D
+            pooled = _pool_tile(kv_state_ptr, score_state_ptr, kv_new_ptr, score_new_ptr, idx, c, c_mask, ape_ptr,
+                                pos_ptr, stride_state, stride_new, stride_ape, D, RATIO, COFF, HAS_APE)
+            tl.store(pooled_ptr + i * stride_pooled + c, pooled, mask=c_mask)
+        tl.debug_barrier()  # the row's other channels came from other threads of this program
+        k = tl.arange(0, BLOCK_HALF)
+        k_mask = k < D // 2
+        row = pooled_ptr + i * stride_pooled
+        x0 = tl.load(row + 2 * k, mask=k_mask, other=0.0)
+        x1 = tl.load(row + 2 * k + 1, mask=k_mask, other=0.0)
+        pos = tl.load(emit_pos_ptr + i).to(tl.int64)
+        loc = tl.load(out_loc_ptr + i).to(tl.int64) if HAS_POOL else i
+        norm_rope_store_row(
+            x0, x1, k, k_mask, pos, loc, entries_ptr + i * stride_entries, weight_ptr, cos_ptr, sin_ptr,
+            stride_cs, stride_cs_k, pool_ptr, stride_pool, rope_pool_ptr, stride_rope, scale_offset, amax_floor,
+            inv_qmax, D, rope_dim, eps, True, True, False, HAS_OUT, HAS_POOL, BLOCK_HALF, NOPE_FP8, FP8_ROWS,
+            NUM_SCALES, PAIRS_PER_BLOCK)
+    if RING_WRITE:
+        if i < T:  # token i's fresh kv and score (ape added) into its ring row
+            C = COFF * D
+            loc = tl.load(ring_loc_ptr + i).to(tl.int64)
+            for c0 in range(0, C, BLOCK_RING):
+                offs = c0 + tl.arange(0, BLOCK_RING)
+                mask = (offs < C) & ((offs * 0 + loc) >= 0)  # vector compare: see cache_write
+                a = tl.load(kv_new_ptr + i * stride_new + offs, mask=mask)
+                b = tl.load(score_new_ptr + i * stride_new + offs, mask=mask)
+                if HAS_APE:
+                    b += tl.load(ape_ptr + (tl.load(pos_ptr + i) % RATIO) * stride_ape + offs, mask=mask, other=0.0)
+                tl.store(kv_state_ptr + loc * stride_state + offs, a, mask=mask)
+                tl.store(score_state_ptr + loc * stride_state + offs, b, mask=mask)
 
 
 def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out, ape=None, positions=None):
@@ -71,6 +137,64 @@ def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio,
         RATIO=ratio, COFF=coff, BLOCK_C=block_c, HAS_APE=has_ape, num_warps=8 if ratio == 128 else 4,
     )
     return out
+
+
+def compressor_emit(kv_state, score_state, kv_new, score_new, gather_idx, ratio, pooled, norm_weight, eps, cos, sin,
+                    emit_pos, rope_dim, pool, out_loc, entries=None, nope_fp8=False, ape=None, positions=None,
+                    ring_write_loc=None):
+    """compressor_pool into `pooled` ([E, D] fp32 scratch), then rmsnorm_rope_store of its rows
+    (into pool at out_loc, or into entries), and with ring_write_loc compressor_state_update
+    (rows unique), in one launch. ring_write_loc may only be given when no emission reads a
+    ring row this step writes: each request feeds one token (a decode step)."""
+    assert ratio in (4, 128)
+    coff = 2 if ratio == 4 else 1
+    E, R = gather_idx.shape
+    assert R == coff * ratio
+    D = pooled.shape[1]
+    assert kv_state.shape[-1] == coff * D and kv_new.shape[-1] == coff * D
+    assert kv_state.is_contiguous() and score_state.is_contiguous()
+    assert kv_new.stride(-1) == 1 and kv_new.stride() == score_new.stride()
+    assert gather_idx.stride(-1) == 1 and pooled.stride(-1) == 1 and cos.stride() == sin.stride()
+    assert D % 2 == 0 and rope_dim % 2 == 0 and rope_dim <= D
+    T = ring_write_loc.shape[0] if ring_write_loc is not None else 0
+    if max(E, T) == 0:
+        return
+    has_ape = _check_ape(ape, positions, ratio, kv_new)
+    layout = None
+    if pool is not None:
+        assert pool.stride(-1) == 1
+        if pool.dtype == torch.uint8:
+            layout = FP8KVLayout.of_rows(pool, D, rope_dim)
+            layout.check_rows(pool, "compressor_emit pool")
+            nope_fp8 = True
+        else:
+            assert pool.shape[-1] == D
+        if nope_fp8 and layout is None:
+            FP8KVLayout(D, rope_dim)  # validates the nope / rope split
+    if entries is not None:
+        assert entries.shape == (E, D) and entries.stride(-1) == 1
+    rope_pool = layout.rope(pool) if layout is not None else pooled
+    # ratio 128: [128, 16] fp32 tiles (at 4 warps [128, 32] spills on sm_90:
+    # sgl-kernel/benchmark/sm90_resources.py); ratio 4: [8, 256]
+    block_c = min(next_power_of_2(D), 16 if ratio == 128 else 256)
+    _compressor_emit_kernel[(max(E, T),)](
+        kv_state, score_state, kv_new, score_new, gather_idx, pooled, ape if has_ape else pooled,
+        positions if has_ape else gather_idx, kv_state.shape[-1], kv_new.stride(0), gather_idx.stride(0),
+        pooled.stride(0), ape.stride(0) if has_ape else 0, D, E,
+        norm_weight, float(eps), cos, sin, cos.stride(0), cos.stride(1), emit_pos,
+        out_loc if pool is not None else emit_pos,
+        entries if entries is not None else pooled, entries.stride(0) if entries is not None else 0,
+        pool if pool is not None else pooled, pool.stride(0) if pool is not None else 0,
+        rope_pool, rope_pool.stride(0), layout.scale_offset if layout else 0,
+        AMAX_FLOOR, INV_E4M3_MAX, rope_dim,
+        ring_write_loc if ring_write_loc is not None else emit_pos, T,
+        RATIO=ratio, COFF=coff, BLOCK_C=block_c, HAS_APE=has_ape,
+        BLOCK_HALF=max(next_power_of_2(D // 2), KV_FP8_BLOCK // 2), HAS_OUT=entries is not None,
+        HAS_POOL=pool is not None, NOPE_FP8=bool(pool is not None and nope_fp8), FP8_ROWS=layout is not None,
+        NUM_SCALES=(D - rope_dim) // KV_FP8_BLOCK if nope_fp8 else 0, PAIRS_PER_BLOCK=KV_FP8_BLOCK // 2,
+        RING_WRITE=ring_write_loc is not None, BLOCK_RING=min(next_power_of_2(coff * D), 1024),
+        num_warps=4 if D >= 512 else 1,
+    )
 
 
 def compressor_norm_rope_store(pooled, norm_weight, eps, cos, sin, emit_pos, rope_dim, pool,

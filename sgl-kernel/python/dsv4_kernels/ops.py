@@ -74,6 +74,27 @@ def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio,
     return impl.compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out, ape, positions)
 
 
+def compressor_emit(kv_state, score_state, kv_new, score_new, gather_idx, ratio, pooled, norm_weight, eps, cos, sin,
+                    emit_pos, rope_dim, pool, out_loc, entries=None, nope_fp8=False, ape=None, positions=None,
+                    ring_write_loc=None):
+    """A compressor's emissions in one launch on CUDA: compressor_pool into `pooled` (fp32
+    [E, D]), then rmsnorm_rope_store of those rows (into pool at out_loc, or into `entries`
+    unrounded), and with ring_write_loc compressor_state_update of this step's tokens (rows
+    unique). Give ring_write_loc only when no emission reads a ring row the step writes: every
+    request feeds one token (a decode step). Elsewhere the three reference steps in order."""
+    if _use_triton(pooled):
+        _kernels("compressor").compressor_emit(kv_state, score_state, kv_new, score_new, gather_idx, ratio, pooled,
+                                               norm_weight, eps, cos, sin, emit_pos, rope_dim, pool, out_loc, entries,
+                                               nope_fp8, ape, positions, ring_write_loc)
+        return
+    reference.compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, pooled, ape, positions)
+    if ring_write_loc is not None:
+        reference.compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc, True, ape,
+                                          positions)
+    reference.rmsnorm_rope_store(pooled, norm_weight, eps, cos, sin, emit_pos, rope_dim, pool, out_loc,
+                                 kv_out=entries, nope_fp8=nope_fp8)
+
+
 def compressor_norm_rope_store(pooled, norm_weight, eps, cos, sin, emit_pos, rope_dim, pool,
                                emit_out_loc):
     impl = _kernels("compressor") if _use_triton(pooled) else reference

@@ -142,7 +142,7 @@ class DeepseekV4Attention(nn.Module):
             state = pool.compressor_state[self.layer_id]
             self.compressor(x, meta.positions, meta.compressor(self.ratio), state,
                             pool.compressed[self.layer_id], self.rope, kernels,
-                            nope_fp8=pool.nope_fp8)
+                            nope_fp8=pool.nope_fp8, one_token_per_request=meta.one_token_per_request)
         index_q = index_weights = None
         if self.ratio == 4:
             istate = pool.indexer_state[self.layer_id]

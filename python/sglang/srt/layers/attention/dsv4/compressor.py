@@ -65,11 +65,13 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: DSV4CompressorMetadata,
                 state: CompressorState, pool: Optional[torch.Tensor], rope: RotaryTable,
-                kernels=None, nope_fp8: bool = False, entries: Optional[torch.Tensor] = None) -> None:
+                kernels=None, nope_fp8: bool = False, entries: Optional[torch.Tensor] = None,
+                one_token_per_request: bool = False) -> None:
         """Emitted entries go to `pool` in its format (DSV4KVPool): FP8 rows for a uint8 pool;
         nope_fp8 (the pool's flag) FP8-rounds a float pool's nope dims, as the release does.
         With `entries` ([E, D], x's dtype) every emission row goes there instead, unrounded, and
-        pool is not written (the indexer packs its keys from them)."""
+        pool is not written (the indexer packs its keys from them). one_token_per_request
+        (DSV4Metadata's): a decode step, whose ring update may share the pooling's launch."""
         if self.proj_split is not None:
             # one GEMM: kv | score, fp32, same row stride (what the kernels ask of the pair); a
             # decode row takes one GEMV launch (cuBLAS: a concatenation, split-K and its sum)
@@ -83,17 +85,20 @@ class Compressor(nn.Module):
             kv, score = self.wkv(xf), self.wgate(xf)
         pooled = kv.new_empty(meta.gather_idx.shape[0], self.norm.weight.shape[0])
         if kernels is not None:  # dsv4_kernels: pooling, ring update, then norm + RoPE + store
-            # Both kernels add the score's ape row (by position) as they read it: no launches for
+            # The kernels add the score's ape row (by position) as they read it: no launches for
             # `score + ape[p % ratio]`. token_metadata writes a ring row from one token at most
-            # (a request's last R positions): no winner search.
-            kernels.compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled,
-                                    ape=self.ape, positions=positions)
-            kernels.compressor_state_update(state.kv, state.score, kv, score, meta.ring_write_loc,
-                                            rows_unique=True, ape=self.ape, positions=positions)
-            # the KV cache-write kernel (what compressor_norm_rope_store runs), FP8-aware
-            kernels.rmsnorm_rope_store(pooled, self.norm.weight, self.norm.eps, rope.cos, rope.sin,
-                                       meta.positions, rope.rope_dim, pool if entries is None else None,
-                                       meta.out_loc, kv_out=entries, nope_fp8=nope_fp8)
+            # (a request's last R positions): no winner search. One launch for the emissions'
+            # pooling, norm, RoPE and store (FP8-aware, as the KV cache-write kernel); in a decode
+            # step the ring update too, which elsewhere must follow the pooling (a chunk's
+            # emissions read ring rows its own later tokens overwrite).
+            ring = meta.ring_write_loc if one_token_per_request else None
+            kernels.compressor_emit(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled,
+                                    self.norm.weight, self.norm.eps, rope.cos, rope.sin, meta.positions,
+                                    rope.rope_dim, pool if entries is None else None, meta.out_loc, entries=entries,
+                                    nope_fp8=nope_fp8, ape=self.ape, positions=positions, ring_write_loc=ring)
+            if ring is None:
+                kernels.compressor_state_update(state.kv, state.score, kv, score, meta.ring_write_loc,
+                                                rows_unique=True, ape=self.ape, positions=positions)
             return
         score = score + self.ape[positions % self.ratio]
         reference.compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled)

@@ -63,10 +63,12 @@ class Indexer(nn.Module):
             # (padded emissions, -1, are not stored)
             out_loc = meta.c4_compressor.out_loc
             entries = x.new_empty(out_loc.shape[0], self.head_dim)
-            self.compressor(x, meta.positions, meta.c4_compressor, state, None, rope, kernels, entries=entries)
+            self.compressor(x, meta.positions, meta.c4_compressor, state, None, rope, kernels, entries=entries,
+                            one_token_per_request=meta.one_token_per_request)
             (kernels or reference).store_index_keys_fp4(entries, key_pool, out_loc)
         else:
-            self.compressor(x, meta.positions, meta.c4_compressor, state, key_pool, rope, kernels)
+            self.compressor(x, meta.positions, meta.c4_compressor, state, key_pool, rope, kernels,
+                            one_token_per_request=meta.one_token_per_request)
         if self.fp4_qk and key_pool.dtype != torch.uint8:
             # The keys this step emitted, in place and still inside the segment, before the
             # break's select_topk reads them: each entry is written once, so each is rotated

@@ -167,6 +167,8 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
         c4_sparse_topk=index_topk,
         max_seq_len=max_seq,
         num_tokens=T,
+        # breakable graphs replay a bucket for any batch layout, so their segments never assume it
+        one_token_per_request=fb.forward_mode.is_decode() and (full_graph or fixed_max_seq_len is None),
         raw_out_loc=out["raw_out_loc"],
         positions=out["positions"],
         token_rows=out["token_rows"],
