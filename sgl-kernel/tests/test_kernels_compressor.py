@@ -292,8 +292,11 @@ def _emit_case(ratio, D, device, seed):
 @pytest.mark.parametrize("target", ["float pool", "fp8 rows", "entries"])
 @pytest.mark.parametrize("ring_write", [False, True], ids=["ring apart", "ring in the launch"])
 def test_fused_emission_equals_pool_norm_rope_store_and_ring_update(device, ratio, target, ring_write):
-    """compressor_emit gives the bits of compressor_pool, rmsnorm_rope_store (nope FP8 rounding
-    into a float pool, FP8 rows into a uint8 pool, or unrounded entries) and the ring update."""
+    """compressor_emit gives what compressor_pool, rmsnorm_rope_store (nope FP8 rounding into a
+    float pool, FP8 rows into a uint8 pool, or unrounded entries) and the ring update give: the
+    same bits on the interpreter; compiled, the rings' bits and the pooled rows up to the
+    summation order (one launch reduces with the norm kernel's warps), so an FP8 code next to a
+    rounding boundary may land one step over."""
     require_triton()
     from dsv4_kernels import compressor
     from dsv4_kernels.kv_fp8 import FP8KVLayout
@@ -333,9 +336,20 @@ def test_fused_emission_equals_pool_norm_rope_store_and_ring_update(device, rati
         return kv_state, score_state, pooled, pool, entries
 
     want, got = run(emit=False), run(emit=True)
+    exact = not got[2].is_cuda
+    if target == "fp8 rows":  # compared as the values the rows hold
+        layout = FP8KVLayout(D, rope_dim, torch.float32)
+        want, got = [(*r[:3], layout.unpack(r[3]), r[4]) for r in (want, got)]
     for name, w, g in zip(("kv ring", "score ring", "pooled", "pool", "entries"), want, got):
-        if w is not None:
+        if w is None:
+            continue
+        if exact or name.endswith("ring"):
             assert torch.equal(g, w), name
+        elif name == "pool" and target != "entries":  # FP8-rounded nope dims: one e4m3 step at most
+            torch.testing.assert_close(g, w, rtol=0.125, atol=1e-6, msg=name)
+            assert (g != w).float().mean() <= 0.01, name
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=name)
     emitting = c["gather_idx"].ne(-1).any(1)
     assert 0 < int(emitting.sum()) < E  # some tokens complete a block, others do not
 

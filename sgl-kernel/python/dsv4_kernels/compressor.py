@@ -4,6 +4,8 @@ the per-request ring-state update. Norm + RoPE + store of the pooled entry reuse
 `compressor_emit` does all of it in one launch: each program pools one emission (every
 channel), normalises, rotates and stores it, and, when the caller says no emission reads a ring
 row this step writes (a decode step: one token per request), writes one token's ring rows too.
+The model runs it at ratio 4 only: at ratio 128 one program pooling 128 rows of every channel
+took 44.8 us at decode on an H200, the separate pool / update / norm launches 7 us.
 """
 
 import torch

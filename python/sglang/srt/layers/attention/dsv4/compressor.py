@@ -87,18 +87,31 @@ class Compressor(nn.Module):
         if kernels is not None:  # dsv4_kernels: pooling, ring update, then norm + RoPE + store
             # The kernels add the score's ape row (by position) as they read it: no launches for
             # `score + ape[p % ratio]`. token_metadata writes a ring row from one token at most
-            # (a request's last R positions): no winner search. One launch for the emissions'
-            # pooling, norm, RoPE and store (FP8-aware, as the KV cache-write kernel); in a decode
-            # step the ring update too, which elsewhere must follow the pooling (a chunk's
-            # emissions read ring rows its own later tokens overwrite).
-            ring = meta.ring_write_loc if one_token_per_request else None
-            kernels.compressor_emit(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled,
-                                    self.norm.weight, self.norm.eps, rope.cos, rope.sin, meta.positions,
-                                    rope.rope_dim, pool if entries is None else None, meta.out_loc, entries=entries,
-                                    nope_fp8=nope_fp8, ape=self.ape, positions=positions, ring_write_loc=ring)
-            if ring is None:
-                kernels.compressor_state_update(state.kv, state.score, kv, score, meta.ring_write_loc,
-                                                rows_unique=True, ape=self.ape, positions=positions)
+            # (a request's last R positions): no winner search.
+            if self.ratio == 4:
+                ring = meta.ring_write_loc if one_token_per_request else None
+                # One launch for the emissions' pooling, norm, RoPE and store (FP8-aware, as the
+                # KV cache-write kernel), in a decode step the ring update too, which elsewhere
+                # must follow the pooling (a chunk's emissions read ring rows its later tokens
+                # overwrite). Not at ratio 128: one program pooling 128 rows x 512 channels alone
+                # took 44.8 us at decode on an H200, the three launches 7.
+                kernels.compressor_emit(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled,
+                                        self.norm.weight, self.norm.eps, rope.cos, rope.sin, meta.positions,
+                                        rope.rope_dim, pool if entries is None else None, meta.out_loc,
+                                        entries=entries, nope_fp8=nope_fp8, ape=self.ape, positions=positions,
+                                        ring_write_loc=ring)
+                if ring is None:
+                    kernels.compressor_state_update(state.kv, state.score, kv, score, meta.ring_write_loc,
+                                                    rows_unique=True, ape=self.ape, positions=positions)
+                return
+            kernels.compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled,
+                                    ape=self.ape, positions=positions)
+            kernels.compressor_state_update(state.kv, state.score, kv, score, meta.ring_write_loc,
+                                            rows_unique=True, ape=self.ape, positions=positions)
+            # the KV cache-write kernel (what compressor_norm_rope_store runs), FP8-aware
+            kernels.rmsnorm_rope_store(pooled, self.norm.weight, self.norm.eps, rope.cos, rope.sin,
+                                       meta.positions, rope.rope_dim, pool if entries is None else None,
+                                       meta.out_loc, kv_out=entries, nope_fp8=nope_fp8)
             return
         score = score + self.ape[positions % self.ratio]
         reference.compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled)
