@@ -28,7 +28,7 @@ import torch
 
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.sampling.sampling_params import SamplingParams
-from sglang.srt.server_args import add_cli_args, from_cli_args
+from sglang.srt.server_args_cli import add_cli_args, from_cli_args
 
 
 def _sync(device) -> None:

@@ -29,7 +29,8 @@ from typing import Dict, List
 
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.sampling.sampling_params import SamplingParams
-from sglang.srt.server_args import ServerArgs, add_cli_args, from_cli_args
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_args_cli import add_cli_args, from_cli_args
 
 _FIRST_TOKEN_ID = 3  # keep prompts clear of bos / eos / pad
 

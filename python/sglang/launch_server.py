@@ -18,7 +18,8 @@ import sys
 from sglang.srt.entrypoints.http_server import serve
 from sglang.srt.managers.dp.supervisor import run_headless_node
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
-from sglang.srt.server_args import ServerArgs, prepare_server_args
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_args_cli import prepare_server_args
 
 logger = logging.getLogger("sglang.launch_server")
 

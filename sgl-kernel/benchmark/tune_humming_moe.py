@@ -8,9 +8,11 @@ activation type (--acts: fp8 = release numerics, bf16 = weight-only), the candid
 the configurations of the backend's current list (humming's heuristics without a data file)
 plus --sample configurations from humming's candidate generator. All are compiled first
 (in parallel), then each is timed alone at every T of --t (uniform random top-6 routing,
-CUDA-graph replays, cold L2, median of REPS), and the fastest wins that T. Consecutive T whose
-winner is the same configuration merge into one M range; range edges sit halfway between grid
-points (in the rows the backend looks up: T x top-k x local / total experts). A candidate that
+CUDA-graph replays, cold L2, median of REPS), and so is moe_align at each block height. Per T
+the pair of gate/up and down configurations with the least GEMM + alignment time wins: the
+step aligns once per distinct block height, so a pair sharing one saves a launch. Consecutive
+T whose winner is the same configuration merge into one M range; range edges sit halfway
+between grid points (in the rows the backend looks up: T x top-k x local / total experts). A candidate that
 fails to launch or disagrees with the current one is dropped.
 
     python sgl-kernel/benchmark/tune_humming_moe.py [--experts 256 128] [--acts fp8] [--sample 12]
@@ -20,7 +22,8 @@ A --t grid that stops short of the default's largest T retunes only the rows up 
 the file's earlier ranges above that are kept (spliced). Lists of other GEMMs, expert counts
 and activation types stay as they were.
 
-Prints every T's best time beside the current configuration's (the gain tuning buys).
+Prints every T's best time beside the current configuration's (the gain tuning buys), per GEMM
+and for the pair with its alignments.
 """
 
 import argparse
@@ -64,7 +67,8 @@ def current(gemm, m: int) -> dict:
 
 
 def tune_one(experts, name: str, t_grid, sample: int, gen):
-    """{T: (best config, best ms, current ms)} for one GEMM of one experts module."""
+    """{T: ({config key: (ms, config)} of every candidate that ran right, the current one's key)}
+    for one GEMM of one experts module."""
     from dsv4_kernels.moe import moe_align
     from dsv4_kernels.moe_act import quantize_rows
     from humming.forward import humming_forward
@@ -124,10 +128,47 @@ def tune_one(experts, name: str, t_grid, sample: int, gen):
                 print(f"  {name} T={T}: candidate failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
         base_key = json.dumps(base, sort_keys=True)
         best_ms, best = min(times.values(), key=lambda v: v[0])
-        results[T] = (best, best_ms, times[base_key][0])
+        results[T] = (times, base_key)
         print(f"  {name} T={T:<6} best {best_ms * 1e3:8.1f} us (block {best['block_shape']}) vs current "
               f"{times[base_key][0] * 1e3:8.1f} us  ({len(times)} candidates)", flush=True)
     return results
+
+
+def block_height(config: dict) -> int:
+    """The rows of an expert block, what moe_align pads each expert's group to."""
+    return int(config["block_shape"][0])
+
+
+def align_times(n_local: int, t_grid, blocks, gen) -> dict:
+    """{T: {block height: ms of one moe_align launch}} at uniform random top-6 routing."""
+    from dsv4_kernels.moe import moe_align
+
+    out = {}
+    for T in t_grid:
+        _, ids = torch.randn(T, N_TOTAL, device="cuda", generator=gen).topk(TOPK, dim=1)
+        ids = ids.int()
+        out[T] = {b: time_graph(lambda b=b: moe_align(ids, n_local, b, return_used=True)) for b in sorted(blocks)}
+    return out
+
+
+def pick_pairs(w13: dict, w2: dict, align: dict) -> dict:
+    """{T: (gate/up config, down config, step ms, current step ms)}: per T the pair of candidates
+    whose GEMMs and alignments cost least together. The step aligns once per distinct block
+    height (humming_moe.HummingFp4MoE.forward), so two fast GEMMs of different heights can lose
+    to a pair sharing one."""
+    out = {}
+    for T in w13:
+        (times13, base13), (times2, base2) = w13[T], w2[T]
+
+        def cost(c13, c2):
+            heights = {block_height(c13), block_height(c2)}
+            return sum(align[T][h] for h in heights)
+
+        best = min(((t13 + t2 + cost(c13, c2), c13, c2) for t13, c13 in times13.values() for t2, c2 in times2.values()),
+                   key=lambda v: v[0])
+        (t13, c13), (t2, c2) = times13[base13], times2[base2]
+        out[T] = (best[1], best[2], best[0], t13 + t2 + cost(c13, c2))
+    return out
 
 
 def rows_of(T: int, n_local: int) -> int:
@@ -183,13 +224,21 @@ def main():
         packed = fp4_expert_weights(n_local, gen)
         for act in a.acts:
             experts = make_experts(N_TOTAL, n_local, act == "fp8", "humming", packed)
+            times = {}
             for name in ("w13", "w2"):
                 g = experts.humming[name]
                 print(f"== {name} n={g.config.shape_n} k={g.config.shape_k} experts {n_local}/{N_TOTAL} act {act}",
                       flush=True)
-                results = tune_one(experts, name, a.t, a.sample, gen)
+                times[name] = tune_one(experts, name, a.t, a.sample, gen)
+            heights = {block_height(c) for per_t in times.values() for ts, _ in per_t.values() for _, c in ts.values()}
+            pairs = pick_pairs(times["w13"], times["w2"], align_times(n_local, a.t, heights, gen))
+            for T, (c13, c2, ms, current_ms) in pairs.items():
+                print(f"  pair T={T:<6} {ms * 1e3:8.1f} us with alignments (blocks {block_height(c13)}, "
+                      f"{block_height(c2)}) vs current {current_ms * 1e3:8.1f} us", flush=True)
+            for j, name in enumerate(("w13", "w2")):
+                g = experts.humming[name]
                 key = gemm_key(name, g.config.shape_n, g.config.shape_k, n_local, N_TOTAL, act == "fp8")
-                new = ranges(results, n_local)
+                new = ranges({T: (pair[j],) for T, pair in pairs.items()}, n_local)
                 if key in tuned and max(a.t) < max(T_GRID):  # a partial grid: splice into the old list
                     new = splice(new, tuned[key], rows_of(max(a.t), n_local))
                 tuned[key] = new

@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 ENTRY_POINTS = [
-    "sglang.srt.server_args",  # python -m sglang.launch_server
+    "sglang.srt.server_args_cli",  # python -m sglang.launch_server
     "sglang.bench_one_batch",
     "sglang.bench_offline_throughput",
     "sglang.bench_serving",
@@ -25,7 +25,8 @@ def test_every_option_has_help(module):
 
 
 def test_launch_server_parser_is_the_server_args_cli():
-    from sglang.srt.server_args import ServerArgs, make_parser
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.server_args_cli import make_parser
 
     flags = {a.option_strings[0] for a in make_parser()._actions if a.option_strings}
     want = {"--" + f.name.replace("_", "-") for f in ServerArgs.__dataclass_fields__.values() if f.name != "resolved"}
@@ -33,7 +34,7 @@ def test_launch_server_parser_is_the_server_args_cli():
 
 
 def test_server_help_states_plain_defaults():
-    from sglang.srt.server_args import make_parser
+    from sglang.srt.server_args_cli import make_parser
 
     helps = {a.dest: a.help for a in make_parser()._actions}
     assert helps["port"].startswith("HTTP port (default 30000)")

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from sglang.srt.configs.presets import get_preset
-from sglang.srt.server_args import ServerArgs, prepare_server_args
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_args_cli import prepare_server_args
 
 GiB = 2**30
 
@@ -242,7 +243,7 @@ def test_kv_cache_dtype_default_runs_the_runner_with_fp8_rows_and_packed_indexer
 
 
 def test_kv_cache_dtype_help_states_the_default():
-    from sglang.srt.server_args import make_parser
+    from sglang.srt.server_args_cli import make_parser
 
     help_ = {a.dest: a.help for a in make_parser()._actions}["kv_cache_dtype"]
     assert "Default: fp8_e4m3 when the model runs the release numerics" in help_ and "else auto" in help_

@@ -7,13 +7,11 @@ Everything downstream (runner, scheduler, server) takes a resolved object.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
-from sglang.srt.server_args_help import HELP
 
 DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
@@ -276,16 +274,6 @@ class ServerArgs:
     def chunked_prefill_enabled(self) -> bool:
         return self.chunked_prefill_size is not None and self.chunked_prefill_size > 0
 
-    # ---- CLI ---------------------------------------------------------------------------
-
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        add_cli_args(parser)
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
-        return from_cli_args(args)
-
 
 def default_kv_cache_dtype(quant_numerics: str) -> str:
     """--kv-cache-dtype when it is not given, from the resolved --quant-numerics: fp8_e4m3 for a
@@ -341,7 +329,7 @@ def _validate(a: ServerArgs) -> None:
         if getattr(a, name) is None and name in _DEFAULT_AT_RESOLVE:
             continue
         if getattr(a, name) not in choices:
-            raise ValueError(f"--{_flag(name)} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
+            raise ValueError(f"--{flag_name(name)} must be one of {', '.join(choices)}, got {getattr(a, name)!r}")
     if not isinstance(a.disable_overlap_schedule, bool):
         raise ValueError(f"--disable-overlap-schedule must be true or false, got {a.disable_overlap_schedule!r}")
     if a.enable_prefix_caching is not None and not isinstance(a.enable_prefix_caching, bool):
@@ -362,7 +350,7 @@ def _validate(a: ServerArgs) -> None:
                  "cuda_graph_max_bs"):
         v = getattr(a, name)
         if v is not None and v <= 0:
-            raise ValueError(f"--{_flag(name)} must be positive, got {v}")
+            raise ValueError(f"--{flag_name(name)} must be positive, got {v}")
     if a.max_total_tokens is not None and a.max_total_tokens < a.page_size:
         raise ValueError(f"--max-total-tokens must be at least one page ({a.page_size}), got {a.max_total_tokens}")
     if a.chunked_prefill_size is not None and a.chunked_prefill_size != -1 and a.chunked_prefill_size <= 0:
@@ -418,7 +406,6 @@ def _validate_speculative(a: ServerArgs) -> None:
     if steps is not None and (not isinstance(steps, int) or not 1 <= steps <= SPECULATIVE_MAX_STEPS):
         raise ValueError(f"--speculative-num-steps must be an integer in [1, {SPECULATIVE_MAX_STEPS}], "
                          f"got {a.speculative_num_steps!r}")
-    # combinations speculative decoding does not run with yet: refused here, before anything loads
 
 
 # Choice fields whose unset value (None) resolve() replaces with a default of its own.
@@ -432,7 +419,8 @@ def _check_dist_init_addr(addr: str) -> None:
         raise ValueError(f"--dist-init-addr must be host:port with a port in [1, 65534], got {addr!r}")
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """A field's command-line flag without its dashes (`max_total_tokens` -> `max-total-tokens`)."""
     return name.replace("_", "-")
 
 
@@ -443,63 +431,4 @@ def _query_gpu_free_memory() -> int:
     return free
 
 
-# ---- CLI ----------------------------------------------------------------------------------
-
-_HELP = {
-    **HELP,
-    "speculative_num_steps": f"tokens the MTP layer drafts per step, 1..{SPECULATIVE_MAX_STEPS} (default "
-                             f"{SPECULATIVE_DEFAULT_STEPS} with --speculative-algorithm)",
-}
-
-_CHOICES = {
-    "load_format": LOAD_FORMATS, "dtype": DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS,
-    "quant_numerics": QUANT_NUMERICS, "kv_cache_dtype": KV_CACHE_DTYPES,
-    "schedule_policy": SCHEDULE_POLICIES, "load_balance_method": LOAD_BALANCE_METHODS,
-    "dp_idle_policy": DP_IDLE_POLICIES, "log_level": LOG_LEVELS, "moe_dispatcher": MOE_DISPATCHERS,
-    "segment_kernels": SEGMENT_KERNELS, "moe_backend": MOE_BACKENDS, "speculative_algorithm": SPECULATIVE_ALGORITHMS[1:],
-    "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS,
-}
-_INT_FIELDS = {"load_balance_max_imbalance", "num_layers", "random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
-               "chunked_prefill_size", "breakable_cuda_graph_max_tokens", "cuda_graph_max_bs", "dp_size", "nnodes",
-               "node_rank", "stream_interval", "max_request_bytes", "speculative_num_steps"}
-_FLOAT_FIELDS = {"mem_fraction_static", "watchdog_timeout", "shutdown_timeout", "prefix_cache_state_gb"}
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    for f in dataclasses.fields(ServerArgs):
-        if f.name == "resolved":
-            continue
-        flag, help_ = f"--{_flag(f.name)}", _HELP.get(f.name)
-        if help_ is not None and f.default not in (None, False) and "default" not in help_:
-            help_ += f" (default {f.default})"
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", help=help_)
-        elif f.type in ("Optional[bool]", Optional[bool]):  # unset (None): resolve() decides
-            parser.add_argument(flag, action="store_true", default=None, help=help_)
-        elif f.name == "breakable_cuda_graph_tokens":
-            parser.add_argument(flag, type=int, nargs="+", default=None, help=help_)
-        else:
-            kind = int if f.name in _INT_FIELDS else float if f.name in _FLOAT_FIELDS else str
-            parser.add_argument(flag, type=kind, default=f.default, choices=_CHOICES.get(f.name), help=help_)
-
-
-def from_cli_args(args: argparse.Namespace) -> ServerArgs:
-    names = [f.name for f in dataclasses.fields(ServerArgs) if f.name != "resolved"]
-    return ServerArgs(**{n: getattr(args, n) for n in names if hasattr(args, n)})
-
-
-def make_parser() -> argparse.ArgumentParser:
-    """The command line of `python -m sglang.launch_server`."""
-    parser = argparse.ArgumentParser(prog="python -m sglang.launch_server", description="DeepSeek-V4 serving runtime")
-    add_cli_args(parser)
-    return parser
-
-
-def prepare_server_args(argv: Sequence[str]) -> ServerArgs:
-    """Parse a command line into (unresolved) ServerArgs; the launcher resolves it once it
-    knows whether CUDA is available."""
-    return from_cli_args(make_parser().parse_args(list(argv)))
-
-
-__all__: List[str] = ["ServerArgs", "add_cli_args", "from_cli_args", "make_parser", "prepare_server_args"]
-
+__all__: List[str] = ["ServerArgs", "flag_name"]

@@ -182,6 +182,22 @@ def norm_rope_store_row(
             tl.store(prow + 2 * k + 1, y1.to(pool_ptr.dtype.element_ty), mask=pmask)
 
 
+def pool_layout(pool, D, rope_dim, nope_fp8, what):
+    """(the FP8 row layout of a uint8 KV pool or None, whether its nope dims are FP8-rounded):
+    a uint8 pool always is; a float pool when nope_fp8. Checks the pool's rows and the split."""
+    if pool is None:
+        return None, nope_fp8
+    assert pool.stride(-1) == 1
+    if pool.dtype == torch.uint8:
+        layout = FP8KVLayout.of_rows(pool, D, rope_dim)
+        layout.check_rows(pool, what)
+        return layout, True
+    assert pool.shape[-1] == D
+    if nope_fp8:
+        FP8KVLayout(D, rope_dim)  # validates the nope / rope split
+    return None, nope_fp8
+
+
 def _launch(x3, weight, eps, cos, sin, positions, rope_dim, out3, pool, out_loc, *, norm, inverse,
             nope_fp8=False):
     """x3/out3 are [T, H, D] views; pool/out_loc optional. A uint8 pool holds FP8 KV rows."""
@@ -191,17 +207,7 @@ def _launch(x3, weight, eps, cos, sin, positions, rope_dim, out3, pool, out_loc,
     assert x3.stride(-1) == 1 and cos.stride() == sin.stride()
     has_out = out3 is not None
     has_pool = pool is not None
-    layout = None
-    if has_pool:
-        assert pool.stride(-1) == 1
-        if pool.dtype == torch.uint8:
-            layout = FP8KVLayout.of_rows(pool, D, rope_dim)
-            layout.check_rows(pool, "rmsnorm_rope_store pool")
-            nope_fp8 = True
-        else:
-            assert pool.shape[-1] == D
-        if nope_fp8 and layout is None:
-            FP8KVLayout(D, rope_dim)  # validates the nope / rope split
+    layout, nope_fp8 = pool_layout(pool, D, rope_dim, nope_fp8, "rmsnorm_rope_store pool")
     if has_out:
         assert out3.stride(-1) == 1
     if T == 0:

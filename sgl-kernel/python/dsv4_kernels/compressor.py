@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .cache_write import INV_E4M3_MAX, norm_rope_store_row, rmsnorm_rope_store
-from .kv_fp8 import KV_FP8_BLOCK, FP8KVLayout
+from .cache_write import INV_E4M3_MAX, norm_rope_store_row, pool_layout, rmsnorm_rope_store
+from .kv_fp8 import KV_FP8_BLOCK
 from .quant_reference import AMAX_FLOOR
 from .host_math import cdiv, next_power_of_2
 
@@ -117,7 +117,8 @@ def _compressor_emit_kernel(
                 tl.store(score_state_ptr + loc * stride_state + offs, b, mask=mask)
 
 
-def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out, ape=None, positions=None):
+def _pool_args(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out):
+    """(coff, emissions E, channels D) of a pooling call, its tensors checked."""
     assert ratio in (4, 128)
     coff = 2 if ratio == 4 else 1
     E, R = gather_idx.shape
@@ -127,6 +128,11 @@ def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio,
     assert kv_state.is_contiguous() and score_state.is_contiguous()
     assert kv_new.stride(-1) == 1 and kv_new.stride() == score_new.stride()
     assert gather_idx.stride(-1) == 1 and out.stride(-1) == 1
+    return coff, E, D
+
+
+def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out, ape=None, positions=None):
+    coff, E, D = _pool_args(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out)
     if E == 0:
         return out
     # Register-sized tiles of [R, BLOCK_C] fp32 (sm_90 reports: no spills; sgl-kernel/benchmark/sm90_resources.py).
@@ -148,31 +154,13 @@ def compressor_emit(kv_state, score_state, kv_new, score_new, gather_idx, ratio,
     (into pool at out_loc, or into entries), and with ring_write_loc compressor_state_update
     (rows unique), in one launch. ring_write_loc may only be given when no emission reads a
     ring row this step writes: each request feeds one token (a decode step)."""
-    assert ratio in (4, 128)
-    coff = 2 if ratio == 4 else 1
-    E, R = gather_idx.shape
-    assert R == coff * ratio
-    D = pooled.shape[1]
-    assert kv_state.shape[-1] == coff * D and kv_new.shape[-1] == coff * D
-    assert kv_state.is_contiguous() and score_state.is_contiguous()
-    assert kv_new.stride(-1) == 1 and kv_new.stride() == score_new.stride()
-    assert gather_idx.stride(-1) == 1 and pooled.stride(-1) == 1 and cos.stride() == sin.stride()
-    assert D % 2 == 0 and rope_dim % 2 == 0 and rope_dim <= D
+    coff, E, D = _pool_args(kv_state, score_state, kv_new, score_new, gather_idx, ratio, pooled)
+    assert cos.stride() == sin.stride() and D % 2 == 0 and rope_dim % 2 == 0 and rope_dim <= D
     T = ring_write_loc.shape[0] if ring_write_loc is not None else 0
     if max(E, T) == 0:
         return
     has_ape = _check_ape(ape, positions, ratio, kv_new)
-    layout = None
-    if pool is not None:
-        assert pool.stride(-1) == 1
-        if pool.dtype == torch.uint8:
-            layout = FP8KVLayout.of_rows(pool, D, rope_dim)
-            layout.check_rows(pool, "compressor_emit pool")
-            nope_fp8 = True
-        else:
-            assert pool.shape[-1] == D
-        if nope_fp8 and layout is None:
-            FP8KVLayout(D, rope_dim)  # validates the nope / rope split
+    layout, nope_fp8 = pool_layout(pool, D, rope_dim, nope_fp8, "compressor_emit pool")
     if entries is not None:
         assert entries.shape == (E, D) and entries.stride(-1) == 1
     rope_pool = layout.rope(pool) if layout is not None else pooled

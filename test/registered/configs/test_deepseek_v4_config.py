@@ -250,7 +250,8 @@ def test_num_layers_keeps_the_dims_the_pattern_and_the_mtp_entry():
 
 def test_num_layers_server_arg_reaches_the_model_config(tmp_path):
     from sglang.srt.configs.presets import write_config
-    from sglang.srt.server_args import ServerArgs, prepare_server_args
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.server_args_cli import prepare_server_args
 
     args = prepare_server_args(["--model-path", "dsv4-tiny", "--num-layers", "2"])
     assert args.num_layers == 2

@@ -10,7 +10,8 @@ from sglang.srt.managers.dp.prefix_tree import RankPrefixTree, block_keys
 from sglang.srt.managers.dp.router import DPRouter
 from sglang.srt.managers.io_struct import WAKE, GenerateReqInput, TokenOut
 from sglang.srt.sampling.sampling_params import SamplingParams
-from sglang.srt.server_args import ServerArgs, prepare_server_args
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_args_cli import prepare_server_args
 
 P = 4  # a small page keeps the prompts readable
 

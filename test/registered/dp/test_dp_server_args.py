@@ -9,7 +9,8 @@ from sglang.srt.managers.dp.supervisor import controller_address, node_ranks
 from sglang.srt.managers.io_struct import GenerateReqInput, TokenOut
 from sglang.srt.managers.scheduler_process import WAKE, check_same_args
 from sglang.srt.sampling.sampling_params import SamplingParams
-from sglang.srt.server_args import ServerArgs, prepare_server_args
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_args_cli import prepare_server_args
 
 DP2 = dict(enable_dp_attention=True, dp_size=2)
 

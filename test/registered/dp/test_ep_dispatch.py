@@ -68,7 +68,8 @@ def test_the_dp_context_carries_the_dispatcher_it_is_given():
 
 
 def test_moe_dispatcher_server_arg():
-    from sglang.srt.server_args import ServerArgs, prepare_server_args
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.server_args_cli import prepare_server_args
 
     assert ServerArgs().moe_dispatcher == "gather"
     assert prepare_server_args(["--moe-dispatcher", "gather"]).moe_dispatcher == "gather"

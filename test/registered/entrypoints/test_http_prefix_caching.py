@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from sglang.srt.server_args import prepare_server_args
+from sglang.srt.server_args_cli import prepare_server_args
 
 from test_http_server import Server, _server_command  # noqa: E402  (same directory)
 

@@ -10,7 +10,8 @@ import torch
 from sglang.srt.layers.moe import backends
 from sglang.srt.layers.moe.backends import make_fp4_backend, resolve_moe_backend
 from sglang.srt.layers.moe.experts import Fp4RoutedExperts
-from sglang.srt.server_args import MOE_BACKENDS, ServerArgs, prepare_server_args
+from sglang.srt.server_args import MOE_BACKENDS, ServerArgs
+from sglang.srt.server_args_cli import prepare_server_args
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 

@@ -171,7 +171,8 @@ def test_seeded_sampling_is_the_same_with_and_without_overlap():
 
 
 def test_server_args_flag_defaults_to_overlap_and_is_validated():
-    from sglang.srt.server_args import ServerArgs, prepare_server_args
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.server_args_cli import prepare_server_args
 
     assert ServerArgs().disable_overlap_schedule is False
     assert prepare_server_args(["--disable-overlap-schedule"]).disable_overlap_schedule is True

@@ -14,10 +14,12 @@ checks and outputs only ever read `output_ids`, the tokens the host knows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from sglang.srt.layers.sampler import make_generator
+from sglang.srt.managers.io_struct import GenerateReqInput, TokenOut, check_logprob_args, check_prompt_ids
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, build_forward_batch
 from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -54,6 +56,44 @@ class Req:
 
     def __post_init__(self):
         assert len(self.origin_input_ids) > 0, "a request needs at least one prompt token"
+
+    @classmethod
+    def from_input(cls, req_in: GenerateReqInput, vocab_size: int, context_length: int, max_tokens: int, *,
+                   has_tokenizer: bool, arrival_seq: int) -> "Req":
+        """A queued request from its input; ValueError when it can never be served (the
+        prompt's ids and length, the sampling and logprob arguments, stop strings without a
+        tokenizer to match them)."""
+        params = req_in.sampling_params
+        if isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(params).__name__}")
+        params.verify(vocab_size)
+        if params.stop and not has_tokenizer:
+            raise ValueError("stop strings need a tokenizer; this scheduler has no decode_fn")
+        if not isinstance(req_in.rid, str) or not req_in.rid:
+            raise ValueError(f"rid must be a non-empty string, got {req_in.rid!r}")
+        ids = check_prompt_ids(req_in.input_ids, vocab_size, context_length, max_tokens)
+        check_logprob_args(req_in.return_logprob, req_in.top_logprobs_num)
+        return cls(rid=req_in.rid, origin_input_ids=list(ids), sampling_params=params, stream=req_in.stream,
+                   return_logprob=req_in.return_logprob, top_logprobs_num=req_in.top_logprobs_num,
+                   arrival_seq=arrival_seq, generator=make_generator(params.seed) if params.seed is not None else None)
+
+    def token_out(self) -> TokenOut:
+        """The outputs since the last report (marked reported), with the request's state."""
+        sent, self.num_sent = self.num_sent, len(self.output_ids)
+        return TokenOut(
+            rid=self.rid,
+            new_token_ids=self.output_ids[sent:],
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            prompt_tokens=len(self.origin_input_ids),
+            completion_tokens=len(self.output_ids),
+            error=self.error,
+            new_logprobs=self.output_logprobs[sent:] if self.return_logprob else None,
+            new_top_logprobs=self.output_top_logprobs[sent:] if self.top_logprobs_num else None,
+            cached_tokens=self.cached_tokens,
+        )
 
     @property
     def seq_len(self) -> int:
@@ -95,6 +135,17 @@ class ScheduleBatch:
     extend_lens: List[int]  # tokens fed per request this step
     num_prefill_reqs: int  # the leading reqs are prefill chunks, the rest decode rows
     drafts: Optional[List[List[int]]] = None  # per decode row: the draft tokens it feeds after its own
+
+    @classmethod
+    def of(cls, prefill: List[Tuple[Req, int]], decode: List[Req],
+           drafts: Optional[List[List[int]]] = None) -> Optional["ScheduleBatch"]:
+        """The batch of prefill chunks (req, tokens) and decode rows (with their drafts), or
+        None when both are empty."""
+        if not prefill and not decode:
+            return None
+        drafts = drafts or [[] for _ in decode]
+        return cls(reqs=[r for r, _ in prefill] + decode, extend_lens=[n for _, n in prefill] + [1 + len(d) for d in drafts],
+                   num_prefill_reqs=len(prefill), drafts=drafts if any(drafts) else None)
 
     def __post_init__(self):
         assert self.reqs and len(self.reqs) == len(self.extend_lens)

@@ -49,14 +49,13 @@ import logging
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from sglang.srt.layers.logprobs import token_logprobs
-from sglang.srt.layers.sampler import Sampler, make_generator
+from sglang.srt.layers.sampler import Sampler
 from sglang.srt.managers.scripted_outputs import ScriptedOutputs
-from sglang.srt.managers.io_struct import GenerateReqInput, TokenOut, check_logprob_args, check_prompt_ids
+from sglang.srt.managers.io_struct import GenerateReqInput, TokenOut
 from sglang.srt.managers.overlap import FutureMap, LaunchedStep, rows_to_device
 from sglang.srt.managers.prefix_caching import make_prefix_caching
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, check_finished, eos_ids_of
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.speculative import make_speculator
 
 logger = logging.getLogger(__name__)
@@ -109,25 +108,10 @@ class Scheduler:
 
     def add_request(self, req_in: GenerateReqInput) -> None:
         """Queue a request; ValueError (and no state kept) when it can never be served."""
-        params = req_in.sampling_params
-        if isinstance(params, dict):
-            params = SamplingParams.from_dict(params)
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(params).__name__}")
-        params.verify(self.vocab_size)
-        if params.stop and self.decode_fn is None:
-            raise ValueError("stop strings need a tokenizer; this scheduler has no decode_fn")
-        if not isinstance(req_in.rid, str) or not req_in.rid:
-            raise ValueError(f"rid must be a non-empty string, got {req_in.rid!r}")
         if req_in.rid in self._live:
             raise ValueError(f"a request with rid {req_in.rid!r} is already running")
-        ids = check_prompt_ids(req_in.input_ids, self.vocab_size, self.context_length,
-                               self.pool.pages.capacity * self.page_size)
-        check_logprob_args(req_in.return_logprob, req_in.top_logprobs_num)
-        req = Req(rid=req_in.rid, origin_input_ids=list(ids), sampling_params=params, stream=req_in.stream,
-                  return_logprob=req_in.return_logprob, top_logprobs_num=req_in.top_logprobs_num,
-                  arrival_seq=self._next_arrival,
-                  generator=make_generator(params.seed) if params.seed is not None else None)
+        req = Req.from_input(req_in, self.vocab_size, self.context_length, self.pool.pages.capacity * self.page_size,
+                             has_tokenizer=self.decode_fn is not None, arrival_seq=self._next_arrival)
         self._next_arrival += 1
         self._live[req.rid] = req
         self.waiting.append(req)
@@ -142,7 +126,7 @@ class Scheduler:
         # step is already enqueued, and whatever reuses the pages is enqueued after it on the
         # same stream. Its in-flight token is dropped when that step is processed.
         self._finish(req, {"type": "abort", "message": "aborted by the client"}, count="aborted")
-        self._pending_outs.append(self._token_out(req))
+        self._pending_outs.append(req.token_out())
         return True
 
     def has_work(self) -> bool:
@@ -229,32 +213,19 @@ class Scheduler:
             chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else self.max_step_tokens
             budget = max(1, min(chunk, self.max_step_tokens) - len(decode) - sum(map(len, drafts)))
             prefill = [] if retracted or not has_prefill else self._plan_prefill(budget, decode_allocated=bool(decode))
-            return self._make_batch(prefill, decode, drafts)
+            return ScheduleBatch.of(prefill, decode, drafts)
         if has_prefill and not (self.running and self._last_was_prefill):
             prefill = self._plan_prefill(self.chunked_prefill_size, decode_allocated=False)
             if prefill:
-                return self._make_batch(prefill, [])
+                return ScheduleBatch.of(prefill, [])
         if self.running:
             decode, _, drafts = self._prepare_decode()
-            batch = self._make_batch([], decode, drafts)
+            batch = ScheduleBatch.of([], decode, drafts)
             if batch is not None or not has_prefill:
                 return batch
             # every running request is finishing on its in-flight tokens (overlap): prefill now
-            return self._make_batch(self._plan_prefill(self.chunked_prefill_size, decode_allocated=False), [])
+            return ScheduleBatch.of(self._plan_prefill(self.chunked_prefill_size, decode_allocated=False), [])
         return None
-
-    @staticmethod
-    def _make_batch(prefill: List[Tuple[Req, int]], decode: List[Req],
-                    drafts: Optional[List[List[int]]] = None) -> Optional[ScheduleBatch]:
-        if not prefill and not decode:
-            return None
-        drafts = drafts or [[] for _ in decode]
-        return ScheduleBatch(
-            reqs=[r for r, _ in prefill] + decode,
-            extend_lens=[n for _, n in prefill] + [1 + len(d) for d in drafts],
-            num_prefill_reqs=len(prefill),
-            drafts=drafts if any(drafts) else None,
-        )
 
     # ---- KV budget -------------------------------------------------------------------
 
@@ -397,7 +368,7 @@ class Scheduler:
         logger.error(msg)
         req.error = msg
         self._finish(req, {"type": "abort", "message": msg}, count="failed")
-        self._pending_outs.append(self._token_out(req))
+        self._pending_outs.append(req.token_out())
 
     def _release_kv(self, req: Req) -> None:
         if req in self.running:
@@ -438,7 +409,7 @@ class Scheduler:
         # freed after this forward was launched (stream order keeps that safe).
         for req in [batch.reqs[i] for i in rows if batch.reqs[i].sampling_params.max_new_tokens == 0]:
             self._finish(req, {"type": "length", "length": 0}, count="finished")
-            step.early_outs.append(self._token_out(req))
+            step.early_outs.append(req.token_out())
         rows = [i for i in rows if batch.reqs[i].sampling_params.max_new_tokens > 0]
         if not rows:
             return step
@@ -488,23 +459,8 @@ class Scheduler:
                 self._finish(req, reason, count="finished")
             unsent = len(req.output_ids) - req.num_sent
             if req.finished or (req.stream and (req.num_sent == 0 or unsent >= self.stream_interval)):
-                outs.append(self._token_out(req))
+                outs.append(req.token_out())
         return outs
-
-    def _token_out(self, req: Req) -> TokenOut:
-        sent, req.num_sent = req.num_sent, len(req.output_ids)
-        return TokenOut(
-            rid=req.rid,
-            new_token_ids=req.output_ids[sent:],
-            finished=req.finished,
-            finish_reason=req.finish_reason,
-            prompt_tokens=len(req.origin_input_ids),
-            completion_tokens=len(req.output_ids),
-            error=req.error,
-            new_logprobs=req.output_logprobs[sent:] if req.return_logprob else None,
-            new_top_logprobs=req.output_top_logprobs[sent:] if req.top_logprobs_num else None,
-            cached_tokens=req.cached_tokens,
-        )
 
     # ---- introspection ---------------------------------------------------------------
 

@@ -167,7 +167,7 @@ class MTPSpeculator:
         step = LaunchedStep()
         for req in finished_at_prefill:
             sched._finish(req, {"type": "length", "length": 0}, count="finished")
-            step.early_outs.append(sched._token_out(req))
+            step.early_outs.append(req.token_out())
         mtp_rows = []  # (request index, first position, next ids, stream rows) for the MTP extend
         flat_ids, flat_logit_rows = [], []
         for i, req in enumerate(batch.reqs):

@@ -81,8 +81,9 @@ class DSV4Metadata(_Refreshable):
     max_seq_len: int = static_field()
     num_tokens: int = static_field()
     # A decode step outside breakable graphs (eager, or a full decode graph, which replays only
-    # decode steps): every request feeds one token, so no compressor emission reads a ring row
-    # the step writes, and the compressors may write their rings in the pooling launch.
+    # decode-shaped steps, idle DP ranks' included): every request feeds one token, so no
+    # compressor emission reads a ring row the step writes, and the compressors may write
+    # their rings in the pooling launch.
     one_token_per_request: bool = static_field()
     raw_out_loc: torch.Tensor = copy_field()  # [T] raw-KV write row: the token's staging row; -1 for padding rows
     positions: torch.Tensor = copy_field()  # [T]

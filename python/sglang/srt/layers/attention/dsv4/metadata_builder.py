@@ -167,8 +167,10 @@ def build_dsv4_metadata(fb, req_to_token: torch.Tensor, *, padding_slot: int, pa
         c4_sparse_topk=index_topk,
         max_seq_len=max_seq,
         num_tokens=T,
+        # a full decode graph replays decode-shaped batches only (under DP an idle rank's too);
         # breakable graphs replay a bucket for any batch layout, so their segments never assume it
-        one_token_per_request=fb.forward_mode.is_decode() and (full_graph or fixed_max_seq_len is None),
+        one_token_per_request=full_graph or (fixed_max_seq_len is None and (
+            fb.forward_mode.is_decode() or fb.forward_mode.is_idle())),
         raw_out_loc=out["raw_out_loc"],
         positions=out["positions"],
         token_rows=out["token_rows"],

@@ -1,6 +1,19 @@
-"""The command-line help of every server flag (`python -m sglang.launch_server --help`), by
-ServerArgs field name: what the flag does, what its values mean and what "auto" resolves to.
-server_args.py builds the parser from ServerArgs' fields with these texts."""
+"""The command line of ServerArgs (`python -m sglang.launch_server`): a parser built from
+ServerArgs' fields, each flag with its type, its choices and its help text (HELP, by field name:
+what the flag does, what its values mean and what "auto" resolves to)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Optional, Sequence
+
+from sglang.srt.server_args import (
+    ATTENTION_BACKENDS, DEVICES, DP_IDLE_POLICIES, DTYPES, KV_CACHE_DTYPES, LOAD_BALANCE_METHODS, LOAD_FORMATS,
+    LOG_LEVELS, MOE_BACKENDS, MOE_DISPATCHERS, QUANT_NUMERICS, REASONING_PARSERS, SCHEDULE_POLICIES,
+    SEGMENT_KERNELS, SPECULATIVE_ALGORITHMS, SPECULATIVE_DEFAULT_STEPS, SPECULATIVE_MAX_STEPS, TOOL_CALL_PARSERS,
+    ServerArgs, flag_name,
+)
 
 HELP = {
     "segment_kernels": "the in-segment DSV4 pieces (mHC, q RMS+RoPE, KV norm+RoPE+cache write, inverse RoPE, "
@@ -116,4 +129,56 @@ HELP = {
                         "text before </think> as reasoning_content; none leaves it in content",
     "watchdog_timeout": "seconds a forward may take before the server is considered hung",
     "log_level": "logging level of the server and scheduler processes",
+    "speculative_num_steps": f"tokens the MTP layer drafts per step, 1..{SPECULATIVE_MAX_STEPS} (default "
+                             f"{SPECULATIVE_DEFAULT_STEPS} with --speculative-algorithm)",
 }
+
+
+_CHOICES = {
+    "load_format": LOAD_FORMATS, "dtype": DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS,
+    "quant_numerics": QUANT_NUMERICS, "kv_cache_dtype": KV_CACHE_DTYPES,
+    "schedule_policy": SCHEDULE_POLICIES, "load_balance_method": LOAD_BALANCE_METHODS,
+    "dp_idle_policy": DP_IDLE_POLICIES, "log_level": LOG_LEVELS, "moe_dispatcher": MOE_DISPATCHERS,
+    "segment_kernels": SEGMENT_KERNELS, "moe_backend": MOE_BACKENDS, "speculative_algorithm": SPECULATIVE_ALGORITHMS[1:],
+    "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS,
+}
+_INT_FIELDS = {"load_balance_max_imbalance", "num_layers", "random_seed", "port", "context_length", "page_size", "max_running_requests", "max_total_tokens",
+               "chunked_prefill_size", "breakable_cuda_graph_max_tokens", "cuda_graph_max_bs", "dp_size", "nnodes",
+               "node_rank", "stream_interval", "max_request_bytes", "speculative_num_steps"}
+_FLOAT_FIELDS = {"mem_fraction_static", "watchdog_timeout", "shutdown_timeout", "prefix_cache_state_gb"}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(ServerArgs):
+        if f.name == "resolved":
+            continue
+        flag, help_ = f"--{flag_name(f.name)}", HELP.get(f.name)
+        if help_ is not None and f.default not in (None, False) and "default" not in help_:
+            help_ += f" (default {f.default})"
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=help_)
+        elif f.type in ("Optional[bool]", Optional[bool]):  # unset (None): resolve() decides
+            parser.add_argument(flag, action="store_true", default=None, help=help_)
+        elif f.name == "breakable_cuda_graph_tokens":
+            parser.add_argument(flag, type=int, nargs="+", default=None, help=help_)
+        else:
+            kind = int if f.name in _INT_FIELDS else float if f.name in _FLOAT_FIELDS else str
+            parser.add_argument(flag, type=kind, default=f.default, choices=_CHOICES.get(f.name), help=help_)
+
+
+def from_cli_args(args: argparse.Namespace) -> ServerArgs:
+    names = [f.name for f in dataclasses.fields(ServerArgs) if f.name != "resolved"]
+    return ServerArgs(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m sglang.launch_server`."""
+    parser = argparse.ArgumentParser(prog="python -m sglang.launch_server", description="DeepSeek-V4 serving runtime")
+    add_cli_args(parser)
+    return parser
+
+
+def prepare_server_args(argv: Sequence[str]) -> ServerArgs:
+    """Parse a command line into (unresolved) ServerArgs; the launcher resolves it once it
+    knows whether CUDA is available."""
+    return from_cli_args(make_parser().parse_args(list(argv)))
