@@ -123,6 +123,7 @@ def test_a_match_ends_in_the_longest_tail_within_the_limit():
     off[2 * P + 3] = 99
     m = tree.match_prefix(off, max_len=len(off))
     assert (m.node, m.length, m.tail_page(P)) == (node, 2 * P, None)
+    assert tree.find_tail(node, toks[2 * P:]) is long and tree.find_tail(node, toks[2 * P:-1]) is None
     # the same tokens again: the tree keeps its tail and takes no second hold
     assert tree.insert_tail(node, toks[2 * P:], pages[3 % len(pages)], ResumeState(2 * P + 40)) is long
     assert pool.pages.refcount(pages[2]) == 3

@@ -142,8 +142,10 @@ class PrefixCaching:
         state = req.resume_state if req.resume_state is not None and req.resume_state.length == F else None
         pages = self.pool.pages_of(req.req_pool_idx)
         node = self.tree.insert(tokens[:F], pages[: F // self.page_size], state) if F else self.tree.root
-        tail = self.tree.insert_tail(node, tokens[F:], pages[F // self.page_size],
-                                     take_resume_state(self.kv_pool, req.req_pool_idx, L))
+        tail = self.tree.find_tail(node, tokens[F:])  # the same tokens cached already: no new state
+        if tail is None:
+            tail = self.tree.insert_tail(node, tokens[F:], pages[F // self.page_size],
+                                         take_resume_state(self.kv_pool, req.req_pool_idx, L))
         self._lock_instead(req, tail)
 
     def release(self, req) -> None:

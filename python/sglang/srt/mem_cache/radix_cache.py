@@ -138,6 +138,13 @@ class RadixCache:
         self._touch(node)
         return node
 
+    def find_tail(self, node: TreeNode, tokens: Sequence[int]) -> Optional[TreeNode]:
+        """The tail of exactly `tokens` past `node`'s end, touched, or None."""
+        tail = node.children.get(tuple(tokens)) if 0 < len(tokens) < self.page_size else None
+        if tail is not None:
+            self._touch(tail)
+        return tail
+
     def insert_tail(self, node: TreeNode, tokens: Sequence[int], page: int, state: ResumeState) -> TreeNode:
         """Cache `tokens` (fewer than a page) past `node`'s end, in the first part of `page`, with
         the resume state after them: a tail leaf (the existing one when the tree has these
