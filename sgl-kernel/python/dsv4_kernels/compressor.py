@@ -14,9 +14,9 @@ import triton.language as tl
 
 from . import reference
 from .cache_write import INV_E4M3_MAX, norm_rope_store_row, pool_layout, rmsnorm_rope_store
+from .host_math import cdiv, next_power_of_2
 from .kv_fp8 import KV_FP8_BLOCK
 from .quant_reference import AMAX_FLOOR
-from .host_math import cdiv, next_power_of_2
 
 
 @triton.jit
