@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from sglang.srt.layers.moe.ep_dispatch import GatherScatterDispatcher, create_moe_dispatcher
-from sglang.test.dp_harness import EP_LAYERS, ep_inputs, ep_moe_forward, ep_moe_layers, ep_rank_main
+from sglang.test.ep_harness import EP_LAYERS, ep_inputs, ep_moe_forward, ep_moe_layers, ep_rank_main
 from sglang.test.server_process import free_port
 
 SEED = 3
