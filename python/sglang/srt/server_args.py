@@ -140,6 +140,10 @@ class ServerArgs:
             from sglang.srt.configs.deepseek_v4 import with_num_layers
 
             model_config = with_num_layers(model_config, self.num_layers)
+        if self.speculative_algorithm is not None and model_config.num_mtp_layers == 0:
+            raise ValueError(f"--speculative-algorithm mtp drafts with the model's MTP layers, and {self.model_path!r} "
+                             "has none (num_nextn_predict_layers 0, or no compress ratio listed for them)")
+        model_config = self.run_config(model_config)  # the plan counts the MTP modules that run
         is_preset = not os.path.isdir(self.model_path)  # a preset name or a bare config.json
         load_format = self.load_format
         if load_format == "auto":
@@ -191,9 +195,6 @@ class ServerArgs:
             )
         moe_backend = resolve_moe_backend(self.moe_backend, device, getattr(torch, dtype), segment_kernels,
                                           fp4_experts=model_config.fp4_experts)
-        if self.speculative_algorithm is not None and model_config.num_mtp_layers == 0:
-            raise ValueError(f"--speculative-algorithm mtp drafts with the model's MTP layers, and {self.model_path!r} "
-                             "has none (num_nextn_predict_layers 0, or no compress ratio listed for them)")
         prefix_caching = resolve_prefix_caching(self)
         return dataclasses.replace(
             self,
@@ -243,7 +244,7 @@ class ServerArgs:
             decode_graph_max_bs=0 if self.disable_cuda_graph else min(
                 self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick], max_running),
             mem_fraction_static=self.mem_fraction_static, max_total_tokens=None,  # sized by this plan
-            mtp_layers=model_config.num_mtp_layers if self.speculative_algorithm is not None else 0,
+            mtp_layers=model_config.num_mtp_layers,
         )
         return plan_memory(model_config, settings, free)
 
@@ -254,6 +255,17 @@ class ServerArgs:
         if self.dtype == "auto":
             raise ValueError("dtype is still 'auto': resolve() the ServerArgs first")
         return {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.dtype]
+
+    def run_config(self, model_config):
+        """The model as this run builds it: with speculative decoding, the first
+        min(modules, --speculative-num-steps) MTP modules (draft step s runs module
+        min(s, modules - 1)); without it, none."""
+        from sglang.srt.configs.deepseek_v4 import with_mtp_modules
+
+        if self.speculative_algorithm is None:
+            return with_mtp_modules(model_config, 0)
+        steps = self.speculative_num_steps or SPECULATIVE_DEFAULT_STEPS
+        return with_mtp_modules(model_config, min(model_config.num_mtp_layers, steps))
 
     @property
     def max_step_tokens(self) -> int:

@@ -8,6 +8,7 @@ import contextlib
 import gc
 import os
 import random
+import re
 import traceback
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -343,7 +344,9 @@ def dp_speculative_rank_main(rank: int, world: int, port: int, out_dir: str, ckp
                              free_pages=(free_or_cache_only_pages(sched), stats["num_total_pages"]),
                              spec={k: v for k, v in stats.items() if k.startswith("spec_")},
                              breakable_replays=stats.get("breakable_replays", 0),
-                             mtp_replays={k: stats.get(f"mtp_{k}_replays", 0) for k in ("decode_graph", "breakable")},
+                             # every module's (mtp_..., mtp1_... with chained modules)
+                             mtp_replays={k: sum(v for key, v in stats.items() if re.fullmatch(rf"mtp\d*_{k}_replays", key))
+                                          for k in ("decode_graph", "breakable")},
                              forward_mtp=stats.get("forward_mtp", 0))
             runner.shutdown()
             del runner, sched, sync

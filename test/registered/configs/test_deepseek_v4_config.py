@@ -248,6 +248,28 @@ def test_num_layers_keeps_the_dims_the_pattern_and_the_mtp_entry():
             with_num_layers(full, bad)
 
 
+def test_a_run_builds_only_the_mtp_modules_speculation_runs():
+    """ServerArgs.run_config: none without speculation, min(modules, k) with it; the compress
+    ratios of the dropped modules go with them."""
+    import dataclasses
+
+    from sglang.srt.configs.deepseek_v4 import with_mtp_modules
+    from sglang.srt.server_args import ServerArgs
+
+    flash = get_preset("dsv4-flash")
+    two = dataclasses.replace(flash, num_nextn_predict_layers=2, compress_ratios=flash.compress_ratios + [4])
+    assert two.num_mtp_layers == 2
+    mtp = dict(speculative_algorithm="mtp")
+    for kw, modules in (({}, 0), (dict(mtp, speculative_num_steps=1), 1), (dict(mtp, speculative_num_steps=3), 2),
+                        (mtp, 2)):  # the default k is 3
+        c = ServerArgs(model_path="dsv4-flash", **kw).run_config(two)
+        assert c.num_mtp_layers == modules and c.compress_ratios == two.compress_ratios[:43 + modules], kw
+    assert with_mtp_modules(two, 2) is two and with_mtp_modules(flash, 0).compress_ratios == flash.compress_ratios[:43]
+    for bad in (-1, 3, 1.5):
+        with pytest.raises(ConfigError, match="MTP modules to keep"):
+            with_mtp_modules(two, bad)
+
+
 def test_num_layers_server_arg_reaches_the_model_config(tmp_path):
     from sglang.srt.configs.presets import write_config
     from sglang.srt.server_args import ServerArgs

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from sglang.test.dp_harness import dp_speculative_rank_main, run_ranks
+from sglang.test.mtp_checkpoints import write_two_module_checkpoint
 
 CKPT = str(Path(os.environ.get("DSV4_REFERENCE_DIR") or Path(__file__).parents[2] / "data" / "dsv4-reference")
            / "conformance-tiny")
@@ -34,6 +35,24 @@ def test_dp_ranks_speculate_in_step_and_match_plain_decoding(tmp_path):
     partial = out[0]["partial"]["spec"]
     assert 0 < partial["spec_accepted_tokens"] < partial["spec_draft_tokens"]
     assert out[0]["partial"]["breakable_replays"] > 0
+
+
+def test_dp_ranks_chain_two_mtp_modules_in_step(tmp_path):
+    """A checkpoint with two MTP modules: each step both ranks run both modules' passes over
+    committed positions and the draft steps' module, the idle rank with empty batches; same
+    paths, same MTP forwards and replays on both; outputs equal plain decoding."""
+    ckpt = write_two_module_checkpoint(CKPT, tmp_path / "ckpt")
+    out = run_ranks(dp_speculative_rank_main, 2, str(tmp_path), str(ckpt))
+    for rank in range(2):
+        for name in ("mtp", "partial"):
+            assert out[rank][name]["results"] == out[rank]["plain"]["results"], (rank, name)
+    for name in ("mtp", "partial"):
+        assert out[0][name]["paths"] == out[1][name]["paths"]
+        assert out[0][name]["forward_mtp"] == out[1][name]["forward_mtp"] > 0
+        assert out[0][name]["mtp_replays"] == out[1][name]["mtp_replays"]
+        assert out[0][name]["mtp_replays"]["decode_graph"] > 0 and out[0][name]["mtp_replays"]["breakable"] > 0
+    partial = out[0]["partial"]["spec"]
+    assert 0 < partial["spec_accepted_tokens"] < partial["spec_draft_tokens"]
 
 
 def test_dp_speculation_keeps_step_for_hundreds_of_steps(tmp_path):

@@ -36,14 +36,15 @@ def expected(fixture_dir):
     return load_file(str(fixture_dir / "expected.safetensors"))
 
 
-def _runner(fixture_dir, numerics, device="cpu"):
+def _runner(fixture_dir, numerics, device="cpu", **kw):
     return ModelRunner(cpu_server_args(model_path=str(fixture_dir), context_length=512, max_total_tokens=2048,
-                                       dtype="float32", device=device, quant_numerics=numerics))
+                                       dtype="float32", device=device, quant_numerics=numerics, **kw))
 
 
 @pytest.fixture(scope="module")
 def weight_only(fixture_dir):
-    return _runner(fixture_dir, "weight_only")
+    # speculating, so that its MTP module is built and loaded too (the target's logits are the same)
+    return _runner(fixture_dir, "weight_only", speculative_algorithm="mtp")
 
 
 def all_rows(runner, expected) -> torch.Tensor:

@@ -179,12 +179,14 @@ def test_mtp_tensors_are_skipped(source, tmp_path):
     assert torch.equal(_logits(with_mtp), _logits(plain))
 
 
-def test_mtp_layers_of_a_real_checkpoint_load_exactly_and_run_only_when_speculating(dsv4_reference_dir):
+def test_mtp_layers_of_a_real_checkpoint_load_exactly_and_are_built_only_when_speculating(dsv4_reference_dir, caplog):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
     from sglang.srt.model_loader.key_mapping import checkpoint_to_param
+    from sglang.srt.planning.memory_planner import weight_bytes
 
     ckpt = dsv4_reference_dir / "conformance-tiny"
-    runner = ModelRunner(cpu_server_args(model_path=str(ckpt), context_length=512, max_total_tokens=1024))
+    args = dict(model_path=str(ckpt), context_length=512, max_total_tokens=1024)
+    runner = ModelRunner(cpu_server_args(**args, speculative_algorithm="mtp", speculative_num_steps=2))
     model = runner.model
     assert len(model.mtp) == 1  # num_nextn_predict_layers, with its compress_ratios entry
     params = dict(model.named_parameters())
@@ -196,7 +198,21 @@ def test_mtp_layers_of_a_real_checkpoint_load_exactly_and_run_only_when_speculat
             name, expert = checkpoint_to_param(key)
             dst = params[name] if expert is None else params[name][expert]
             assert torch.equal(dst, f.get_tensor(key).to(dst.dtype)), key
-    assert len(runner.kv_pool.raw) == 4 and model.streams_out is None  # no caches for them without speculation
+    assert len(runner.kv_pool.raw) == 5 and model.streams_out is not None
+
+    # without speculation the MTP module is neither built nor loaded: no weights, caches or plan
+    with caplog.at_level("INFO", logger="sglang.srt.model_loader.safetensors_io"):
+        plain = ModelRunner(cpu_server_args(**args))
+    assert len(plain.model.mtp) == 0 and plain.num_mtp_layers == 0
+    assert f"skipped {len(mtp_keys)} tensors of MTP modules this run does not use" in caplog.text
+    assert len(plain.kv_pool.raw) == 4 and plain.model.streams_out is None
+    held = lambda m: sum(t.nbytes for t in list(m.parameters()) + list(m.buffers()))  # noqa: E731
+    mtp_bytes = held(model.mtp)
+    assert mtp_bytes > 0 and held(plain.model) == held(model) - mtp_bytes
+    planned = lambda r: weight_bytes(r.config, "float32", "float32").total  # noqa: E731
+    assert planned(runner) - planned(plain) == mtp_bytes
     fb = build_forward_batch(ForwardMode.EXTEND, [0], [0], [[5]], "cpu")
     with pytest.raises(ValueError, match="--speculative-algorithm mtp"):
-        runner.forward_mtp(fb, torch.zeros(1, 4, 128))
+        plain.forward_mtp(fb, torch.zeros(1, 4, 128))
+    with pytest.raises(ValueError, match="MTP module 1: this runner runs modules 0..0"):
+        runner.forward_mtp(fb, torch.zeros(1, 4, 128), k=1)

@@ -302,8 +302,8 @@ def test_mtp_forwards_replay_from_their_own_graphs_with_the_eager_drafts(spec_ru
     graphs = ModelRunner(cpu_server_args(**dict(BASE, speculative_algorithm="mtp", speculative_num_steps=3,
                                                 enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[16, 64],
                                                 cuda_graph_max_bs=8)), cuda_graph_on_cpu=True)
-    assert graphs.mtp_graph_runners[PathKind.BREAKABLE].buckets == [16, 64]
-    assert graphs.mtp_graph_runners[PathKind.DECODE_GRAPH].buckets == [1, 2, 4, 8]
+    assert graphs.mtp_graph_runners[(0, PathKind.BREAKABLE)].buckets == [16, 64]
+    assert graphs.mtp_graph_runners[(0, PathKind.DECODE_GRAPH)].buckets == [1, 2, 4, 8]
     reqs = lambda: [_req(f"r{n}", p) for n, p in zip(LENGTHS, _prompts(LENGTHS))]  # noqa: E731
     oracle = _oracle(expected, lambda pos: pos % 3)
 

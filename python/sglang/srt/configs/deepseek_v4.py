@@ -364,6 +364,20 @@ def with_num_layers(c: DeepseekV4Config, num_layers: int) -> DeepseekV4Config:
                                num_hash_layers=min(c.num_hash_layers, num_layers), extra=dict(c.extra))
 
 
+def with_mtp_modules(c: DeepseekV4Config, num_modules: int) -> DeepseekV4Config:
+    """The same model with only its first `num_modules` MTP modules: those speculative decoding
+    runs (none without it), so the weights, caches and plan of the others are never held.
+    A checkpoint's tensors of the modules dropped here are skipped at load."""
+    if not _is_int(num_modules) or not 0 <= num_modules <= c.num_mtp_layers:
+        raise ConfigError(f"num_nextn_predict_layers: MTP modules to keep must be in [0, {c.num_mtp_layers}], "
+                          f"got {num_modules!r}")
+    if num_modules == c.num_mtp_layers:
+        return c
+    return dataclasses.replace(c, num_nextn_predict_layers=num_modules,
+                               compress_ratios=c.compress_ratios[:c.num_hidden_layers + num_modules],
+                               extra=dict(c.extra))
+
+
 def estimate_num_parameters(c: DeepseekV4Config) -> int:
     """Parameters (tensor elements) of the checkpoint's main layers; MTP layers excluded."""
     d, hc, H, hd = c.hidden_size, c.hc_mult, c.num_attention_heads, c.head_dim

@@ -145,6 +145,13 @@ class DSV4KVPool:
             self.compressed[layer] = self._kv_rows(num_slots // r)
             if r == 4:
                 self.indexer_keys[layer] = self._index_key_rows(num_slots // r)
+        # Chained MTP modules (speculative decoding with several): module j >= 1 reads module
+        # j - 1's output streams one position back, so each request slot keeps module j - 1's
+        # output at its last computed position, [slots + 1, modules - 1, hc, d] (zeros: a
+        # request's first position reads no earlier one).
+        chained = max(0, n_layers - config.num_hidden_layers - 1)
+        self.mtp_carry: Optional[torch.Tensor] = torch.zeros(
+            rows, chained, config.hc_mult, config.hidden_size, dtype=dtype, device=self.device) if chained else None
 
     def window_rows(self, req_slot: int, positions: range) -> List[slice]:
         """The rows of every layer's raw tensor that hold `positions` (at most W consecutive
@@ -192,12 +199,15 @@ class DSV4KVPool:
 
     def bytes_per_token(self) -> float:
         """KV bytes one token of this pool costs (kv_bytes_per_token at its formats)."""
-        return kv_bytes_per_token(self.config, self.dtype, self.kv_cache_dtype, self.index_key_layout is not None)
+        return kv_bytes_per_token(self.config, self.dtype, self.kv_cache_dtype, self.index_key_layout is not None,
+                                  len(self.raw))
 
     def nbytes(self) -> int:
         ts = list(self.raw) + list(self.compressed.values()) + list(self.indexer_keys.values())
         for st in list(self.compressor_state.values()) + list(self.indexer_state.values()):
             ts += [st.kv, st.score]
+        if self.mtp_carry is not None:
+            ts.append(self.mtp_carry)
         return sum(t.numel() * t.element_size() for t in ts)
 
 
@@ -224,15 +234,16 @@ def _state_rings(ratio: int, dim: int, rows: int, device, num_layers: int) -> Tu
 
 
 def kv_bytes_per_token(config: DeepseekV4Config, dtype: torch.dtype, kv_cache_dtype: str = "auto",
-                       index_keys_fp4: bool = False) -> float:
+                       index_keys_fp4: bool = False, num_layers: Optional[int] = None) -> float:
     """KV bytes one token of context costs across layers, mirroring DSV4KVPool's layout: 1/r of
     a compressed entry on ratio-r layers (and of an indexer key on ratio-4 layers: a packed FP4
     row with index_keys_fp4, else index_head_dim model-dtype values). Raw KV costs nothing per
-    token (raw_window_bytes: per request slot and per step token)."""
+    token (raw_window_bytes: per request slot and per step token). num_layers: the layers the
+    pool holds (default the decoder layers; running MTP layers follow them)."""
     row = kv_row_bytes(config.head_dim, config.qk_rope_head_dim, kv_cache_dtype, dtype)
     key = index_key_row_bytes(config.index_head_dim, index_keys_fp4, dtype)
     total = 0.0
-    for layer in range(config.num_hidden_layers):
+    for layer in range(config.num_hidden_layers if num_layers is None else num_layers):
         r = config.layer_compress_ratio(layer)
         if r:
             total += row / r

@@ -22,6 +22,9 @@ are shared, not copied). What pages cannot hold is per request:
   The ring rows of any other position are never read by the resumed request: the compressor's
   gather indices read a ring row only for positions below the request's computed length, and
   every position from L on is written by the resumed request's own forwards before it is read.
+- Chained MTP modules' carried streams (speculative decoding with several modules): module
+  j >= 1 reads module j - 1's output at the position before its first, so the state copies
+  the request slot's `DSV4KVPool.mtp_carry` row (module j - 1's output at L - 1).
 
 Bytes per state (`resume_state_bytes`): min(L, W) raw rows on every layer (a KV row: 584 B in
 FP8 at head_dim 512, 1024 in bf16), plus 4 positions x 2 (kv, score) x coff * dim x 4 (fp32)
@@ -50,15 +53,19 @@ class ResumeState:
     window: the raw window-ring rows of positions [max(0, length - W), length), in position
     order, [num_layers, n, *row shape] (None for a runner without KV pools).
     rings[(kind, layer)] = (first position, kv rows, score rows) of a compressor ring, kind
-    "compressor" or "indexer", rows of positions [first, length) in order."""
+    "compressor" or "indexer", rows of positions [first, length) in order.
+    mtp_carry: the slot's DSV4KVPool.mtp_carry row (None without chained MTP modules)."""
 
     length: int
     window: Optional[torch.Tensor] = None
     rings: Dict[Tuple[str, int], Tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    mtp_carry: Optional[torch.Tensor] = None
 
     @property
     def nbytes(self) -> int:
         window = self.window.numel() * self.window.element_size() if self.window is not None else 0
+        if self.mtp_carry is not None:
+            window += self.mtp_carry.numel() * self.mtp_carry.element_size()
         return window + sum(kv.numel() * kv.element_size() + sc.numel() * sc.element_size()
                             for _, kv, sc in self.rings.values())
 
@@ -131,7 +138,10 @@ def take_resume_state(kv_pool: Optional[DSV4KVPool], req_slot: int, length: int)
             continue
         parts = ring_slices(st.ring, keep)
         rings[key] = (keep.start, _copy_out(st.kv[req_slot], parts), _copy_out(st.score[req_slot], parts))
-    return ResumeState(length=length, window=window, rings=rings)
+    carry = kv_pool.mtp_carry
+    if carry is not None:
+        carry = _copy_out(carry[req_slot], [slice(0, carry.shape[1])])
+    return ResumeState(length=length, window=window, rings=rings, mtp_carry=carry)
 
 
 def restore_resume_state(kv_pool: Optional[DSV4KVPool], req_slot: int, state: ResumeState) -> None:
@@ -155,6 +165,11 @@ def restore_resume_state(kv_pool: Optional[DSV4KVPool], req_slot: int, state: Re
         parts = ring_slices(st.ring, keep)
         _copy_in(st.kv[req_slot], parts, kv)
         _copy_in(st.score[req_slot], parts, score)
+    carry = kv_pool.mtp_carry
+    if (carry is None) != (state.mtp_carry is None) or (carry is not None and carry.shape[1:] != state.mtp_carry.shape):
+        raise ValueError(f"resume state at {state.length} was taken from another pool layout (MTP carry)")
+    if carry is not None:
+        _copy_in(carry[req_slot], [slice(0, carry.shape[1])], state.mtp_carry)
 
 
 def resume_state_bytes(config, length: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:

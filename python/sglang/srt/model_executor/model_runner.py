@@ -63,7 +63,8 @@ class ModelRunner:
         self.device = torch.device(args.device)
         free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         self.dtype = args.torch_dtype
-        self.config = load_model_config(args.model_path, args.num_layers)
+        # the MTP modules speculative decoding runs, and no others (ServerArgs.run_config)
+        self.config = args.run_config(load_model_config(args.model_path, args.num_layers))
         self.max_context_len = args.context_length  # resolve() checked it against the model
         self.dp_groups = None
         expert_range = self._expert_shard_for_dp(args) if args.dp_size > 1 else None
@@ -72,7 +73,7 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.max_context_len, num_pages,
                                                 args.page_size, self.device)
         # speculative decoding runs the MTP layers: they keep caches like any layer
-        self.num_mtp_layers = self.config.num_mtp_layers if args.speculative_algorithm is not None else 0
+        self.num_mtp_layers = self.config.num_mtp_layers
         self.kv_pool = DSV4KVPool(self.config, num_pages * args.page_size, args.max_running_requests, self.dtype, self.device,
                                   num_layers=self.config.num_hidden_layers + self.num_mtp_layers,
                                   kv_cache_dtype=args.kv_cache_dtype, round_nope_fp8=args.quant_numerics == "release",
@@ -201,24 +202,26 @@ class ModelRunner:
                     path: Optional[StepPath] = None) -> tuple:
         """MTP layer k over the batch (its input_ids: the token after each position) and the
         residual streams [T, hc, d] of each position: (output streams, final hidden), at least
-        T rows (a graph's are its bucket's). The first module replays its graphs where one
-        fits (mtp_graph_runner.py), the rest runs eagerly. Without DP the runner decides the
+        T rows (a graph's are its bucket's). The module replays its graphs where one fits
+        (mtp_graph_runner.py), the rest runs eagerly. Without DP the runner decides the
         path itself. Under DP attention every rank calls it with the path the ranks agreed
         (`mtp_path`), idle ones with an empty batch: the MTP layer's MoE is collective."""
         fb = forward_batch
         if not self.num_mtp_layers:
             raise ValueError("the MTP layers run only with --speculative-algorithm mtp (without it the KV pool "
                              "holds no caches for them)")
+        if not 0 <= k < self.num_mtp_layers:
+            raise ValueError(f"MTP module {k}: this runner runs modules 0..{self.num_mtp_layers - 1}")
         if self.dp_groups is not None and path is None:
             raise ValueError("forward_mtp under DP attention needs the agreed path (ModelRunner.mtp_path)")
         self.stats["forward_mtp"] = self.stats.get("forward_mtp", 0) + 1
         if path is None:
             path = self.mtp_path(describe(fb))
-        runner = self.mtp_graph_runners.get(path.kind) if k == 0 else None
+        runner = self.mtp_graph_runners.get((k, path.kind))
         if runner is not None:
             return runner.replay_mtp(fb, streams, path.size)
-        if path.wanted in self.mtp_graph_runners:
-            self.mtp_graph_runners[path.wanted].count_fallback(path.reason, fb)
+        if (k, path.wanted) in self.mtp_graph_runners:
+            self.mtp_graph_runners[(k, path.wanted)].count_fallback(path.reason, fb)
         self.attn_backend.init_forward_metadata(fb)
         with forward_context(fb, self.attn_backend, dp_moe=self.dp_moe(path.size)):
             return self.model.forward_mtp(k, streams, fb.input_ids)

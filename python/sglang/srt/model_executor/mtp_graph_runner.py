@@ -8,7 +8,9 @@ under a millisecond of GPU work, several times per speculative step. The graphs 
 target's residual streams from a static buffer of their own; the attention metadata is
 built and refreshed exactly as for the target's graphs of the same kind.
 
-Only the first MTP module is captured (it is the one that drafts). Under DP attention the
+Every MTP module that runs has its own graphs (chained modules: speculative/mtp.py); the
+modules' graphs of one kind share their input streams buffer, since a replay copies its input
+in right before it runs and the forwards run one after another. Under DP attention the
 graphs capture the MoE's collectives like the target's, and every rank replays the same
 bucket: the speculator derives it from what all ranks agreed for the step (the largest rank's
 tokens for the pass over committed positions, its requests for the draft steps), idle ranks
@@ -17,7 +19,7 @@ replaying with no live rows. With `--dp-idle-policy eager` the MTP forwards stay
 
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,13 +36,19 @@ class _MTPGraphs:
     """What both kinds add to their target runner: the streams buffer, and the MTP layer in
     place of the target model."""
 
-    module = 0  # the MTP module the graphs run
+    base_name: str
 
-    def __init__(self, model_runner, buckets: Sequence[int], debug: bool = False):
+    def __init__(self, model_runner, buckets: Sequence[int], debug: bool = False, module: int = 0,
+                 streams_in: Optional[torch.Tensor] = None):
+        self.module = module  # the MTP module the graphs run
+        # module 0 keeps the plain names (stats keys mtp_breakable_replays, ...)
+        self.name = self.base_name.replace("mtp", f"mtp{module}", 1) if module else self.base_name
         super().__init__(model_runner, buckets, debug)
         c = model_runner.config
-        self.streams_in = torch.zeros(self.buckets[-1], c.hc_mult, c.hidden_size, dtype=self.model_runner.dtype,
-                                      device=self.device)
+        if streams_in is None:
+            streams_in = torch.zeros(self.buckets[-1], c.hc_mult, c.hidden_size, dtype=self.model_runner.dtype,
+                                     device=self.device)
+        self.streams_in = streams_in
 
     def _model_forward(self, static_fb: ForwardBatch, bucket: int):
         return self.model.forward_mtp(self.module, self.streams_in[:bucket], static_fb.input_ids)
@@ -53,34 +61,53 @@ class _MTPGraphs:
 
 
 class MTPDecodeGraphRunner(_MTPGraphs, DecodeCudaGraphRunner):
-    name = "mtp_decode_graph"
+    base_name = "mtp_decode_graph"
 
 
 class MTPBreakableGraphRunner(_MTPGraphs, BreakableCudaGraphRunner):
-    name = "mtp_breakable"
+    base_name = "mtp_breakable"
 
     def _fill(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
         # the MTP layer embeds its next-token ids inside the graph: no lookup before the replay
         return GraphRunner._fill(self, fb, bucket)
 
 
-def build_mtp_graph_runners(model_runner) -> Dict[PathKind, GraphRunner]:
-    """The MTP graphs the runner's flags ask for, not yet captured, at the target's buckets:
-    the pass over committed positions covers prefill chunks too. One layer captures in a
-    fraction of a second per bucket, and its graphs reuse the target's graph pool."""
+def draft_step_module(step: int, num_modules: int) -> int:
+    """The MTP module that runs draft step `step` (1-based forwards after the pass over
+    committed positions, whose last row drafts the first token): chained modules in order, the
+    last one repeating itself."""
+    return min(step, num_modules - 1)
+
+
+def build_mtp_graph_runners(model_runner) -> Dict[Tuple[int, PathKind], GraphRunner]:
+    """The MTP graphs the runner's flags ask for, not yet captured, keyed by (module, kind), at
+    the target's buckets: the pass over committed positions covers prefill chunks too. One
+    layer captures in a fraction of a second per bucket, and its graphs reuse the target's
+    graph pool."""
     args, runners = model_runner.server_args, {}
     if not model_runner.num_mtp_layers or (model_runner.dp_groups is not None and args.dp_idle_policy == "eager"):
         return runners
-    target = model_runner.breakable_runner
-    if target is not None:
-        runners[PathKind.BREAKABLE] = MTPBreakableGraphRunner(model_runner, target.buckets, debug=args.debug_cuda_graph)
-    target = model_runner.decode_graph_runner
-    if target is not None:
-        runners[PathKind.DECODE_GRAPH] = MTPDecodeGraphRunner(model_runner, target.buckets, debug=args.debug_cuda_graph)
+    # every module runs the pass over committed positions; the draft steps only the modules
+    # speculative/mtp.py gives them (with chained modules, not the first)
+    n, steps = model_runner.num_mtp_layers, args.speculative_num_steps
+    kinds = ((PathKind.BREAKABLE, model_runner.breakable_runner, MTPBreakableGraphRunner, range(n)),
+             (PathKind.DECODE_GRAPH, model_runner.decode_graph_runner, MTPDecodeGraphRunner,
+              sorted({draft_step_module(s, n) for s in range(1, steps)})))
+    for kind, target, cls, modules in kinds:
+        if target is None:
+            continue
+        streams_in = None
+        for module in modules:
+            runner = cls(model_runner, target.buckets, debug=args.debug_cuda_graph, module=module,
+                         streams_in=streams_in)
+            runners[(module, kind)] = runner
+            streams_in = runner.streams_in
     return runners
 
 
-def mtp_graph_tables(runners: Dict[PathKind, GraphRunner]) -> GraphTables:
-    """Their buckets, for graph_dispatch.decide_step_path (empty: every MTP forward eager)."""
-    b, d = runners.get(PathKind.BREAKABLE), runners.get(PathKind.DECODE_GRAPH)
+def mtp_graph_tables(runners: Dict[Tuple[int, PathKind], GraphRunner]) -> GraphTables:
+    """Their buckets (every module's are the same), for graph_dispatch.decide_step_path (empty:
+    every MTP forward eager)."""
+    b = next((r for (_, kind), r in runners.items() if kind == PathKind.BREAKABLE), None)
+    d = next((r for (_, kind), r in runners.items() if kind == PathKind.DECODE_GRAPH), None)
     return GraphTables(breakable_buckets=b.buckets if b else (), decode_bs_buckets=d.buckets if d else ())

@@ -10,8 +10,9 @@ Release format (config quantization_config + expert_dtype "fp4"): FP8 e4m3 weigh
 their F8_E8M0 (or fp32) block scales become the fp32 `weight_scale`; FP4 experts stay packed
 int8 with their e8m0 scale bytes. Nothing is dequantized. Other tensors are cast to their
 parameter's dtype (checkpoints mix bf16 weights with fp32 norms, hc_*, ape, attn_sink,
-compressor weights and head, and int32/int64 tid2eid). MTP layers (`mtp.*`) load into the
-model's `mtp` modules when it has them and are skipped otherwise.
+compressor weights and head, and int32/int64 tid2eid). MTP module k (`mtp.{k}.*`) loads into
+the model's `mtp[k]` when the model builds it (speculative decoding runs it) and is skipped
+otherwise.
 """
 
 from __future__ import annotations
@@ -114,6 +115,13 @@ def model_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return params
 
 
+def _mtp_module(key: str) -> int:
+    index = key.split(".", 2)[1]
+    if not index.isdigit():
+        raise CheckpointError(f"unexpected checkpoint tensor {key} (MTP tensors are named mtp.<module>.*)")
+    return int(index)
+
+
 def _first_expert(model: torch.nn.Module, name: str) -> int:
     return model.get_submodule(name.rsplit(".", 1)[0]).first_expert
 
@@ -125,12 +133,12 @@ def load_checkpoint(model: torch.nn.Module, model_dir: str,
     called with each tensor as read, before it is copied and freed (memory tests)."""
     params = model_tensors(model)
     loaded, skipped_mtp, skipped_experts = set(), 0, 0
-    has_mtp = any(name.startswith("mtp.") for name in params)
+    mtp_modules = len(getattr(model, "mtp", ()))
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for key in f.keys():
-                if key.startswith("mtp.") and not has_mtp:
-                    skipped_mtp += 1
+                if key.startswith("mtp.") and _mtp_module(key) >= mtp_modules:
+                    skipped_mtp += 1  # a module this run does not build (ServerArgs.run_config)
                     continue
                 name, expert = checkpoint_to_param(key)
                 if name not in params:
@@ -157,7 +165,8 @@ def load_checkpoint(model: torch.nn.Module, model_dir: str,
                 loaded.add(name if expert is None else f"{name}.{expert}")
     _check_complete(model, params, loaded, model_dir)
     if skipped_mtp:
-        logger.info("skipped %d MTP tensors (speculative decoding is not supported)", skipped_mtp)
+        logger.info("skipped %d tensors of MTP modules this run does not use (speculative decoding off, or "
+                    "fewer --speculative-num-steps than modules)", skipped_mtp)
     if skipped_experts:
         logger.info("skipped %d routed-expert tensors held by other ranks", skipped_experts)
 

@@ -136,14 +136,16 @@ def _elt(dtype: str) -> int:
 
 
 def kv_bytes_per_token(config, kv_cache_dtype: str = "auto", model_dtype: str = "bfloat16",
-                       index_keys_fp4: bool = False) -> int:
+                       index_keys_fp4: bool = False, mtp_layers: int = 0) -> int:
     """KV bytes one token of context costs across layers, whole bytes rounded up: DSV4KVPool's
     own count (mem_cache/dsv4_kv_pool.kv_bytes_per_token: 1/r of a compressed row on ratio-r
     layers, 1/4 of an indexer key on ratio-4 layers; FP8 rows in dsv4_kernels.kv_fp8's layout,
     584 B at head_dim 512 in bf16; indexer keys in the model dtype, or with index_keys_fp4
-    (release numerics) packed FP4 rows, 68 B at index_head_dim 128). Raw KV is not per token:
+    (release numerics) packed FP4 rows, 68 B at index_head_dim 128); mtp_layers running MTP
+    layers (speculative decoding) count like decoder layers. Raw KV is not per token:
     `raw_window_plan_bytes`."""
-    return math.ceil(pool_kv_bytes_per_token(config, getattr(torch, model_dtype), kv_cache_dtype, index_keys_fp4))
+    return math.ceil(pool_kv_bytes_per_token(config, getattr(torch, model_dtype), kv_cache_dtype, index_keys_fp4,
+                                             config.num_hidden_layers + mtp_layers))
 
 
 def index_keys_fp4(s: "PlanSettings") -> bool:
@@ -178,24 +180,28 @@ def kv_rows_bytes(config, s: "PlanSettings", kv_tokens: int) -> int:
     padding page at the pool's own per-token count (a page holds whole compressed rows, so the
     count is exact there)."""
     slots = kv_tokens + s.page_size
-    per_token = pool_kv_bytes_per_token(config, getattr(torch, s.model_dtype), s.kv_cache_dtype, index_keys_fp4(s))
+    per_token = pool_kv_bytes_per_token(config, getattr(torch, s.model_dtype), s.kv_cache_dtype, index_keys_fp4(s),
+                                        config.num_hidden_layers + s.mtp_layers)
     return int(slots * per_token)
 
 
 def kv_pool_bytes(config, s: "PlanSettings", kv_tokens: int) -> int:
     """DSV4KVPool.nbytes() of the pool the model runner builds for `kv_tokens` tokens: its
     per-token KV rows (kv_rows_bytes), its raw window rings and staging rows
-    (raw_window_plan_bytes) and the compressor rings of max_running_requests + 1 request rows
-    (+ the padding request)."""
-    return (kv_rows_bytes(config, s, kv_tokens) + raw_window_plan_bytes(config, s)
-            + compressor_ring_bytes(config) * (s.max_running_requests + 1))
+    (raw_window_plan_bytes, which also counts the MTP layers' input streams when speculating),
+    and per request row (max_running_requests + the padding request) the compressor rings and
+    chained MTP modules' carried rows."""
+    slot = compressor_ring_bytes(config, config.num_hidden_layers + s.mtp_layers) + \
+        mtp_carry_bytes(config, s.mtp_layers, s.model_dtype)
+    return kv_rows_bytes(config, s, kv_tokens) + raw_window_plan_bytes(config, s) + slot * (s.max_running_requests + 1)
 
 
-def compressor_ring_bytes(config) -> int:
+def compressor_ring_bytes(config, num_layers: Optional[int] = None) -> int:
     """Per request slot, the compressor rings (fp32 kv + score, R = coff * ratio rows of
-    coff * dim, for every compressed layer and c4 indexer), as DSV4KVPool allocates them."""
+    coff * dim, for every compressed layer and c4 indexer), as DSV4KVPool allocates them, over
+    the first num_layers layers (default: the decoder layers; MTP layers follow them)."""
     total = 0
-    for layer in range(config.num_hidden_layers):
+    for layer in range(config.num_hidden_layers if num_layers is None else num_layers):
         r = config.layer_compress_ratio(layer)
         dims = [config.head_dim] + ([config.index_head_dim] if r == 4 else []) if r else []
         for dim in dims:
@@ -204,10 +210,18 @@ def compressor_ring_bytes(config) -> int:
     return total
 
 
-def per_request_state_bytes(config, context_length: int) -> int:
-    """Per request slot: the compressor rings and its page-table row (int32 per position), as
-    DSV4KVPool and ReqToTokenPool allocate them."""
-    return compressor_ring_bytes(config) + 4 * context_length
+def mtp_carry_bytes(config, mtp_layers: int, model_dtype: str) -> int:
+    """Per request slot, chained MTP modules' carried streams (DSV4KVPool.mtp_carry): one
+    [hc, d] row in the model dtype per module after the first."""
+    return max(0, mtp_layers - 1) * config.hc_mult * config.hidden_size * _elt(model_dtype)
+
+
+def per_request_state_bytes(config, context_length: int, mtp_layers: int = 0, model_dtype: str = "bfloat16") -> int:
+    """Per request slot: the compressor rings (the MTP layers' too), the chained MTP modules'
+    carried streams and its page-table row (int32 per position), as DSV4KVPool and
+    ReqToTokenPool allocate them."""
+    return (compressor_ring_bytes(config, config.num_hidden_layers + mtp_layers)
+            + mtp_carry_bytes(config, mtp_layers, model_dtype) + 4 * context_length)
 
 
 def rope_table_bytes(config, context_length: int) -> int:
@@ -328,10 +342,11 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
     w = weights if weights is not None else weight_bytes(config, s.weight_format, s.model_dtype)
     tensor_core_copies = tensor_core_copy_bytes(config, s.model_dtype)
     weights_gpu = w.per_gpu(s.dp_size) + tensor_core_copies
-    state = per_request_state_bytes(config, s.context_length) * (s.max_running_requests + 1)
+    state = per_request_state_bytes(config, s.context_length, s.mtp_layers, s.model_dtype) * \
+        (s.max_running_requests + 1)
     raw_window = raw_window_plan_bytes(config, s)
     rope = rope_table_bytes(config, s.context_length)
-    per_token = kv_bytes_per_token(config, s.kv_cache_dtype, s.model_dtype, index_keys_fp4(s))
+    per_token = kv_bytes_per_token(config, s.kv_cache_dtype, s.model_dtype, index_keys_fp4(s), s.mtp_layers)
     padding_page = s.page_size * per_token  # the pool's page 0, never handed out
     seg = lambda n, reqs: segment_activation_bytes(config, n, s.dp_size, reqs, s.model_dtype)  # noqa: E731
     # A graph pool is as large as its largest capture (buckets share it, captured largest first).

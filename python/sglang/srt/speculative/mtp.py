@@ -20,6 +20,17 @@ One speculative step over a batch (prefill chunks and decode rows, the scheduler
    they are written back once the drafts are taken (step 3 of the next step writes them
    for real).
 
+Checkpoints with several MTP modules chain them: draft step s (1-based) runs module
+min(s, modules) - 1, so the last one repeats itself when k exceeds the modules (the runner
+builds only the first min(modules, k): ServerArgs.run_config). Module j >= 1 at position p
+reads module j - 1's output at p - 1 and the token at p + 1, which is DeepSeek's training
+layout (depth j + 1 at index i sees depth j's state at i and token i + j + 1) with module j's
+positions shifted by j. In step 3 every module runs over the committed positions, so each
+keeps exact history in its own caches: module j's input at a request's first committed
+position of the step is module j - 1's output one position back, carried from the previous
+step in the KV pool's slot row (DSV4KVPool.mtp_carry; zeros before position 0; part of a
+prefix-cache resume state).
+
 The host needs the accepted lengths before it can build the next batch, so speculative
 steps run without overlap scheduling.
 """
@@ -39,6 +50,7 @@ from sglang.srt.managers.overlap import LaunchedStep
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode, build_forward_batch
 from sglang.srt.model_executor.graph_dispatch import StepInfo
+from sglang.srt.model_executor.mtp_graph_runner import draft_step_module
 from sglang.srt.speculative.ring_snapshot import RingSnapshot
 
 logger = logging.getLogger(__name__)
@@ -64,7 +76,8 @@ class MTPSpeculator:
         if len(self.mtp_layers) == 0:
             raise ValueError("speculative decoding needs a model runner built with its MTP layers")
         if len(self.mtp_layers) > 1:
-            logger.info("%d MTP modules: the first drafts every step; the others stay idle", len(self.mtp_layers))
+            logger.info("%d chained MTP modules draft %d tokens a step (module min(s, %d) - 1 drafts token s)",
+                        len(self.mtp_layers), num_steps, len(self.mtp_layers))
         self.draft_override: Optional[DraftOverride] = None
         simulate = os.environ.get(SIMULATE_ENV)
         self.simulate_accept_length = float(simulate) if simulate else None
@@ -270,7 +283,7 @@ class MTPSpeculator:
     # ---- drafting -------------------------------------------------------------------------
 
     def _draft(self, sched, batch, streams: torch.Tensor, mtp_rows) -> None:
-        """Run the MTP layer over this step's committed positions, then draft k tokens for
+        """Run the MTP modules over this step's committed positions, then draft k tokens for
         every request that decodes next."""
         if not mtp_rows:
             if self.mtp_paths[0] is not None:
@@ -279,10 +292,8 @@ class MTPSpeculator:
         runner, k = self.runner, self.num_steps
         dev = sched.device
         reqs = [batch.reqs[i] for i, *_ in mtp_rows]
-        fb = build_forward_batch(ForwardMode.EXTEND, [r.req_pool_idx for r in reqs], [L for _, L, _, _ in mtp_rows],
-                                 [nxt for _, _, nxt, _ in mtp_rows], dev)
         rows = torch.tensor([j for *_, js in mtp_rows for j in js], dtype=torch.int64).to(dev)
-        out_streams, final = runner.forward_mtp(fb, streams[rows], path=self.mtp_paths[0])
+        out_streams, final, fb = self._committed_passes(reqs, mtp_rows, streams[rows], dev)
         last = fb.last_token_indices()
         # who drafts: requests that decode next step (a finished or mid-prompt one does not)
         running = {id(r) for r in sched.running}  # a set: a list lookup per request is quadratic at large batches
@@ -297,7 +308,7 @@ class MTPSpeculator:
         cur_streams = out_streams[last[sel]]
         cur_logits = runner.model.compute_logits(final[last[sel]])
         dreqs = [reqs[j] for j in drafting]
-        # the MTP layer's tentative positions: seq_len - 1 (this step's last token, now
+        # the MTP layers' tentative positions: seq_len - 1 (this step's last token, now
         # prefix_len) and on, one per further draft
         spans = [(r.req_pool_idx, r.prefix_len, k - 1) for r in dreqs] if k > 1 else []
         snapshot = RingSnapshot(runner.kv_pool, self.mtp_layers, spans) if spans else None
@@ -314,7 +325,8 @@ class MTPSpeculator:
             fb = build_forward_batch(ForwardMode.DECODE, [r.req_pool_idx for r in dreqs],
                                      [r.prefix_len + step for r in dreqs], [[0] for _ in dreqs], dev)
             fb.input_ids = toks
-            cur_streams, final = runner.forward_mtp(fb, cur_streams, path=self.mtp_paths[1])
+            module = draft_step_module(step + 1, len(self.mtp_layers))
+            cur_streams, final = runner.forward_mtp(fb, cur_streams, k=module, path=self.mtp_paths[1])
             # a graph's outputs are its bucket's rows, and its next replay rewrites them
             n = len(dreqs)
             cur_streams, cur_logits = cur_streams[:n].clone(), runner.model.compute_logits(final[:n])
@@ -326,15 +338,51 @@ class MTPSpeculator:
             if pr:
                 r.spec_draft_probs = torch.stack(pr)
 
+    def _committed_passes(self, reqs, mtp_rows, streams: torch.Tensor, dev) -> tuple:
+        """Every module over the step's committed positions (mtp_rows: request index, first
+        position, next ids, rows): module 0 on the target's streams, module j on module
+        j - 1's output one position back (the slot's carried row at a request's first
+        position). Returns module 0's output streams, final hidden and batch."""
+        slots = [r.req_pool_idx for r in reqs]
+        starts = [L for _, L, _, _ in mtp_rows]
+        next_ids = [nxt for _, _, nxt, _ in mtp_rows]
+        batch = lambda: build_forward_batch(ForwardMode.EXTEND, slots, starts, next_ids, dev)  # noqa: E731
+        fb = batch()
+        out, final = self.runner.forward_mtp(fb, streams, k=0, path=self.mtp_paths[0])
+        carry = self.runner.kv_pool.mtp_carry
+        if carry is None:
+            return out, final, fb
+        # built on the host: row m of a request reads row m - 1 of the previous module's
+        # output, its first row the slot's carried one (appended after the T rows)
+        lens = [len(js) for *_, js in mtp_rows]
+        T, src, ends, a = sum(lens), [], [], 0
+        for i, n in enumerate(lens):
+            src += [T + i] + list(range(a, a + n - 1))
+            a += n
+            ends.append(a - 1)
+        src, ends = (torch.tensor(x, dtype=torch.int64).to(dev) for x in (src, ends))
+        slots_t = torch.tensor(slots, dtype=torch.int64).to(dev)
+        fresh = torch.tensor([L == 0 for L in starts]).to(dev)[:, None, None]  # no position before 0
+        prev_out = out
+        for j in range(1, len(self.mtp_layers)):
+            carried = carry[slots_t, j - 1].masked_fill(fresh, 0)
+            inp = torch.cat([prev_out[:T], carried])[src]
+            carry[slots_t, j - 1] = prev_out[ends]  # after the gather above read the old rows
+            prev_out, _ = self.runner.forward_mtp(batch(), inp, k=j, path=self.mtp_paths[0])
+        return out, final, fb
+
     def _idle_mtp_forwards(self, sched, extend: bool = True) -> None:
         """Under DP attention, the MTP forwards of a step this rank has nothing for: empty
-        batches that still join the MoE collectives of the ranks that draft."""
+        batches that still join the MoE collectives of the ranks that draft, module by module
+        as they run them."""
         runner, cfg = self.runner, self.runner.config
         empty = torch.empty(0, cfg.hc_mult, cfg.hidden_size, dtype=runner.dtype, device=sched.device)
-        paths = [self.mtp_paths[0]] * int(extend) + [self.mtp_paths[1]] * (self.num_steps - 1)
-        for path in paths:
+        passes = [(j, self.mtp_paths[0]) for j in range(len(self.mtp_layers))] if extend else []
+        passes += [(draft_step_module(s, len(self.mtp_layers)), self.mtp_paths[1])
+                   for s in range(1, self.num_steps)]
+        for module, path in passes:
             fb = build_forward_batch(ForwardMode.IDLE, [], [], [], sched.device)
-            runner.forward_mtp(fb, empty, path=path)
+            runner.forward_mtp(fb, empty, k=module, path=path)
 
     def _draft_tokens(self, sched, reqs, logits, probs) -> torch.Tensor:
         """Each row's draft, int64 [n] on the device: the argmax for greedy rows, a draw from
