@@ -3,7 +3,8 @@
 # turn's prompt the whole conversation so far) against one server per setting, measured the
 # same way: per turn index TTFT, throughput and the server's cached tokens against what an ideal
 # cache would hold, then a side-by-side table. Settings: on (prefix caching; under DP the default
-# cache-aware routing), on_round_robin (prefix caching, round-robin routing), off.
+# cache-aware routing), lpm (prefix caching, longest cached prefix admitted first),
+# on_round_robin (prefix caching, round-robin routing), off.
 # Default: full DeepSeek-V4-Flash (release-format dummy weights), breakable graphs, mixed chunks.
 # Usage (repo root): OUT=/dir [MODEL=dsv4-flash] [NUM_LAYERS=N] [DP=1] [DEVICE=auto] \
 #   [SETTINGS="on off"] [SESSIONS=32] [TURNS=4] [SYSTEM=1024] [TURN_IN=1024] [TURN_OUT=128] \
@@ -26,9 +27,10 @@ port=30200
 for setting in ${SETTINGS:-on off}; do
   case $setting in
     on) flags="" ;;  # prefix caching is on by default
+    lpm) flags="--schedule-policy lpm" ;;
     on_round_robin) flags="--load-balance-method round_robin" ;;
     off) flags="--disable-radix-cache" ;;
-    *) echo "unknown setting $setting (on, on_round_robin, off)"; exit 2 ;;
+    *) echo "unknown setting $setting (on, lpm, on_round_robin, off)"; exit 2 ;;
   esac
   if start_server "$setting" $port "$OUT/server_$setting.log" 200 $server_flags $flags --context-length $ctx; then
     python -m sglang.bench_serving --port $port --dataset-name multi-turn --num-sessions $SESSIONS \

@@ -24,7 +24,7 @@ MOE_BACKENDS = ("auto", "torch", "triton", "humming")  # layers/moe/backends/
 SPECULATIVE_ALGORITHMS = (None, "mtp")  # speculative/
 SPECULATIVE_DEFAULT_STEPS = 3
 SPECULATIVE_MAX_STEPS = 4
-SCHEDULE_POLICIES = ("fcfs",)
+SCHEDULE_POLICIES = ("fcfs", "lpm")  # lpm: longest cached prefix first (managers/prefix_caching.py)
 # auto: cache_aware with prefix caching (on unless --disable-radix-cache) and --dp-size > 1,
 # else round_robin
 LOAD_BALANCE_METHODS = ("auto", "round_robin", "least_loaded", "cache_aware")
@@ -196,6 +196,9 @@ class ServerArgs:
         moe_backend = resolve_moe_backend(self.moe_backend, device, getattr(torch, dtype), segment_kernels,
                                           fp4_experts=model_config.fp4_experts)
         prefix_caching = resolve_prefix_caching(self)
+        if self.schedule_policy == "lpm" and not prefix_caching:
+            raise ValueError("--schedule-policy lpm admits the waiting requests with the longest cached prefix "
+                             "first: it needs prefix caching (on by default; drop --disable-radix-cache)")
         return dataclasses.replace(
             self,
             enable_prefix_caching=prefix_caching,

@@ -57,8 +57,9 @@ HELP = {
                         "min(context * max running, 65536) on CPU",
     "mem_fraction_static": "fraction of free GPU memory for weights + KV cache",
     "chunked_prefill_size": "max prefill tokens per step (default 2048 CUDA / 256 CPU; -1: no chunking)",
-    "schedule_policy": "order in which waiting requests are admitted: fcfs (first come, first served; the "
-                       "only policy)",
+    "schedule_policy": "order in which waiting requests are admitted: fcfs (first come, first served) or lpm "
+                       "(longest cached prefix first, arrival order among equals; needs prefix caching; with more "
+                       "than 128 waiting requests a step admits fcfs, as matching them all would cost more)",
     "enable_mixed_chunk": "run a prefill chunk and the running decodes in one MIXED forward",
     "disable_overlap_schedule": "process each step's sampled tokens before launching the next step (by default "
                                 "the host schedules and launches step N+1 while the GPU runs step N, and "

@@ -58,9 +58,10 @@ class KVReadingRunner:
 
 
 def make_scheduler(pages, caching=True, **kw):
-    args = ServerArgs(model_path="dsv4-tiny", device="cpu", context_length=2048, max_total_tokens=pages * P,
-                      max_running_requests=8, chunked_prefill_size=256, page_size=P,
-                      **({} if caching else {"disable_radix_cache": True}), **kw).resolve(cuda_available=False)
+    settings = dict(model_path="dsv4-tiny", device="cpu", context_length=2048, max_total_tokens=pages * P,
+                    max_running_requests=8, chunked_prefill_size=256, page_size=P,
+                    **({} if caching else {"disable_radix_cache": True}))
+    args = ServerArgs(**dict(settings, **kw)).resolve(cuda_available=False)
     return Scheduler(args, KVReadingRunner(args))
 
 
@@ -89,11 +90,13 @@ def check_invariants(s):
     assert all(r.cache_node is None and r.req_pool_idx is None for r in s.waiting)
 
 
-@pytest.mark.parametrize("seed, overlap, mixed", [(0, True, False), (1, False, True), (2, True, True)])
-def test_random_shared_prefix_traffic_under_memory_pressure(seed, overlap, mixed):
+@pytest.mark.parametrize("seed, overlap, mixed, policy", [(0, True, False, "fcfs"), (1, False, True, "fcfs"),
+                                                          (2, True, True, "fcfs"), (3, True, True, "lpm")])
+def test_random_shared_prefix_traffic_under_memory_pressure(seed, overlap, mixed, policy):
     rng = random.Random(seed)
     stems = [[rng.randrange(2, VOCAB) for _ in range(4 * P)] for _ in range(3)]
-    s = make_scheduler(pages=14, disable_overlap_schedule=not overlap, enable_mixed_chunk=mixed)
+    s = make_scheduler(pages=14, disable_overlap_schedule=not overlap, enable_mixed_chunk=mixed,
+                       schedule_policy=policy)
     prompts, max_new, aborted, results = {}, {}, set(), {}
     next_id = 0
 
@@ -193,6 +196,43 @@ def test_chat_turns_resume_from_the_tail_their_last_answer_left(overlap):
     assert stats["prefix_cache_evicted_pages"] == 0
     s.prefix_caching.tree.reset()
     assert s.pool.num_free_pages == s.pool.pages.capacity
+
+
+@pytest.mark.parametrize("policy, order, max_waiting", [("fcfs", ["x", "y", "z", "w"], 128),
+                                                        ("lpm", ["y", "w", "z", "x"], 128),
+                                                        ("lpm", ["x", "y", "w", "z"], 3)])
+def test_lpm_admits_the_longest_cached_prefix_first(policy, order, max_waiting, monkeypatch):
+    """With one request running at a time, admission order is completion order: fcfs keeps
+    arrival order, lpm takes the waiting request with the longest cached prefix first (arrival
+    order among equals) once no more than LPM_MAX_WAITING wait (with 3, four waiting start in
+    arrival order: x first), and every output is the reference's either way. Matches end where the warm-up request left states: 2P (its first
+    chunk's end) and 3P."""
+    from sglang.srt.managers import prefix_caching
+
+    monkeypatch.setattr(prefix_caching, "LPM_MAX_WAITING", max_waiting)
+    rng = random.Random(3)
+    base = [rng.randrange(2, VOCAB) for _ in range(3 * P + 7)]
+    s = make_scheduler(pages=30, max_running_requests=1, schedule_policy=policy)
+    _serve_one_after_another(s, base, ["warm"])
+    prompts = {"x": [rng.randrange(2, VOCAB) for _ in range(2 * P)], "y": base[:3 * P] + [9] * 20,
+               "z": base[:2 * P] + [11] * 30, "w": base[:3 * P] + [12] * 5}
+    for rid, prompt in prompts.items():
+        s.add_request(GenerateReqInput(rid=rid, input_ids=prompt, sampling_params=SamplingParams(
+            max_new_tokens=4, temperature=0.0, ignore_eos=True)))
+    done, outs = [], {}
+    while s.has_work():
+        for o in s.step():
+            outs[o.rid] = outs.get(o.rid, []) + o.new_token_ids
+            if o.finished:
+                done.append(o.rid)
+        check_invariants(s)
+    assert done == order
+    assert all(outs[rid] == reference(prompt, 4) for rid, prompt in prompts.items())
+
+
+def test_lpm_needs_the_prefix_cache():
+    with pytest.raises(ValueError, match="--schedule-policy lpm .* prefix cach"):
+        make_scheduler(pages=14, caching=False, schedule_policy="lpm")
 
 
 def _serve_one_after_another(s, prompt, rids):

@@ -35,13 +35,15 @@ the pool admits.
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional
+from typing import Callable, Deque, List, Optional
 
 from sglang.srt.mem_cache.radix_cache import PrefixMatch, RadixCache
 from sglang.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sglang.srt.mem_cache.resume_state import restore_resume_state, take_resume_state
 
 logger = logging.getLogger(__name__)
+# --schedule-policy lpm orders at most this many waiting requests a step (order_longest_prefix_first)
+LPM_MAX_WAITING = 128
 
 
 class PrefixCaching:
@@ -62,6 +64,7 @@ class PrefixCaching:
         self.num_hits = 0
         self.lookup_tokens = 0  # tokens of the admitted requests
         self.hit_tokens = 0  # of those, tokens taken from the cache
+        self._lpm_matches = {}  # order_longest_prefix_first's matches: id -> (req, tree version, seq_len, length)
 
     @property
     def evictable_pages(self) -> int:
@@ -81,6 +84,28 @@ class PrefixCaching:
         if match.length:
             self.tree.lock(match.node)
         return match
+
+    def order_longest_prefix_first(self, waiting: Deque) -> None:
+        """--schedule-policy lpm: reorder the waiting queue so that the requests the tree holds
+        the longest prefix of come first (a stable sort: arrival order among equal matches).
+        Requests that share a long cached prefix then reuse it before eviction can take it,
+        and cached chat turns are not queued behind other sessions' uncached prompts. Above
+        LPM_MAX_WAITING requests the queue keeps its order: matching every one each step would
+        cost more than it saves (SGLang falls back the same way)."""
+        if len(waiting) < 2 or len(waiting) > LPM_MAX_WAITING:
+            return
+        # a request's match changes only with the tree or its own length: most steps reuse it
+        known, version, length = self._lpm_matches, self.tree.version, {}
+        for r in waiting:
+            _, v, n, m = known.get(id(r), (None, None, None, None))
+            if v != version or n != r.seq_len:
+                m = self.tree.match_prefix(r.token_slice(0, r.seq_len), r.seq_len - 1, touch=False).length
+            length[id(r)] = m
+        # holding each request keeps its id from being reused by another while it is a key
+        self._lpm_matches = {id(r): (r, version, r.seq_len, length[id(r)]) for r in waiting}
+        ordered = sorted(waiting, key=lambda r: -length[id(r)])
+        waiting.clear()
+        waiting.extend(ordered)
 
     def unlock(self, match: PrefixMatch) -> None:
         if match.length:

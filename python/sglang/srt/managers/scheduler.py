@@ -9,7 +9,8 @@ Policy, in order of precedence:
   put back at the front of the waiting queue with their generated tokens kept, so they
   re-prefill prompt + output and continue exactly where they stopped. A lone request that
   still does not fit can never fit and fails with an error.
-- Prefill admits waiting requests FCFS (no skipping) while the token budget
+- Prefill admits waiting requests in queue order (no skipping; FCFS, or with
+  --schedule-policy lpm longest cached prefix first) while the token budget
   (--chunked-prefill-size), free request slots, --max-running-requests and the KV budget
   allow. The KV budget is the free pages minus a reserve for the running requests' next
   decode token. A request that does not fit whole is prefilled up to the budget and becomes
@@ -298,7 +299,8 @@ class Scheduler:
             r.num_generated >= r.sampling_params.max_new_tokens or r.seq_len >= self.context_length))]
 
     def _plan_prefill(self, token_budget: Optional[int], decode_allocated: bool) -> List[Tuple[Req, int]]:
-        """Admit chunks FCFS and allocate their slots and pages. Returns (req, num_tokens)."""
+        """Admit chunks in the queue's order (--schedule-policy: arrival, or longest cached
+        prefix first) and allocate their slots and pages. Returns (req, num_tokens)."""
         # Keep pages for each running request's next decode token (one past the row this step
         # already mapped, when decode rows run in the same forward).
         extra = (1 if decode_allocated else 0) + (self.speculator.num_steps if self.speculator else 0)
@@ -308,6 +310,8 @@ class Scheduler:
         num_holders = len(self._holders())
         plan: List[Tuple[Req, int]] = []
         cache = self.prefix_caching
+        if self.server_args.schedule_policy == "lpm" and num_holders < self.max_running_requests:
+            cache.order_longest_prefix_first(self.waiting)  # resolve() made sure the cache is on
         while tokens_left > 0:
             req = self.chunked_req if (self.chunked_req is not None and not plan) else (
                 self.waiting[0] if self.waiting else None)

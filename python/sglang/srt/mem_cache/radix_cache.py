@@ -78,13 +78,14 @@ class RadixCache:
         self.num_states = 0
         self.state_bytes = 0
         self.evicted_pages = 0
+        self.version = 0  # changes whenever what a match could return changes (insertions, evictions)
 
     # ---- lookup and insertion --------------------------------------------------------
 
-    def match_prefix(self, tokens: Sequence[int], max_len: int) -> PrefixMatch:
+    def match_prefix(self, tokens: Sequence[int], max_len: int, touch: bool = True) -> PrefixMatch:
         """The longest cached prefix of `tokens`, at most `max_len` long, that ends at a node
-        with a resume state (a tail included). Refreshes the LRU time of that node's path;
-        locks nothing."""
+        with a resume state (a tail included). Refreshes the LRU time of that node's path
+        (unless `touch` is false: a look that takes nothing); locks nothing."""
         ps = self.page_size
         node, pos, pages = self.root, 0, []
         best = PrefixMatch(self.root, 0, [], None)
@@ -104,7 +105,8 @@ class RadixCache:
             pages.extend(child.pages)
             if node.state is not None and pos > best.length:
                 best = PrefixMatch(node, pos, list(pages), node.state)
-        self._touch(best.node)
+        if touch:
+            self._touch(best.node)
         return best
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], state: Optional[ResumeState]) -> TreeNode:
@@ -113,6 +115,7 @@ class RadixCache:
         copies); the tree takes a hold on each page it adopts. Returns the node at the end."""
         ps = self.page_size
         n = len(tokens)
+        self.version += 1
         if n == 0 or n % ps or len(pages) * ps != n:
             raise ValueError(f"insert needs whole pages: {n} tokens, {len(pages)} pages of {ps}")
         if state is not None and state.length != n:
@@ -156,6 +159,7 @@ class RadixCache:
             raise ValueError(f"resume state after {state.length} tokens cannot end a tail at {node.end + len(key)}")
         tail = node.children.get(key)
         if tail is None:
+            self.version += 1
             tail = TreeNode(key, [page], node, state.length)
             self.allocator.incref(tail.pages)
             node.children[key] = tail
@@ -201,6 +205,7 @@ class RadixCache:
         freed = 0
         while not done(freed) and heap:
             _, _, node = heapq.heappop(heap)
+            self.version += 1
             parent = node.parent
             del parent.children[node.key[:self.page_size]]
             if len(node.key) < self.page_size:
