@@ -65,7 +65,7 @@ def _scheduler(ckpt, runner, **kw):
     args.update(kw)
     if runner.num_mtp_layers:
         args.update(speculative_algorithm="mtp", speculative_num_steps=runner.server_args.speculative_num_steps)
-    return Scheduler(ServerArgs(**args).resolve(cuda_available=False), runner)
+    return Scheduler(ServerArgs(**args).resolve(cuda_available=args.get("device") == "cuda"), runner)
 
 
 def _serve(ckpt, runner, reqs, override=None, **kw):
@@ -269,3 +269,26 @@ def test_the_memory_planner_counts_both_modules_and_the_carried_rows(ckpt, spec_
     model = spec_runner.model
     held = sum(t.nbytes for t in list(model.parameters()) + list(model.buffers()))
     assert weight_bytes(spec_runner.config, "float32", "float32").total == held
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_chained_modules_replay_their_graphs_and_give_the_plain_outputs(ckpt):
+    """On CUDA in fp32 with real breakable and decode graphs: both modules' passes and module
+    1's draft steps replay graphs, and with the modules' own drafts and with partly accepted
+    oracle drafts the greedy outputs are the plain run's."""
+    gpu = dict(device="cuda", dtype="float32", enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=[16, 64])
+    reqs = lambda: [_req(f"r{n}", p) for n, p in zip(LENGTHS, _prompts(LENGTHS))]  # noqa: E731
+    plain = ModelRunner(cpu_server_args(model_path=ckpt, **dict(BASE, **gpu)))
+    expect, _ = _serve(ckpt, plain, reqs(), **gpu)
+    plain.shutdown()
+    spec = ModelRunner(cpu_server_args(model_path=ckpt, **dict(BASE, **gpu, speculative_algorithm="mtp",
+                                                               speculative_num_steps=3)))
+    prompts = {tuple(p): f"r{n}" for n, p in zip(LENGTHS, _prompts(LENGTHS))}
+    oracle = reference_drafts(lambda req: expect[prompts[tuple(req.origin_input_ids)]][0], lambda pos: pos % 3)
+    for override in (oracle, None):
+        got, stats = _serve(ckpt, spec, reqs(), override=override, **gpu)
+        assert {rid: ids for rid, (ids, _) in got.items()} == {rid: ids for rid, (ids, _) in expect.items()}
+        assert stats["mtp_breakable_replays"] > 0 and stats["mtp1_breakable_replays"] > 0
+        assert stats["mtp1_decode_graph_replays"] > 0 and stats["spec_draft_tokens"] > 0
+    spec.shutdown()
