@@ -22,9 +22,9 @@ from sglang.srt.model_executor.graph_dispatch import PathKind
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
-from sglang.test.kv_accounting import assert_no_request_holds_kv
 from sglang.test.mtp_checkpoints import write_two_module_checkpoint
 from sglang.test.runner_args import cpu_server_args
+from sglang.test.scheduler_runs import serve_all
 from sglang.test.speculative_drafts import reference_drafts
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
@@ -69,18 +69,7 @@ def _scheduler(ckpt, runner, **kw):
 
 
 def _serve(ckpt, runner, reqs, override=None, **kw):
-    s = _scheduler(ckpt, runner, **kw)
-    if override is not None:
-        s.speculator.draft_override = override
-    for r in reqs:
-        s.add_request(r)
-    res = {}
-    while s.has_work():
-        for o in s.step():
-            ids, lps = res.get(o.rid, ([], []))
-            res[o.rid] = (ids + o.new_token_ids, lps + (o.new_logprobs or []))
-    assert_no_request_holds_kv(s)
-    return res, s.get_stats()
+    return serve_all(_scheduler(ckpt, runner, **kw), reqs, override)
 
 
 def _same(got, expect):

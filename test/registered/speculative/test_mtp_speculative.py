@@ -22,6 +22,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 from sglang.test.kv_accounting import assert_no_request_holds_kv
 from sglang.test.runner_args import cpu_server_args
+from sglang.test.scheduler_runs import serve_all
 from sglang.test.speculative_drafts import reference_drafts
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
@@ -55,18 +56,7 @@ def _serve(runner, reqs, override=None, **kw):
     args.update(kw)
     if runner.num_mtp_layers:
         args.update(speculative_algorithm="mtp", speculative_num_steps=runner.server_args.speculative_num_steps)
-    s = Scheduler(ServerArgs(**args).resolve(cuda_available=False), runner)
-    if override is not None:
-        s.speculator.draft_override = override
-    for r in reqs:
-        s.add_request(r)
-    res = {}
-    while s.has_work():
-        for o in s.step():
-            ids, lps = res.get(o.rid, ([], []))
-            res[o.rid] = (ids + o.new_token_ids, lps + (o.new_logprobs or []))
-    assert_no_request_holds_kv(s)
-    return res, s.get_stats()
+    return serve_all(Scheduler(ServerArgs(**args).resolve(cuda_available=False), runner), reqs, override)
 
 
 def _prompts(lengths, seed=0):
