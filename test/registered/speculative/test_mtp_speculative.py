@@ -102,6 +102,35 @@ def test_drafts_the_target_agrees_with_are_all_accepted(spec_runner, expected):
     assert stats["spec_mean_accepted_per_row"] > 2.5
 
 
+def test_verify_rows_feed_the_drafts_from_the_device(spec_runner, expected, monkeypatch):
+    """Without an override the host builds verify rows with placeholders and the drafts are
+    written into the batch on the device from their slot's row (the host reads their values
+    only to judge them). Drafts proposed on the device equal to the plain continuation are
+    then all accepted, which they are only if the verify fed exactly them."""
+    from sglang.srt.speculative.mtp import MTPSpeculator
+
+    prompts = {tuple(p): f"r{n}" for n, p in zip(LENGTHS, _prompts(LENGTHS))}
+    pass_ = {"reqs": None, "step": 0}  # the k draft steps of one drafting pass get the same request list
+
+    def oracle_tokens(self, sched, reqs, logits, probs):
+        if pass_["reqs"] is reqs:
+            pass_["step"] += 1
+        else:
+            pass_.update(reqs=reqs, step=0)
+        step = pass_["step"]
+        toks = []
+        for r in reqs:
+            seq = r.origin_input_ids + expected[prompts[tuple(r.origin_input_ids)]][0]
+            pos = r.prefix_len + 1 + step  # draft s predicts position prefix_len + 1 + s
+            toks.append(seq[pos] if pos < len(seq) else 2)
+        return torch.tensor(toks, dtype=torch.int64, device=logits.device)
+
+    monkeypatch.setattr(MTPSpeculator, "_draft_tokens", oracle_tokens)
+    got, stats = _serve(spec_runner, [_req(f"r{n}", p) for n, p in zip(LENGTHS, _prompts(LENGTHS))])
+    _same(got, expected)
+    assert stats["spec_accept_rate"] == 1.0 and stats["spec_mean_accepted_per_row"] > 2.5
+
+
 @pytest.mark.parametrize("offset", [0, 1, 2])
 def test_partly_accepted_drafts_roll_back_every_ring(spec_runner, expected, offset):
     """The draft at `offset` of every step is wrong (and, varying with the position, at

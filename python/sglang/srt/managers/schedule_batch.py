@@ -50,8 +50,9 @@ class Req:
     cache_node: Optional[object] = None  # the radix-tree node this request keeps locked
     resume_state: Optional[object] = None  # its latest ResumeState (at a page boundary)
     # speculative decoding (speculative/mtp.py): tokens the MTP layer drafted for the next
-    # step, and with sampling their draft distributions [k, vocab]
-    spec_drafts: List[int] = field(default_factory=list)
+    # step (mtp.DeviceDrafts: their values reach the host lazily), and with sampling their
+    # draft distributions [k, vocab]
+    spec_drafts: Sequence[int] = field(default_factory=list)
     spec_draft_probs: Optional[torch.Tensor] = None
 
     def __post_init__(self):

@@ -32,7 +32,12 @@ step in the KV pool's slot row (DSV4KVPool.mtp_carry; zeros before position 0; p
 prefix-cache resume state).
 
 The host needs the accepted lengths before it can build the next batch, so speculative
-steps run without overlap scheduling.
+steps run without overlap scheduling. It does not wait for the drafts, though: they stay on
+the device (a row per request slot, `draft_ids`), the next verify batch is built with
+placeholders that `run` replaces there before the forward, and their values reach the host by
+a non-blocking copy, read only when the verify judges them (`DeviceDrafts`). So the host
+reports the step's tokens and builds the next batch while the device still runs the draft
+steps.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from collections.abc import Sequence
 from typing import Callable, List, Optional
 
 import torch
@@ -66,6 +72,38 @@ DraftOverride = Callable[[Req, int, List[int]], List[int]]
 SIMULATE_ENV = "SGLANG_SIMULATE_ACCEPT_LENGTH"
 
 
+class DeviceDrafts(Sequence):
+    """A request's drafts (`Req.spec_drafts`) from one draft step: row `row` of that step's
+    [n, k] draft ids, copied to the host without blocking; the values are read (waiting for
+    the copy once) only when something on the host needs them, the verify's acceptance after
+    the device has long finished them."""
+
+    def __init__(self, host: "_HostDrafts", row: int):
+        self._host, self._row = host, row
+
+    def __len__(self) -> int:
+        return self._host.width
+
+    def __getitem__(self, i):
+        return self._host.rows()[self._row][i]
+
+
+class _HostDrafts:
+    """One draft step's ids on their way to the host: a pinned copy and its event on CUDA."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.width = ids.shape[1]
+        (self._host,), self._event = LaunchedStep.copy_to_host(ids)
+        self._rows: Optional[List[List[int]]] = None
+
+    def rows(self) -> List[List[int]]:
+        if self._rows is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._rows = self._host.tolist()
+        return self._rows
+
+
 class MTPSpeculator:
     def __init__(self, model_runner, num_steps: int):
         self.runner = model_runner
@@ -88,16 +126,22 @@ class MTPSpeculator:
                            SIMULATE_ENV, simulate)
             self._rng = random.Random(0)
         self.stats = {"spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        # each request slot's latest drafts on the device (+ the padding slot), what its verify row feeds
+        self.draft_ids = torch.zeros(model_runner.req_to_token_pool.padding_slot + 1, num_steps, dtype=torch.int64,
+                                     device=model_runner.device)
 
     # ---- what the scheduler asks ---------------------------------------------------------
 
     def drafts_for(self, req: Req, max_drafts: int) -> List[int]:
         """The drafts a decode row feeds this step (at most max_drafts; none before the MTP
-        layer has drafted for it)."""
-        drafts = req.spec_drafts[:max(0, max_drafts)]
-        if self.draft_override is not None and drafts:
-            drafts = list(self.draft_override(req, req.seq_len, drafts))[:len(drafts)]
-        return drafts
+        layer has drafted for it): placeholders that `run` replaces on the device with the
+        MTP layer's drafts, or with a draft_override the override's tokens (read on the host)."""
+        n = min(len(req.spec_drafts), max(0, max_drafts))
+        if n == 0:
+            return []
+        if self.draft_override is not None:
+            return list(self.draft_override(req, req.seq_len, list(req.spec_drafts)[:n]))[:n]
+        return [0] * n
 
     def get_stats(self) -> dict:
         rows, drafted, accepted = (self.stats[k] for k in ("spec_verify_rows", "spec_draft_tokens",
@@ -140,17 +184,21 @@ class MTPSpeculator:
                 return LaunchedStep()
         n_pre = batch.num_prefill_reqs
         drafts = batch.drafts or [[] for _ in batch.reqs[n_pre:]]
+        starts = [0]  # each row's first token in the batch
+        for n in batch.extend_lens:
+            starts.append(starts[-1] + n)
+        if self.draft_override is None and any(drafts):
+            self._feed_drafts(batch, fb, drafts, starts, sched.device)
         spans = [(r.req_pool_idx, r.prefix_len + 1, len(d)) for r, d in zip(batch.reqs[n_pre:], drafts) if d]
         snapshot = RingSnapshot(runner.kv_pool, self.target_layers, spans) if spans else None
         hidden = runner.forward_hidden(fb, path)
         T = fb.num_live_tokens
         # read before the next target forward rewrites it (the MTP forwards leave it alone)
         streams = runner.model.streams_out[:T]
+        if self.draft_override is None:  # the values fed, for the acceptance (copied long ago)
+            drafts = [list(r.spec_drafts)[:len(d)] if d else d for r, d in zip(batch.reqs[n_pre:], drafts)]
 
         # rows whose logits are read: each completing prefill chunk's last, every decode row's
-        starts = [0]
-        for n in batch.extend_lens:
-            starts.append(starts[-1] + n)
         finished_at_prefill = []
         sample_rows, owners = [], []  # logits rows, and (request index, offset within its verify row)
         for i, req in enumerate(batch.reqs):
@@ -229,6 +277,18 @@ class MTPSpeculator:
                 if req.req_pool_idx is not None:
                     sched.prefix_caching.after_forward(req, prefill=i < n_pre)
         return step
+
+    def _feed_drafts(self, batch, fb, drafts, starts, dev) -> None:
+        """Write each decode row's drafts into the batch's input ids on the device, from its
+        slot's row of `draft_ids` (the host built the row with placeholders)."""
+        n_pre, k = batch.num_prefill_reqs, self.num_steps
+        pos, src = [], []
+        for i, (r, d) in enumerate(zip(batch.reqs[n_pre:], drafts)):
+            first = starts[n_pre + i] + 1  # after the row's last accepted token
+            pos += range(first, first + len(d))
+            src += range(r.req_pool_idx * k, r.req_pool_idx * k + len(d))
+        pos, src = (torch.tensor(x, dtype=torch.int64).to(dev) for x in (pos, src))
+        fb.input_ids[pos] = self.draft_ids.view(-1)[src]
 
     # ---- verification ------------------------------------------------------------------
 
@@ -332,8 +392,11 @@ class MTPSpeculator:
             cur_streams, cur_logits = cur_streams[:n].clone(), runner.model.compute_logits(final[:n])
         if snapshot is not None:
             snapshot.restore(spans)
-        for r, toks in zip(dreqs, torch.stack(drafts, dim=1).tolist()):
-            r.spec_drafts = toks
+        ids = torch.stack(drafts, dim=1)  # [n, k], left on the device: the next verify feeds it from there
+        self.draft_ids[torch.tensor([r.req_pool_idx for r in dreqs], dtype=torch.int64).to(dev)] = ids
+        host = _HostDrafts(ids)
+        for j, r in enumerate(dreqs):
+            r.spec_drafts = DeviceDrafts(host, j)
         for r, pr in zip(dreqs, probs):
             if pr:
                 r.spec_draft_probs = torch.stack(pr)
