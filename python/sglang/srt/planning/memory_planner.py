@@ -80,8 +80,9 @@ def loaded_weight_format(config, dtype: str) -> str:
 
 
 def weight_bytes(config, weight_format: str, model_dtype: str = "bfloat16") -> WeightBytes:
-    """Bytes of every parameter and buffer of the model as it is held in memory (MTP layers
-    included: the loader keeps them), split into replicated and routed-expert parts (those of
+    """Bytes of every parameter and buffer of the model as it is held in memory (the MTP
+    modules the config lists too: a run's config lists only those speculation runs,
+    ServerArgs.run_config), split into replicated and routed-expert parts (those of
     the MTP layers too: DP ranks build every layer's experts at their shard). "release": the
     config's quantized modules, the rest in model_dtype; "bfloat16" / "float32": every weight
     in that dtype (a release-format config dequantized)."""
@@ -101,8 +102,8 @@ def weight_bytes(config, weight_format: str, model_dtype: str = "bfloat16") -> W
 
 def estimate_weight_bytes(config, dtype_bytes: int) -> int:
     """Weight bytes of the model as it holds them in a model dtype of `dtype_bytes` (2: bf16,
-    4: fp32): release-format weights at their quantized size (the loader keeps them so), MTP
-    layers and every routed expert included."""
+    4: fp32): release-format weights at their quantized size (the loader keeps them so), the
+    MTP modules the config lists and every routed expert included."""
     dtypes = {2: "bfloat16", 4: "float32"}
     if dtype_bytes not in dtypes:
         raise ValueError(f"dtype_bytes must be 2 (bfloat16) or 4 (float32), got {dtype_bytes!r}")
@@ -114,12 +115,13 @@ def tensor_core_copy_bytes(config, model_dtype: str) -> int:
     """Bytes a bf16 model adds after load for its tensor-core GEMMs: every run layer's
     compressor wkv + wgate (c4 / c128 compressors and the c4 indexers') held as SPLIT_TERMS
     bf16 terms instead of fp32 (`Compressor.use_tensor_core_gemms` releases the fp32 weights
-    when the terms hold them exactly): 2 bytes per element. MTP layers are never run and keep
-    theirs; an fp32 model adds nothing. dsv4-flash: 0.57 GiB per GPU."""
+    when the terms hold them exactly): 2 bytes per element, the MTP modules' compressors too
+    (the config lists only the modules a run builds: ServerArgs.run_config); an fp32 model
+    adds nothing. dsv4-flash: 0.57 GiB per GPU."""
     if model_dtype != "bfloat16":
         return 0
     outputs = 0  # wkv's output width summed over compressors (wgate's is the same)
-    for i in range(config.num_hidden_layers):
+    for i in range(config.num_hidden_layers + config.num_mtp_layers):
         ratio = config.layer_compress_ratio(i)
         if ratio:
             outputs += (2 if ratio == 4 else 1) * config.head_dim

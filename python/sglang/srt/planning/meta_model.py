@@ -22,7 +22,8 @@ class MetaTensor:
 
 
 def meta_tensors(config: DeepseekV4Config, dtype: str = "bfloat16") -> list[MetaTensor]:
-    """Every parameter and buffer of the model (MTP layers included) built in `dtype`."""
+    """Every parameter and buffer of the model (the MTP modules the config lists included)
+    built in `dtype`."""
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(config, getattr(torch, dtype), max_positions=2)
     return [
