@@ -345,7 +345,8 @@ def dp_speculative_rank_main(rank: int, world: int, port: int, out_dir: str, ckp
                              spec={k: v for k, v in stats.items() if k.startswith("spec_")},
                              breakable_replays=stats.get("breakable_replays", 0),
                              # every module's (mtp_..., mtp1_... with chained modules)
-                             mtp_replays={k: sum(v for key, v in stats.items() if re.fullmatch(rf"mtp\d*_{k}_replays", key))
+                             mtp_replays={k: sum(v for key, v in stats.items()
+                                                 if re.fullmatch(rf"mtp\d*_{k}_replays", key))
                                           for k in ("decode_graph", "breakable")},
                              forward_mtp=stats.get("forward_mtp", 0))
             runner.shutdown()

@@ -205,8 +205,8 @@ def test_lpm_admits_the_longest_cached_prefix_first(policy, order, max_waiting, 
     """With one request running at a time, admission order is completion order: fcfs keeps
     arrival order, lpm takes the waiting request with the longest cached prefix first (arrival
     order among equals) once no more than LPM_MAX_WAITING wait (with 3, four waiting start in
-    arrival order: x first), and every output is the reference's either way. Matches end where the warm-up request left states: 2P (its first
-    chunk's end) and 3P."""
+    arrival order: x first), and every output is the reference's either way. Matches end where
+    the warm-up request left states: 2P (its first chunk's end) and 3P."""
     from sglang.srt.managers import prefix_caching
 
     monkeypatch.setattr(prefix_caching, "LPM_MAX_WAITING", max_waiting)

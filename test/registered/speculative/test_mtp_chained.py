@@ -134,7 +134,7 @@ def _reference_drafts(runner, tokens, L):
     slot = pool.alloc_req()
     pool.ensure_capacity(slot, L + 2)
     c = runner.config
-    out0, final0, = [], None
+    out0, final0 = [], None
     for a in range(0, L, 64):
         b = min(a + 64, L)
         runner.forward_hidden(build_forward_batch(ForwardMode.EXTEND, [slot], [a], [tokens[a:b]], "cpu"))
@@ -148,7 +148,8 @@ def _reference_drafts(runner, tokens, L):
         b = min(a + 64, L)
         runner.forward_mtp(build_forward_batch(ForwardMode.EXTEND, [slot], [a], [tokens[a + 1:b + 1]], "cpu"),
                            shifted[a:b], k=1)
-    drafts = [runner.model.compute_logits(final0[(L - 1) % 64 if L % 64 else 63][None]).argmax(-1).item()]
+    # position L - 1 is row (L - 1) % 64 of the last chunk
+    drafts = [runner.model.compute_logits(final0[(L - 1) % 64][None]).argmax(-1).item()]
     streams = out0[L - 1:L]
     for step in range(2):
         fb = build_forward_batch(ForwardMode.DECODE, [slot], [L + step], [[drafts[-1]]], "cpu")
@@ -167,7 +168,8 @@ def test_each_step_drafts_what_the_chain_computes_over_the_committed_sequence(ck
     prompt = _prompts([70], seed=9)[0]
     plain, _ = _serve(ckpt, _runner(ckpt), [_req("x", prompt, n=40)])
     s = _scheduler(ckpt, spec_runner)
-    s.speculator.draft_override = reference_drafts(lambda req: plain["x"][0], lambda pos: random.Random(pos).randrange(4))
+    s.speculator.draft_override = reference_drafts(lambda req: plain["x"][0],
+                                                   lambda pos: random.Random(pos).randrange(4))
     s.add_request(_req("x", prompt, n=40))
     seen, req = [], None  # (committed length, the drafts the modules proposed)
     while s.has_work():
