@@ -418,12 +418,11 @@ class MTPSpeculator:
         # built on the host: row m of a request reads row m - 1 of the previous module's
         # output, its first row the slot's carried one (appended after the T rows)
         lens = [len(js) for *_, js in mtp_rows]
-        T, src, ends, a = sum(lens), [], [], 0
+        T, src, a = sum(lens), [], 0
         for i, n in enumerate(lens):
             src += [T + i] + list(range(a, a + n - 1))
             a += n
-            ends.append(a - 1)
-        src, ends = (torch.tensor(x, dtype=torch.int64).to(dev) for x in (src, ends))
+        src, ends = torch.tensor(src, dtype=torch.int64).to(dev), fb.last_token_indices()
         slots_t = torch.tensor(slots, dtype=torch.int64).to(dev)
         fresh = torch.tensor([L == 0 for L in starts]).to(dev)[:, None, None]  # no position before 0
         prev_out = out
