@@ -74,6 +74,39 @@ def test_triton_matches_reference(device, num_splits, has_b, num_heads, keys_as_
         assert out[0].abs().max() == 0 and out[5].abs().max() == 0
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("rope_dim", [32, 96])
+# (bf16 dots are not emulated faithfully by the interpreter: bf16 on a GPU only)
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_output_rope_in_the_store_equals_a_separate_inverse_rope(device, num_splits, rope_dim, dtype):
+    """out_rope undoes the RoPE in the attention's own stores (the merge's with split lists,
+    in D chunks: 96 rope dims of 128 span two of them) with exactly the values of the
+    attention followed by inverse_rope_; the reference agrees."""
+    require_triton()
+    from dsv4_kernels.cache_write import inverse_rope_
+    from dsv4_kernels.sparse_attention import SparseAttnConfig, sparse_attn_with_sink
+
+    D = 128
+    case = _random_case(device, dtype, len(LEN_A), 4, D, 40, 70, LEN_A, LEN_B)
+    cos, sin = torch.randn(2, 50, rope_dim // 2, device=device).unbind(0)
+    positions = torch.randint(0, 50, (len(LEN_A) + 3,), device=device, dtype=torch.int32)  # bucket-sized
+    rope = (cos, sin, positions, rope_dim)
+    config = SparseAttnConfig(num_splits=num_splits)
+    plain = sparse_attn_with_sink(*case, D ** -0.5, torch.full_like(case[0], float("nan")), config)
+    fused = sparse_attn_with_sink(*case, D ** -0.5, torch.full_like(case[0], float("nan")), config,
+                                  out_rope=rope)
+    separate = inverse_rope_(plain.clone(), cos, sin, positions, rope_dim)
+    assert torch.equal(fused, separate)
+    assert not torch.equal(fused[:, :, D - rope_dim:], plain[:, :, D - rope_dim:])
+    assert torch.equal(fused[:, :, :D - rope_dim], plain[:, :, :D - rope_dim])
+    expected = reference.inverse_rope_(reference.sparse_attn_with_sink(*case, D ** -0.5, torch.empty_like(case[0])),
+                                       cos, sin, positions[:len(LEN_A)], rope_dim)
+    assert torch.equal(reference.sparse_attn_with_sink(*case, D ** -0.5, torch.empty_like(case[0]), out_rope=rope),
+                       expected)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused, expected, rtol=tol, atol=tol)
+
+
 def _paged_lists(device, len_a, len_b, num_rows=3):
     """List a: c4 entries (ratio 4), list b: c128 entries of random page-table rows, both
     PageTableLists; pools covering every slot of the table."""

@@ -83,12 +83,13 @@ ATTN_REFERENCE_WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
-                          token_chunk: Optional[int] = None, kv_layout=None):
+                          token_chunk: Optional[int] = None, kv_layout=None, out_rope=None):
     """out[t,h] = softmax over the union of valid a- and b-entries, the sink only in the
     denominator. idx_a / idx_b: [T, W] slot lists or PageTableLists (gathered per chunk).
     Tokens are processed in chunks so the gathered rows stay small: `token_chunk`, by default
     64 or fewer, as ATTN_REFERENCE_WORKSPACE_BYTES allows at the lists' widths. kv_layout
-    (kv_fp8.FP8KVLayout): kv_a / kv_b are FP8 KV rows, read dequantized."""
+    (kv_fp8.FP8KVLayout): kv_a / kv_b are FP8 KV rows, read dequantized. out_rope (cos, sin,
+    positions, rope_dim): then inverse_rope_ on out (its first T positions)."""
     check_kv_layout(kv_a, kv_layout, "sparse_attn_with_sink kv_a")
     if kv_b is not None:
         check_kv_layout(kv_b, kv_layout, "sparse_attn_with_sink kv_b")
@@ -112,6 +113,9 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
         sink_col = sink[None, :, None].expand(scores.shape[0], -1, 1)
         probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
         out[sl] = torch.einsum("thj,tjd->thd", probs, keys).to(out.dtype)
+    if out_rope is not None:
+        cos, sin, positions, rope_dim = out_rope
+        inverse_rope_(out, cos, sin, positions[:T], rope_dim)
     return out
 
 

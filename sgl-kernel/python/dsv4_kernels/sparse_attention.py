@@ -8,6 +8,10 @@ rows is loaded once per head block. An index list is a [T, W] slot tensor or a P
 With an FP8 KV cache (kv_fp8.py rows) each gathered row is dequantized on load: e4m3 nope
 codes times their block's power-of-two scale, rope dims from the row's model-dtype part. The
 result is exact in bf16, so the dots see the same keys as the reference's fp32 unpack.
+
+With `out_rope` the output's RoPE is undone in the store (the release rotates the attention
+output back by -angle before wo_a): the output is rounded to its dtype first and rotated from
+there, so the values are those of a separate inverse-RoPE pass, one launch fewer per layer.
 """
 
 from dataclasses import dataclass
@@ -132,13 +136,32 @@ def _attend_list(q, m_i, l_i, acc, kv_ptr, stride_kv, rope_ptr, stride_rope, idx
 
 
 @triton.jit
+def _inverse_rope_tile(o, d0, pos, cos_ptr, sin_ptr, stride_cs, stride_cs_k, D, rope_dim,
+                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The output tile o [BLOCK_H, BLOCK_D] (dims d0.., in the output dtype) rotated by -angle at
+    `pos` on the row's last rope_dim dims (GPT-J pairs 2k, 2k + 1), the same arithmetic as
+    cache_write's inverse RoPE; returned in o's dtype. d0 is even, so a tile holds whole pairs."""
+    x0, x1 = tl.split(tl.reshape(o.to(tl.float32), [BLOCK_H, BLOCK_D // 2, 2]))
+    k = d0 // 2 + tl.arange(0, BLOCK_D // 2)  # the row's pair index
+    first_rope_pair = (D - rope_dim) // 2
+    rope_mask = (k >= first_rope_pair) & (k < D // 2)
+    cs_off = pos * stride_cs + tl.maximum(k - first_rope_pair, 0) * stride_cs_k
+    c = tl.load(cos_ptr + cs_off, mask=rope_mask, other=1.0).to(tl.float32)[None, :]
+    s = -tl.load(sin_ptr + cs_off, mask=rope_mask, other=0.0).to(tl.float32)[None, :]
+    y0 = x0 * c - x1 * s
+    y1 = x0 * s + x1 * c
+    return tl.reshape(tl.join(y0, y1), [BLOCK_H, BLOCK_D]).to(o.dtype)
+
+
+@triton.jit
 def _sparse_attn_kernel(
     q_ptr, kv_a_ptr, idx_a_ptr, len_a_ptr, kv_b_ptr, idx_b_ptr, len_b_ptr, sink_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     rope_a_ptr, stride_rope_a, rope_b_ptr, stride_rope_b, nope_dim, scale_offset,
     qk_scale, H, D, WA, WB, rows_a_ptr, rows_b_ptr, max_col_a, max_col_b,
     stride_qt, stride_qh, stride_kva, stride_ia, stride_kvb, stride_ib, stride_ot, stride_oh,
-    HAS_B: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    cos_ptr, sin_ptr, stride_cs, stride_cs_k, pos_ptr, rope_dim,
+    HAS_B: tl.constexpr, NUM_SPLITS: tl.constexpr, OUT_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
     KEYS_AS_M: tl.constexpr, KV_FP8: tl.constexpr, FP8_BLOCK: tl.constexpr, DEQ_BF16: tl.constexpr,
     PAGED_A: tl.constexpr, RATIO_A: tl.constexpr, PAGED_B: tl.constexpr, RATIO_B: tl.constexpr,
@@ -195,9 +218,11 @@ def _sparse_attn_kernel(
 
     hd_mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
-        o = acc / l_i[:, None]
-        tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=hd_mask)
+        o = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
+        if OUT_ROPE:
+            o = _inverse_rope_tile(o, 0, tl.load(pos_ptr + t).to(tl.int64), cos_ptr, sin_ptr, stride_cs,
+                                   stride_cs_k, D, rope_dim, BLOCK_H, BLOCK_D)
+        tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], o, mask=hd_mask)
     else:
         row = (t * NUM_SPLITS + split) * H + offs_h  # partials are [T, S, H(, D)]
         tl.store(part_m_ptr + row, m_i, mask=h_mask)
@@ -208,7 +233,8 @@ def _sparse_attn_kernel(
 @triton.jit
 def _merge_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, sink_ptr, out_ptr, H, D, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    cos_ptr, sin_ptr, stride_cs, stride_cs_k, pos_ptr, rope_dim,
+    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, OUT_ROPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_hb = tl.cdiv(H, BLOCK_H)
@@ -232,9 +258,11 @@ def _merge_splits_kernel(
         l_sum += w * tl.load(part_l_ptr + row, mask=h_mask, other=0.0)
         acc += w[:, None] * tl.load(part_acc_ptr + row[:, None] * D + offs_d[None, :],
                                     mask=hd_mask, other=0.0)
-    o = acc / l_sum[:, None]
-    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=hd_mask)
+    o = (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty)
+    if OUT_ROPE:
+        o = _inverse_rope_tile(o, tl.program_id(1) * BLOCK_D, tl.load(pos_ptr + t).to(tl.int64), cos_ptr, sin_ptr,
+                               stride_cs, stride_cs_k, D, rope_dim, BLOCK_H, BLOCK_D)
+    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], o, mask=hd_mask)
 
 
 def measured_config(num_tokens: int, kv_fp8: bool = False) -> SparseAttnConfig:
@@ -260,9 +288,10 @@ _TIERS = tuple((bound, SparseAttnConfig(**tiles), SparseAttnConfig(**fp8_tiles))
 
 
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
-                          config: SparseAttnConfig | None = None, kv_layout=None):
+                          config: SparseAttnConfig | None = None, kv_layout=None, out_rope=None):
     """idx_a / idx_b: [T, W] slot lists or PageTableLists (width W, read from the page
-    table). kv_layout (kv_fp8.FP8KVLayout): kv_a / kv_b are uint8 FP8 KV rows of that layout."""
+    table). kv_layout (kv_fp8.FP8KVLayout): kv_a / kv_b are uint8 FP8 KV rows of that layout.
+    out_rope (cos, sin, positions, rope_dim): the stores undo that RoPE (see the module doc)."""
     T, H, D = q.shape
     config = config or measured_config(T, kv_fp8=kv_layout is not None)
     check_kv_layout(kv_a, kv_layout, "sparse_attn_with_sink kv_a")
@@ -299,6 +328,12 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
         part_l = torch.empty(T, splits, H, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_m = part_l = out  # never read
+    if out_rope is not None:
+        cos, sin, positions, rope_dim = out_rope
+        assert cos.stride() == sin.stride() and positions.shape[0] >= T and rope_dim % 2 == 0 and rope_dim <= D
+        rope_args = (cos, sin, cos.stride(0), cos.stride(1), positions, rope_dim)
+    else:
+        rope_args = (q, q, 0, 0, len_a, 0)  # never read
 
     _sparse_attn_kernel[(T * num_hb, splits)](
         q, kv_a, list_a.table, len_a, kv_b, list_b.table, len_b, sink, out, part_acc, part_m, part_l,
@@ -307,8 +342,8 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
         float(scale) * LOG2E, H, D, list_a.width, list_b.width, list_a.rows, list_b.rows,
         list_a.max_col, list_b.max_col,
         q.stride(0), q.stride(1), kv_a.stride(0), list_a.table.stride(0), kv_b.stride(0), list_b.table.stride(0),
-        out.stride(0), out.stride(1),
-        HAS_B=has_b, NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=config.block_n,
+        out.stride(0), out.stride(1), *rope_args,
+        HAS_B=has_b, NUM_SPLITS=splits, OUT_ROPE=out_rope is not None, BLOCK_H=block_h, BLOCK_N=config.block_n,
         BLOCK_D=block_d, DOT_PREC=dot_precision(q.dtype), KEYS_AS_M=config.keys_as_m,
         KV_FP8=fp8, FP8_BLOCK=KV_FP8_BLOCK, DEQ_BF16=q.dtype == torch.bfloat16,
         PAGED_A=list_a.paged, RATIO_A=list_a.ratio, PAGED_B=list_b.paged, RATIO_B=list_b.ratio,
@@ -320,7 +355,7 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
         # output element's merge is the same sum in the same order whatever the tile.
         merge_h, merge_d = (16, min(block_d, 128)) if T * cdiv(H, 16) >= sm_count(q.device) else (4, min(block_d, 64))
         _merge_splits_kernel[(T * cdiv(H, merge_h), cdiv(D, merge_d))](
-            part_acc, part_m, part_l, sink, out, H, D, out.stride(0), out.stride(1),
-            NUM_SPLITS=splits, BLOCK_H=merge_h, BLOCK_D=merge_d, num_warps=4,
+            part_acc, part_m, part_l, sink, out, H, D, out.stride(0), out.stride(1), *rope_args,
+            NUM_SPLITS=splits, BLOCK_H=merge_h, BLOCK_D=merge_d, OUT_ROPE=out_rope is not None, num_warps=4,
         )
     return out

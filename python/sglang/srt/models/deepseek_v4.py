@@ -33,15 +33,17 @@ logger = logging.getLogger(__name__)
 
 
 def _attention_with_output(q: torch.Tensor, sink: torch.Tensor, output: torch.Tensor, layer_id: int,
-                           index_q: Optional[torch.Tensor] = None, index_weights: Optional[torch.Tensor] = None) -> None:
+                           index_q: Optional[torch.Tensor] = None, index_weights: Optional[torch.Tensor] = None,
+                           rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None) -> None:
     """The break op: reads the live batch from the forward context, attends with the real
     (unpadded) token count and writes every row of output[:n]; padded rows are zeroed here
     (output comes uninitialized: a fill of all rows is a full pass over [T, H, D]). On c4
     layers it first selects the indexer's top-k from index_q / index_weights (the in-segment
-    half)."""
+    half). With the RoPE tables, output leaves with the RoPE undone (in the attention's stores)."""
     ctx = get_forward_context()
     n = ctx.num_live_tokens
-    ctx.attn_backend.forward(q, sink, output, layer_id, n, index_q, index_weights)
+    rope = None if rope_cos is None else (rope_cos, rope_sin)
+    ctx.attn_backend.forward(q, sink, output, layer_id, n, index_q, index_weights, rope)
     if n < output.shape[0]:
         output[n:].zero_()
 
@@ -150,10 +152,11 @@ class DeepseekV4Attention(nn.Module):
                                                   self.rope, kernels)
 
         o = torch.empty_like(q)  # the break writes every row
-        deepseek_v4_attention_with_output(q, self.attn_sink, o, self.layer_id, index_q, index_weights)
-        if kernels is not None:
-            kernels.inverse_rope_(o, self.rope.cos, self.rope.sin, meta.positions, rd)
+        if kernels is not None:  # the output's inverse RoPE in the attention's own stores
+            deepseek_v4_attention_with_output(q, self.attn_sink, o, self.layer_id, index_q, index_weights,
+                                              self.rope.cos, self.rope.sin)
         else:
+            deepseek_v4_attention_with_output(q, self.attn_sink, o, self.layer_id, index_q, index_weights)
             apply_rope_(o, cos, sin, inverse=True)
 
         o = o.view(T, self.n_groups, self.n_heads * self.head_dim // self.n_groups)

@@ -88,7 +88,8 @@ class DeepseekV4AttnBackend(AttentionBackend):
     # ---- the attention core (runs eagerly, as the break op) --------------------------------
     def forward(self, q: torch.Tensor, sink: torch.Tensor, output: torch.Tensor, layer_id: int,
                 num_tokens: int, index_q: Optional[torch.Tensor] = None,
-                index_weights: Optional[torch.Tensor] = None) -> None:
+                index_weights: Optional[torch.Tensor] = None, rope: Optional[tuple] = None) -> None:
+        """rope (cos, sin tables): output leaves with that RoPE undone at the tokens' positions."""
         meta = self.forward_metadata
         n = num_tokens
         ratio = self.config.layer_compress_ratio(layer_id)
@@ -113,10 +114,15 @@ class DeepseekV4AttnBackend(AttentionBackend):
         raw = self.kv_pool.raw[layer_id]
         args = (q[:n], raw, match_num_queries(a.window_slots, n),
                 match_num_queries(a.window_len, n, 0), kv_b, idx_b, len_b, sink, self.scale)
-        # Triton: one launch per layer; torch: the kernels' plain-torch reference
-        impl = kernel_ops if self.kernels == "triton" else kernel_reference
+        out_rope = None if rope is None else (*rope, meta.positions[:n], self.config.qk_rope_head_dim)
         # An FP8 KV cache (kv_pool.fp8_layout) is dequantized as its rows are gathered.
-        impl.sparse_attn_with_sink(*args, out=output[:n], kv_layout=self.kv_pool.fp8_layout)
+        if self.kernels == "triton":  # one launch per layer, the inverse RoPE in its stores
+            kernel_ops.sparse_attn_with_sink(*args, out=output[:n], kv_layout=self.kv_pool.fp8_layout,
+                                             out_rope=out_rope)
+        else:  # the kernels' plain-torch reference
+            kernel_reference.sparse_attn_with_sink(*args, out=output[:n], kv_layout=self.kv_pool.fp8_layout)
+            if out_rope is not None:
+                kernel_ops.inverse_rope_(output[:n], *out_rope)
         # Every window of this layer is read: each request's last `window` new rows move from
         # staging into its ring, where the next steps read them. The live rows only (the
         # metadata is bucket-sized); full decode graphs capture this with the core.
