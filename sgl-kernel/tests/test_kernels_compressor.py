@@ -354,6 +354,41 @@ def test_fused_emission_equals_pool_norm_rope_store_and_ring_update(device, rati
     assert 0 < int(emitting.sum()) < E  # some tokens complete a block, others do not
 
 
+@pytest.mark.parametrize("ratio", [4, 128])
+@pytest.mark.parametrize("impl", ["triton", "ops"])
+def test_pooling_with_the_ring_update_in_its_launch_equals_the_two_steps(device, ratio, impl):
+    """compressor_pool with ring_write_loc (a decode step: the ring rows this step writes are
+    not read by its emissions) pools and updates the rings exactly as compressor_pool followed
+    by compressor_state_update; the padding token (ring loc -1) writes nothing."""
+    if impl == "triton":
+        require_triton()
+        from dsv4_kernels import compressor as mod
+    else:
+        from dsv4_kernels import ops as mod
+
+    c = _emit_case(ratio, 128, device, seed=ratio + 5)
+    ring_loc = torch.cat([c["ring_loc"], torch.tensor([-1], dtype=torch.int32, device=device)])
+    kv_new, score_new = (torch.cat([x, x[:1] * 3]) for x in (c["kv_new"], c["score_new"]))
+    positions = torch.cat([c["positions"], c["positions"][:1]])
+    E = c["gather_idx"].shape[0]
+    ape = dict(ape=c["ape"], positions=positions)
+
+    def run(fused):
+        rings = (c["kv_state"].clone(), c["score_state"].clone())
+        pooled = torch.full((E, 128), float("nan"), device=device)
+        mod.compressor_pool(*rings, kv_new, score_new, c["gather_idx"], ratio, pooled, **ape,
+                            **(dict(ring_write_loc=ring_loc) if fused else {}))
+        if not fused:
+            mod.compressor_state_update(*rings, kv_new, score_new, ring_loc, rows_unique=True, **ape)
+        return (*rings, pooled)
+
+    want, got = run(fused=False), run(fused=True)
+    for name, w, g in zip(("kv ring", "score ring", "pooled"), want, got):
+        assert torch.equal(g, w), name
+    assert not torch.equal(got[0], c["kv_state"])  # the rings were written
+    assert torch.equal(got[0][-1], c["kv_state"][-1])  # the padding token's slot row untouched
+
+
 def test_reference_emission_is_the_three_steps(device):
     from dsv4_kernels import ops
 

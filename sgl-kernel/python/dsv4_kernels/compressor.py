@@ -54,16 +54,30 @@ def _pool_tile(kv_state_ptr, score_state_ptr, kv_new_ptr, score_new_ptr, idx, c,
 @triton.jit
 def _compressor_pool_kernel(
     kv_state_ptr, score_state_ptr, kv_new_ptr, score_new_ptr, idx_ptr, out_ptr, ape_ptr, pos_ptr,
-    stride_state, stride_new, stride_idx, stride_out, stride_ape, D,
+    stride_state, stride_new, stride_idx, stride_out, stride_ape, D, E, ring_loc_ptr, T,
     RATIO: tl.constexpr, COFF: tl.constexpr, BLOCK_C: tl.constexpr, HAS_APE: tl.constexpr,
+    RING_WRITE: tl.constexpr,
 ):
-    e = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = c < D
-    idx = tl.load(idx_ptr + e * stride_idx + tl.arange(0, RATIO * COFF)).to(tl.int64)
-    pooled = _pool_tile(kv_state_ptr, score_state_ptr, kv_new_ptr, score_new_ptr, idx, c, c_mask, ape_ptr,
-                        pos_ptr, stride_state, stride_new, stride_ape, D, RATIO, COFF, HAS_APE)
-    tl.store(out_ptr + e * stride_out + c, pooled, mask=c_mask)
+    if i < E:
+        idx = tl.load(idx_ptr + i * stride_idx + tl.arange(0, RATIO * COFF)).to(tl.int64)
+        pooled = _pool_tile(kv_state_ptr, score_state_ptr, kv_new_ptr, score_new_ptr, idx, c, c_mask, ape_ptr,
+                            pos_ptr, stride_state, stride_new, stride_ape, D, RATIO, COFF, HAS_APE)
+        tl.store(out_ptr + i * stride_out + c, pooled, mask=c_mask)
+    if RING_WRITE:
+        if i < T:  # the same channels of token i's fresh kv and score (ape added) into its ring row
+            loc = tl.load(ring_loc_ptr + i).to(tl.int64)
+            mask = c_mask & ((c * 0 + loc) >= 0)  # vector compare: see cache_write
+            for h in tl.static_range(COFF):  # ratio 4 rows hold two halves of D channels
+                offs = h * D + c
+                a = tl.load(kv_new_ptr + i * stride_new + offs, mask=mask)
+                b = tl.load(score_new_ptr + i * stride_new + offs, mask=mask)
+                if HAS_APE:
+                    b += tl.load(ape_ptr + (tl.load(pos_ptr + i) % RATIO) * stride_ape + offs, mask=mask, other=0.0)
+                tl.store(kv_state_ptr + loc * (COFF * D) + offs, a, mask=mask)
+                tl.store(score_state_ptr + loc * (COFF * D) + offs, b, mask=mask)
 
 
 @triton.jit
@@ -131,18 +145,25 @@ def _pool_args(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out)
     return coff, E, D
 
 
-def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out, ape=None, positions=None):
+def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out, ape=None, positions=None,
+                    ring_write_loc=None):
+    """ring_write_loc: compressor_state_update of this step's tokens (rows unique) in the same
+    launch, each program writing its channels of one token's ring row; only when no emission
+    reads a ring row the step writes (a decode step), as for compressor_emit."""
     coff, E, D = _pool_args(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out)
-    if E == 0:
+    T = ring_write_loc.shape[0] if ring_write_loc is not None else 0
+    if max(E, T) == 0:
         return out
     # Register-sized tiles of [R, BLOCK_C] fp32 (sm_90 reports: no spills; sgl-kernel/benchmark/sm90_resources.py).
     block_c = min(next_power_of_2(D), 32 if ratio == 128 else 256)
     has_ape = _check_ape(ape, positions, ratio, kv_new)
-    _compressor_pool_kernel[(E, cdiv(D, block_c))](
+    _compressor_pool_kernel[(max(E, T), cdiv(D, block_c))](
         kv_state, score_state, kv_new, score_new, gather_idx, out, ape if has_ape else out,
         positions if has_ape else gather_idx,
         kv_state.shape[-1], kv_new.stride(0), gather_idx.stride(0), out.stride(0), ape.stride(0) if has_ape else 0, D,
-        RATIO=ratio, COFF=coff, BLOCK_C=block_c, HAS_APE=has_ape, num_warps=8 if ratio == 128 else 4,
+        E, ring_write_loc if ring_write_loc is not None else gather_idx, T,
+        RATIO=ratio, COFF=coff, BLOCK_C=block_c, HAS_APE=has_ape, RING_WRITE=ring_write_loc is not None,
+        num_warps=8 if ratio == 128 else 4,
     )
     return out
 

@@ -67,12 +67,21 @@ def inverse_rope_(o, cos, sin, positions, rope_dim):
     return impl.inverse_rope_(o, cos, sin, positions, rope_dim)
 
 
-def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out, ape=None, positions=None):
+def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out, ape=None, positions=None,
+                    ring_write_loc=None):
     """out [E, D] fp32: per-channel softmax pooling of each emission's rows (see reference).
     ape [ratio, C] fp32 with positions [T]: the fresh scores get their position's ape row as
-    they are read (the model's `score + ape[p % ratio]`, without a launch of its own)."""
-    impl = _kernels("compressor") if _use_triton(out) else reference
-    return impl.compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out, ape, positions)
+    they are read (the model's `score + ape[p % ratio]`, without a launch of its own).
+    ring_write_loc: then compressor_state_update of this step's tokens (rows unique), in the
+    same launch on CUDA; only when no emission reads a ring row the step writes (a decode step)."""
+    if _use_triton(out):
+        return _kernels("compressor").compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio,
+                                                      out, ape, positions, ring_write_loc)
+    reference.compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out, ape, positions)
+    if ring_write_loc is not None:
+        reference.compressor_state_update(kv_state, score_state, kv_new, score_new, ring_write_loc, True, ape,
+                                          positions)
+    return out
 
 
 def compressor_emit(kv_state, score_state, kv_new, score_new, gather_idx, ratio, pooled, norm_weight, eps, cos, sin,

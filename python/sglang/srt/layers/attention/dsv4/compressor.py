@@ -104,10 +104,13 @@ class Compressor(nn.Module):
                     kernels.compressor_state_update(state.kv, state.score, kv, score, meta.ring_write_loc,
                                                     rows_unique=True, ape=self.ape, positions=positions)
                 return
+            # at decode the ring update shares the pooling's launch (channel tiles of both)
+            ring = meta.ring_write_loc if one_token_per_request else None
             kernels.compressor_pool(state.kv, state.score, kv, score, meta.gather_idx, self.ratio, pooled,
-                                    ape=self.ape, positions=positions)
-            kernels.compressor_state_update(state.kv, state.score, kv, score, meta.ring_write_loc,
-                                            rows_unique=True, ape=self.ape, positions=positions)
+                                    ape=self.ape, positions=positions, ring_write_loc=ring)
+            if ring is None:
+                kernels.compressor_state_update(state.kv, state.score, kv, score, meta.ring_write_loc,
+                                                rows_unique=True, ape=self.ape, positions=positions)
             # the KV cache-write kernel (what compressor_norm_rope_store runs), FP8-aware
             kernels.rmsnorm_rope_store(pooled, self.norm.weight, self.norm.eps, rope.cos, rope.sin,
                                        meta.positions, rope.rope_dim, pool if entries is None else None,
