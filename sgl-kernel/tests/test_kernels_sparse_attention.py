@@ -107,6 +107,45 @@ def test_output_rope_in_the_store_equals_a_separate_inverse_rope(device, num_spl
     torch.testing.assert_close(fused, expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("rows", ["float", "fp8"])
+def test_staging_rows_move_to_the_rings_in_the_attention_launch(device, num_splits, rows):
+    """keep_rows (a decode step: no list reads a row the move writes) gives the attention and
+    the window-ring move of keep_window_rows_ in one launch: the same output and the same
+    pool, FP8 row bytes included; a padding token's target is its own staging row."""
+    require_triton()
+    from dsv4_kernels.kv_fp8 import FP8KVLayout
+    from dsv4_kernels.sparse_attention import SparseAttnConfig, sparse_attn_with_sink
+    from dsv4_kernels.window_ring import keep_window_rows_
+
+    T, H, D, staging = len(LEN_A), 4, 128, 80
+    q = torch.randn(T, H, D, device=device)
+    layout = FP8KVLayout(D, 64, torch.float32) if rows == "fp8" else None
+    pool = torch.randn(staging + 2 * T, D, device=device)
+    pool = layout.pack(pool) if layout else pool
+    idx_a, len_a = random_index_lists(T, 40, staging + T, LEN_A, device=device)  # rings and staging rows
+    keep = torch.arange(staging + T, staging + 2 * T, dtype=torch.int32, device=device)  # ring rows nobody reads
+    keep[3] = staging + 3
+    case = (q, idx_a, len_a, None, None, None, torch.randn(H, device=device), D ** -0.5)
+
+    def attend(kv, **kw):
+        out = torch.full_like(q, float("nan"))
+        sparse_attn_with_sink(case[0], kv, *case[1:], out, SparseAttnConfig(num_splits=num_splits),
+                              kv_layout=layout, **kw)
+        return out
+
+    separate_pool = pool.clone()
+    separate = attend(separate_pool)
+    keep_window_rows_(separate_pool, staging, keep[:T - 1])
+    fused_pool = pool.clone()
+    fused = attend(fused_pool, keep_rows=(staging, keep[:T - 1]))  # the last token is not live
+    assert torch.equal(fused, separate)
+    assert torch.equal(fused_pool, separate_pool)
+    assert torch.equal(fused_pool[staging + T:staging + 2 * T - 1][[0, 1, 2, 4, 5, 6]],
+                       pool[staging:staging + T - 1][[0, 1, 2, 4, 5, 6]])
+    assert torch.equal(fused_pool[-1], pool[-1])  # the row of the token past keep_loc's length
+
+
 def _paged_lists(device, len_a, len_b, num_rows=3):
     """List a: c4 entries (ratio 4), list b: c128 entries of random page-table rows, both
     PageTableLists; pools covering every slot of the table."""

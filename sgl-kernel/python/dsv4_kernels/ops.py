@@ -32,15 +32,17 @@ def _kernels(name: str):
 
 
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
-                          kv_layout=None, out_rope=None):
+                          kv_layout=None, out_rope=None, keep_rows=None):
     """out [T, H, D] = sink-softmax attention of q [T, H, D] over the valid rows of kv_a (idx_a
     [T, Wa], first len_a entries, -1 skipped) and of kv_b (may be None). Either list may be a
     PageTableList (entries read from the page table, the c128 case). With kv_layout
     (kv_fp8.FP8KVLayout) both pools hold FP8 KV rows, dequantized on load. out_rope (cos, sin,
-    positions, rope_dim): out leaves with that RoPE undone, as inverse_rope_ would. Returns out."""
+    positions, rope_dim): out leaves with that RoPE undone, as inverse_rope_ would. keep_rows
+    (staging_start, keep_loc): keep_window_rows_ on kv_a too, in the same launch on CUDA; only
+    when no list reads a ring row being written (one token per request). Returns out."""
     impl = _kernels("sparse_attention") if _use_triton(q) else reference
     return impl.sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
-                                      kv_layout=kv_layout, out_rope=out_rope)
+                                      kv_layout=kv_layout, out_rope=out_rope, keep_rows=keep_rows)
 
 
 def rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc,

@@ -83,13 +83,14 @@ ATTN_REFERENCE_WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
-                          token_chunk: Optional[int] = None, kv_layout=None, out_rope=None):
+                          token_chunk: Optional[int] = None, kv_layout=None, out_rope=None, keep_rows=None):
     """out[t,h] = softmax over the union of valid a- and b-entries, the sink only in the
     denominator. idx_a / idx_b: [T, W] slot lists or PageTableLists (gathered per chunk).
     Tokens are processed in chunks so the gathered rows stay small: `token_chunk`, by default
     64 or fewer, as ATTN_REFERENCE_WORKSPACE_BYTES allows at the lists' widths. kv_layout
     (kv_fp8.FP8KVLayout): kv_a / kv_b are FP8 KV rows, read dequantized. out_rope (cos, sin,
-    positions, rope_dim): then inverse_rope_ on out (its first T positions)."""
+    positions, rope_dim): then inverse_rope_ on out (its first T positions); keep_rows
+    (staging_start, keep_loc): then keep_window_rows_ on kv_a."""
     check_kv_layout(kv_a, kv_layout, "sparse_attn_with_sink kv_a")
     if kv_b is not None:
         check_kv_layout(kv_b, kv_layout, "sparse_attn_with_sink kv_b")
@@ -116,6 +117,8 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
     if out_rope is not None:
         cos, sin, positions, rope_dim = out_rope
         inverse_rope_(out, cos, sin, positions[:T], rope_dim)
+    if keep_rows is not None:
+        keep_window_rows_(kv_a, *keep_rows)
     return out
 
 

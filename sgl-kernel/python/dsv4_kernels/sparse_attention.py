@@ -12,6 +12,9 @@ result is exact in bf16, so the dots see the same keys as the reference's fp32 u
 With `out_rope` the output's RoPE is undone in the store (the release rotates the attention
 output back by -angle before wo_a): the output is rounded to its dtype first and rotated from
 there, so the values are those of a separate inverse-RoPE pass, one launch fewer per layer.
+With `keep_rows` (a decode step) the staging rows of list a's pool move into the window rings in
+the same launch (window_ring.py's move): each token's target ring row holds a position that has
+left its window, and no other token reads that request's ring.
 """
 
 from dataclasses import dataclass
@@ -160,8 +163,8 @@ def _sparse_attn_kernel(
     rope_a_ptr, stride_rope_a, rope_b_ptr, stride_rope_b, nope_dim, scale_offset,
     qk_scale, H, D, WA, WB, rows_a_ptr, rows_b_ptr, max_col_a, max_col_b,
     stride_qt, stride_qh, stride_kva, stride_ia, stride_kvb, stride_ib, stride_ot, stride_oh,
-    cos_ptr, sin_ptr, stride_cs, stride_cs_k, pos_ptr, rope_dim,
-    HAS_B: tl.constexpr, NUM_SPLITS: tl.constexpr, OUT_ROPE: tl.constexpr,
+    cos_ptr, sin_ptr, stride_cs, stride_cs_k, pos_ptr, rope_dim, keep_ptr, keep_n, staging_start, row_width,
+    HAS_B: tl.constexpr, NUM_SPLITS: tl.constexpr, OUT_ROPE: tl.constexpr, KEEP_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
     KEYS_AS_M: tl.constexpr, KV_FP8: tl.constexpr, FP8_BLOCK: tl.constexpr, DEQ_BF16: tl.constexpr,
     PAGED_A: tl.constexpr, RATIO_A: tl.constexpr, PAGED_B: tl.constexpr, RATIO_B: tl.constexpr,
@@ -215,6 +218,15 @@ def _sparse_attn_kernel(
                                      nope_dim, scale_offset, max_col_b,
                                      NUM_SPLITS, BLOCK_N, DOT_PREC, KEYS_AS_M, KV_FP8, FP8_BLOCK, DEQ_BF16,
                                      PAGED_B, RATIO_B)
+
+    if KEEP_ROWS:  # one program of the token moves its staging row (whole, any row format)
+        if (pid_h == 0) & (split == 0) & (t < keep_n):
+            dst = tl.load(keep_ptr + t).to(tl.int64)
+            for c0 in range(0, row_width, BLOCK_D):
+                cols = c0 + tl.arange(0, BLOCK_D)
+                live = cols < row_width
+                row = tl.load(kv_a_ptr + (staging_start + t) * stride_kva + cols, mask=live)
+                tl.store(kv_a_ptr + dst * stride_kva + cols, row, mask=live)
 
     hd_mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -288,10 +300,11 @@ _TIERS = tuple((bound, SparseAttnConfig(**tiles), SparseAttnConfig(**fp8_tiles))
 
 
 def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale, out,
-                          config: SparseAttnConfig | None = None, kv_layout=None, out_rope=None):
+                          config: SparseAttnConfig | None = None, kv_layout=None, out_rope=None, keep_rows=None):
     """idx_a / idx_b: [T, W] slot lists or PageTableLists (width W, read from the page
     table). kv_layout (kv_fp8.FP8KVLayout): kv_a / kv_b are uint8 FP8 KV rows of that layout.
-    out_rope (cos, sin, positions, rope_dim): the stores undo that RoPE (see the module doc)."""
+    out_rope (cos, sin, positions, rope_dim): the stores undo that RoPE; keep_rows
+    (staging_start, keep_loc): keep_window_rows_ on kv_a in the same launch (see the module doc)."""
     T, H, D = q.shape
     config = config or measured_config(T, kv_fp8=kv_layout is not None)
     check_kv_layout(kv_a, kv_layout, "sparse_attn_with_sink kv_a")
@@ -334,6 +347,12 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
         rope_args = (cos, sin, cos.stride(0), cos.stride(1), positions, rope_dim)
     else:
         rope_args = (q, q, 0, 0, len_a, 0)  # never read
+    if keep_rows is not None:
+        staging_start, keep_loc = keep_rows
+        assert keep_loc.shape[0] <= T and kv_a.stride(1) == 1
+        keep_args = (keep_loc, keep_loc.shape[0], staging_start, kv_a.shape[1])
+    else:
+        keep_args = (len_a, 0, 0, 0)  # never read
 
     _sparse_attn_kernel[(T * num_hb, splits)](
         q, kv_a, list_a.table, len_a, kv_b, list_b.table, len_b, sink, out, part_acc, part_m, part_l,
@@ -342,8 +361,9 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
         float(scale) * LOG2E, H, D, list_a.width, list_b.width, list_a.rows, list_b.rows,
         list_a.max_col, list_b.max_col,
         q.stride(0), q.stride(1), kv_a.stride(0), list_a.table.stride(0), kv_b.stride(0), list_b.table.stride(0),
-        out.stride(0), out.stride(1), *rope_args,
-        HAS_B=has_b, NUM_SPLITS=splits, OUT_ROPE=out_rope is not None, BLOCK_H=block_h, BLOCK_N=config.block_n,
+        out.stride(0), out.stride(1), *rope_args, *keep_args,
+        HAS_B=has_b, NUM_SPLITS=splits, OUT_ROPE=out_rope is not None, KEEP_ROWS=keep_rows is not None,
+        BLOCK_H=block_h, BLOCK_N=config.block_n,
         BLOCK_D=block_d, DOT_PREC=dot_precision(q.dtype), KEYS_AS_M=config.keys_as_m,
         KV_FP8=fp8, FP8_BLOCK=KV_FP8_BLOCK, DEQ_BF16=q.dtype == torch.bfloat16,
         PAGED_A=list_a.paged, RATIO_A=list_a.ratio, PAGED_B=list_b.paged, RATIO_B=list_b.ratio,

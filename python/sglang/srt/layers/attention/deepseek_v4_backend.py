@@ -115,18 +115,22 @@ class DeepseekV4AttnBackend(AttentionBackend):
         args = (q[:n], raw, match_num_queries(a.window_slots, n),
                 match_num_queries(a.window_len, n, 0), kv_b, idx_b, len_b, sink, self.scale)
         out_rope = None if rope is None else (*rope, meta.positions[:n], self.config.qk_rope_head_dim)
+        # Once every window of this layer is read, each request's last `window` new rows move
+        # from staging into its ring, where the next steps read them. The live rows only (the
+        # metadata is bucket-sized); full decode graphs capture this with the core. In a
+        # decode step no window reads a row the move writes: it shares the core's launch.
+        keep_rows = (self.kv_pool.staging_start, a.raw_keep_loc[:min(n, meta.num_tokens)])
+        fused_keep = self.kernels == "triton" and meta.one_token_per_request
         # An FP8 KV cache (kv_pool.fp8_layout) is dequantized as its rows are gathered.
         if self.kernels == "triton":  # one launch per layer, the inverse RoPE in its stores
             kernel_ops.sparse_attn_with_sink(*args, out=output[:n], kv_layout=self.kv_pool.fp8_layout,
-                                             out_rope=out_rope)
+                                             out_rope=out_rope, keep_rows=keep_rows if fused_keep else None)
         else:  # the kernels' plain-torch reference
             kernel_reference.sparse_attn_with_sink(*args, out=output[:n], kv_layout=self.kv_pool.fp8_layout)
             if out_rope is not None:
                 kernel_ops.inverse_rope_(output[:n], *out_rope)
-        # Every window of this layer is read: each request's last `window` new rows move from
-        # staging into its ring, where the next steps read them. The live rows only (the
-        # metadata is bucket-sized); full decode graphs capture this with the core.
-        kernel_ops.keep_window_rows_(raw, self.kv_pool.staging_start, a.raw_keep_loc[:min(n, meta.num_tokens)])
+        if not fused_keep:
+            kernel_ops.keep_window_rows_(raw, *keep_rows)
 
     # ---- full decode CUDA graph hooks ------------------------------------------------------
     def init_forward_metadata_capture_cuda_graph(self, forward_batch) -> DSV4Metadata:
