@@ -23,6 +23,27 @@ def test_quantize_rows_gives_the_release_values_in_row_major_scales(device, shap
     assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("T,topk,E,K,block_m", [(1, 6, 256, 512, 16), (5, 6, 64, 384, 16), (40, 2, 8, 1024, 64)])
+def test_align_and_quantize_is_the_two_steps_in_one_launch(device, monkeypatch, T, topk, E, K, block_m):
+    """align_and_quantize gives moe_align's sorted list, block experts and used count and
+    quantize_rows' codes and scales, bit for bit; with the one-program sort off (large
+    batches) it is the two separate steps."""
+    require_triton()
+    from dsv4_kernels import moe
+    from dsv4_kernels.moe_act import align_and_quantize, quantize_rows
+
+    ids = torch.randint(-1, E, (T, topk), dtype=torch.int32, device=device)
+    x = (torch.randn(T, K) * torch.logspace(-2, 2, K)).to(torch.bfloat16).to(device)
+    want = moe.moe_align(ids, E, block_m, return_used=True), quantize_rows(x)
+    for one_program in (True, False):
+        if not one_program:
+            monkeypatch.setattr(moe, "ALIGN_ONE_KERNEL_MAX_M", 0)
+        (sorted_ids, block_expert, used), (q, s) = align_and_quantize(ids, E, block_m, x)
+        assert torch.equal(sorted_ids, want[0][0]) and torch.equal(block_expert, want[0][1])
+        assert int(used) == int(want[0][2])
+        assert torch.equal(q.view(torch.uint8), want[1][0].view(torch.uint8)) and torch.equal(s, want[1][1])
+
+
 def _swiglu_weight_ref(gu, weights, limit, act_dtype, fp8):
     I = gu.shape[1] // 2
     h = (qr.swiglu_clamped(gu[:, :I], gu[:, I:], limit) * weights.float()[:, None]).to(act_dtype)

@@ -10,6 +10,7 @@ experts) or must not count (an expert listed twice for a token).
 """
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -25,6 +26,15 @@ ALIGN_ONE_KERNEL_MAX_M = 4096  # moe_align in one kernel up to this many assignm
 
 @triton.jit
 def _align_one_kernel(
+    ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, M, E, CAP, MAX_BLOCKS,
+    BLOCK_M: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+):
+    align_one_program(ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, M, E, CAP, MAX_BLOCKS, BLOCK_M, EP, CHUNK,
+                      FILL)
+
+
+@triton.jit
+def align_one_program(
     ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, M, E, CAP, MAX_BLOCKS,
     BLOCK_M: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
 ):
@@ -104,6 +114,35 @@ def align_one_launch(M: int) -> tuple[int, int]:
     return 4, 16 if M <= 16 else 64
 
 
+def align_one_applies(ids) -> bool:
+    """Whether moe_align runs as one program (align_one_program) for these routing ids."""
+    return 0 < ids.numel() <= ALIGN_ONE_KERNEL_MAX_M and (ids.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@dataclass
+class AlignOneLaunch:
+    """align_one_program's outputs, arguments and compile-time parameters for routing ids
+    (shared by its own kernel and by kernels that run it as one of their programs)."""
+    outputs: tuple  # (sorted_ids, block_expert, used)
+    args: tuple
+    constexprs: dict
+    num_warps: int
+
+    @classmethod
+    def of(cls, ids, num_experts: int, block_m: int) -> "AlignOneLaunch":
+        M, device = ids.numel(), ids.device
+        max_blocks = cdiv(M, block_m) + min(num_experts, M)
+        capacity = max_blocks * block_m
+        sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+        block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+        used = torch.empty((), dtype=torch.int32, device=device)
+        ep = max(16, next_power_of_2(num_experts))
+        num_warps, fill = align_one_launch(M)
+        args = (ids.reshape(-1).contiguous(), sorted_ids, block_expert, used, M, num_experts, capacity, max_blocks)
+        constexprs = dict(BLOCK_M=block_m, EP=ep, CHUNK=max(16, min(next_power_of_2(M), 8192 // ep)), FILL=fill)
+        return cls((sorted_ids, block_expert, used), args, constexprs, num_warps)
+
+
 def moe_align(ids, num_experts: int, block_m: int = BLOCK_M, return_used: bool = False):
     """Assignment indices (t * topk + k) grouped by expert, each expert's group padded to a
     multiple of block_m; padding holds the sentinel M = T * topk. Assignments whose id is
@@ -118,18 +157,10 @@ def moe_align(ids, num_experts: int, block_m: int = BLOCK_M, return_used: bool =
     device = ids.device
     max_blocks = cdiv(M, block_m) + min(num_experts, M)
     capacity = max_blocks * block_m
-    if 0 < M <= ALIGN_ONE_KERNEL_MAX_M and (ids.is_cuda or os.environ.get("TRITON_INTERPRET")
-                                            == "1"):
-        sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
-        block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
-        used = torch.empty((), dtype=torch.int32, device=device)
-        ep = max(16, next_power_of_2(num_experts))
-        num_warps, fill = align_one_launch(M)
-        _align_one_kernel[(1,)](
-            ids.reshape(-1).contiguous(), sorted_ids, block_expert, used, M, num_experts, capacity,
-            max_blocks, BLOCK_M=block_m, EP=ep, CHUNK=max(16, min(next_power_of_2(M), 8192 // ep)),
-            FILL=fill, num_warps=num_warps)
-        return (sorted_ids, block_expert, used) if return_used else (sorted_ids, block_expert)
+    if align_one_applies(ids):
+        launch = AlignOneLaunch.of(ids, num_experts, block_m)
+        _align_one_kernel[(1,)](*launch.args, **launch.constexprs, num_warps=launch.num_warps)
+        return launch.outputs if return_used else launch.outputs[:2]
     flat = ids.reshape(-1).long()
     # Skipped assignments form one extra group (index E) that sorts after every real expert.
     group = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)

@@ -4,6 +4,9 @@ first, as one Triton launch each (the humming backend's glue: layers/moe/backend
 - `quantize_rows(x)`: x [M, K] -> e4m3 [M, K] + fp32 power-of-two scales [M, K / 128],
   row-major (the layout a GEMM that takes per-row group scales reads), the values of
   quant_reference.quantize_fp8_blocks.
+- `align_and_quantize(ids, E, block_m, x)`: moe_align's result (return_used) and
+  quantize_rows(x) in one launch where moe_align runs as one program (decode and mid-size
+  batches): program 0 sorts the assignments, the others round the rows.
 - `swiglu_weight_quant(gu, weights, limit, act_dtype, fp8)`: gu [M, 2I] (gate | up halves, any
   float dtype) -> h = act_dtype(SwiGLU_clamped(gate, up) * weight[m]) computed in fp32, and with
   fp8 also rounded to e4m3 per 128 with its scales, exactly as quant_reference.fp4_moe_ref
@@ -18,6 +21,7 @@ import triton.language as tl
 
 from .fp8_act_quant import INV_E4M3_MAX, e4m3_bits, pow2_recip, pow2_scale
 from .host_math import cdiv, next_power_of_2
+from .moe import AlignOneLaunch, align_one_applies, align_one_program, moe_align
 
 QBLOCK = 128  # FP8 activation scale block
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -34,14 +38,38 @@ def _store_e4m3_blocks(x, q_row_ptr, s_row_ptr, offs, kb, mask, K, QB: tl.conste
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
-                       BLOCKS: tl.constexpr, QB: tl.constexpr):
-    m = tl.program_id(0).to(tl.int64)
-    kb = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+def _quant_row_blocks(x_ptr, q_ptr, s_ptr, m, kb0, K, stride_x, stride_q, stride_s,
+                      BLOCKS: tl.constexpr, QB: tl.constexpr):
+    """Row m's scale blocks kb0 .. kb0 + BLOCKS rounded (quantize_rows)."""
+    kb = kb0 + tl.arange(0, BLOCKS)
     offs = kb[:, None] * QB + tl.arange(0, QB)[None, :]
     mask = offs < K
     x = tl.load(x_ptr + m * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     _store_e4m3_blocks(x, q_ptr + m * stride_q, s_ptr + m * stride_s, offs, kb, mask, K, QB)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
+                       BLOCKS: tl.constexpr, QB: tl.constexpr):
+    _quant_row_blocks(x_ptr, q_ptr, s_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCKS, K,
+                      stride_x, stride_q, stride_s, BLOCKS, QB)
+
+
+@triton.jit
+def _align_quant_kernel(
+    ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, M, E, CAP, MAX_BLOCKS,
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, row_programs,
+    BLOCK_M: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+    BLOCKS: tl.constexpr, QB: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid == 0:
+        align_one_program(ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, M, E, CAP, MAX_BLOCKS, BLOCK_M, EP,
+                          CHUNK, FILL)
+    else:
+        r = pid - 1
+        _quant_row_blocks(x_ptr, q_ptr, s_ptr, (r // row_programs).to(tl.int64), (r % row_programs) * BLOCKS, K,
+                          stride_x, stride_q, stride_s, BLOCKS, QB)
 
 
 @triton.jit
@@ -97,6 +125,23 @@ def quantize_rows(x: torch.Tensor, q: torch.Tensor | None = None, s: torch.Tenso
             x, q.view(torch.uint8), s, K, x.stride(0), q.stride(0), s.stride(0), BLOCKS=blocks,
             QB=QBLOCK, num_warps=4)
     return q, s
+
+
+def align_and_quantize(ids: torch.Tensor, num_experts: int, block_m: int, x: torch.Tensor):
+    """((sorted_ids, block_expert, used) = moe_align(ids, num_experts, block_m, return_used=True),
+    (q, s) = quantize_rows(x)): one launch where moe_align runs as one program, else the two."""
+    M, K = x.shape
+    if not align_one_applies(ids) or M == 0 or K % QBLOCK or x.stride(-1) != 1:
+        return moe_align(ids, num_experts, block_m, return_used=True), quantize_rows(x)
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(M, K // QBLOCK, dtype=torch.float32, device=x.device)
+    blocks = _blocks_per_program(K)
+    row_programs = cdiv(K // QBLOCK, blocks)
+    launch = AlignOneLaunch.of(ids, num_experts, block_m)
+    _align_quant_kernel[(1 + M * row_programs,)](
+        *launch.args, x, q.view(torch.uint8), s, K, x.stride(0), q.stride(0), s.stride(0), row_programs,
+        **launch.constexprs, BLOCKS=blocks, QB=QBLOCK, num_warps=launch.num_warps)
+    return launch.outputs, (q, s)
 
 
 def swiglu_weight_quant(gu: torch.Tensor, weights: torch.Tensor, limit: float,

@@ -11,7 +11,8 @@ Step (forward), for T tokens, top-k, M = T * top-k assignments:
    group padded to the block size of the kernel configuration chosen for this M; the count of
    used rows stays on the device (no host sync).
 2. release numerics: x rounded to e4m3 per 128 with power-of-two scales (moe_act.quantize_rows:
-   the release's own rounding), handed to humming already quantized, fp32 scales per row.
+   the release's own rounding), handed to humming already quantized, fp32 scales per row. At
+   small M steps 1 and 2 are one launch (moe_act.align_and_quantize).
 3. gate/up GEMM -> [M, 2I] in the model dtype, rows by assignment.
 4. moe_act.swiglu_weight_quant: clamped SwiGLU x routing weight, rounded to the model dtype
    and (release numerics) to e4m3 per 128: one launch.
@@ -159,7 +160,7 @@ class HummingFp4MoE(Fp4MoEBackend):
 
     def forward(self, experts, x, weights, local_ids):
         from dsv4_kernels.moe import moe_align, sum_topk
-        from dsv4_kernels.moe_act import quantize_rows, swiglu_weight_quant
+        from dsv4_kernels.moe_act import align_and_quantize, swiglu_weight_quant
 
         n_local, inter, d = experts.dims
         T, topk = local_ids.shape
@@ -170,15 +171,13 @@ class HummingFp4MoE(Fp4MoEBackend):
         # rows this rank's experts see on average: the kernel configuration's M (a shard's
         # experts share the same routed rows as the whole set)
         m = max(1, -(-M * n_local // experts.n_total))
-        aligned = {}
-        for name in ("w13", "w2"):
-            block = experts.humming[name].block_m(m)
-            if block not in aligned:
-                aligned[block] = moe_align(local_ids, n_local, block, return_used=True)
-        align13 = aligned[experts.humming["w13"].block_m(m)]
-        align2 = aligned[experts.humming["w2"].block_m(m)]
         fp8 = experts.act_quant
-        xq, xs = quantize_rows(x) if fp8 else (x, None)
+        block13, block2 = (experts.humming[name].block_m(m) for name in ("w13", "w2"))
+        if fp8:  # the gate/up sort and the activation rounding share a launch at decode sizes
+            align13, (xq, xs) = align_and_quantize(local_ids, n_local, block13, x)
+        else:
+            align13, xq, xs = moe_align(local_ids, n_local, block13, return_used=True), x, None
+        align2 = align13 if block2 == block13 else moe_align(local_ids, n_local, block2, return_used=True)
         gate_up = torch.empty(M, 2 * inter, dtype=x.dtype, device=x.device)
         self._gemm(experts, "w13", xq, xs, gate_up, align13, topk, m)
         h, hs = swiglu_weight_quant(gate_up, weights.reshape(-1).float(), experts.limit, x.dtype, fp8)
