@@ -26,21 +26,36 @@ class RMSNorm(nn.Module):
 
 class NormedInput:
     """x with the RMSNorm its consumers read it through (q_norm's output feeds wq_b and, in
-    ratio-4 layers, the indexer's wq_b). `through(linear)` is linear(norm(x)): with segment
-    kernels a single row into an FP8 linear takes the norm into the GEMV's own launch, so a
-    decode step runs no norm launch at all; every other consumer shares one computed norm(x)."""
+    ratio-4 layers, the indexer's wq_b; norm None: x itself, which wq_a and wkv read).
+    `through(linear)` is linear(norm(x)): with segment kernels a single row into an FP8 linear
+    takes the norm into the GEMV's own launch, so a decode step runs no norm launch at all, and
+    linears stacked on this input (quantization.fp8_linear.Fp8RowStack) share that launch: the
+    first asks for all, the others read their columns of it. Every other consumer shares one
+    computed norm(x)."""
 
-    def __init__(self, x: torch.Tensor, norm: RMSNorm):
+    def __init__(self, x: torch.Tensor, norm: RMSNorm | None):
         self.x, self.norm = x, norm
         self._normed: torch.Tensor | None = None
+        self._stacked: dict = {}  # Fp8RowStack -> its output for x
 
     def normed(self) -> torch.Tensor:
         if self._normed is None:
-            self._normed = self.norm(self.x)
+            self._normed = self.x if self.norm is None else self.norm(self.x)
         return self._normed
 
     def through(self, linear) -> torch.Tensor:
         kernels = segment_kernel_ops()
-        if kernels is not None and kernels.rms_linear_fuses(self.x, linear):
-            return kernels.fp8_rms_linear(self.x, self.norm.weight, self.norm.eps, linear)
+        stack = getattr(linear, "row_stack", None)
+        if kernels is not None and stack is not None and kernels.rms_linear_fuses(self.x, stack):
+            if stack not in self._stacked:
+                self._stacked[stack] = self._linear(kernels, stack)
+            start, end = stack.columns[linear]
+            return self._stacked[stack][:, start:end]  # one row: a contiguous view
+        if kernels is not None and self.norm is not None and kernels.rms_linear_fuses(self.x, linear):
+            return self._linear(kernels, linear)
         return linear(self.normed())
+
+    def _linear(self, kernels, linear) -> torch.Tensor:
+        if self.norm is None:
+            return kernels.fp8_block_linear(self.x, linear.weight, linear.weight_scale, linear.act_quant)
+        return kernels.fp8_rms_linear(self.x, self.norm.weight, self.norm.eps, linear)

@@ -162,6 +162,7 @@ class ModelRunner:
             load_checkpoint(model, args.model_path)
         model = model.to_device(self.device).eval()
         model.use_tensor_core_gemms()  # bf16 on CUDA: split / bf16 weights derived from the loaded ones
+        model.stack_input_linears()  # FP8 linears on one input: one weight tensor, one decode GEMV
         model.use_moe_backend(args.moe_backend)  # resolved: humming / triton / torch
         return model
 

@@ -23,7 +23,7 @@ from sglang.srt.layers.mhc import HyperConnection, HyperHead
 from sglang.srt.layers.moe.backends import make_fp4_backend
 from sglang.srt.layers.moe.experts import DeepseekV4MoE, Fp4RoutedExperts
 from sglang.srt.layers.quantization import BF16, QuantMode
-from sglang.srt.layers.quantization.fp8_linear import Fp8BlockLinear, dense_weight, make_linear
+from sglang.srt.layers.quantization.fp8_linear import Fp8BlockLinear, Fp8RowStack, dense_weight, make_linear
 from sglang.srt.layers.rotary_embedding import RotaryTable, apply_rope_
 from sglang.srt.layers.tensor_core_gemm import grouped_bf16_einsum, mm_fp32, tensor_core_eligible
 from sglang.srt.model_executor.breakable_cuda_graph import register_split_op
@@ -101,6 +101,17 @@ class DeepseekV4Attention(nn.Module):
         # FP8 wo_a with whole 128-row scale blocks per group can skip the dequantization
         self.wo_a_fp8_groups = isinstance(self.wo_a, Fp8BlockLinear) and self.o_lora_rank % 128 == 0
 
+    def stack_input_linears(self) -> None:
+        """After load: the FP8 linears that read one input share a weight tensor
+        (Fp8RowStack), so a decode row takes one GEMV launch for them: wq_a and wkv (the
+        layer's input), wq_b and the indexer's wq_b (q_norm's output, ratio-4 layers)."""
+        groups = [[self.wq_a, self.wkv]]
+        if self.ratio == 4:
+            groups.append([self.wq_b, self.indexer.wq_b])
+        for linears in groups:
+            if Fp8RowStack.stackable(linears):
+                Fp8RowStack(linears)
+
     def use_tensor_core_gemms(self, model_dtype: torch.dtype, enabled: bool = True) -> None:
         """After load: on a bf16 model on CUDA, the grouped wo_a product on bf16 tensor cores
         (wo_a dequantized to bf16, exact while its scales are powers of two: checked here, once)
@@ -123,17 +134,18 @@ class DeepseekV4Attention(nn.Module):
         cos, sin = self.rope.lookup(meta.positions) if kernels is None else (None, None)
         rd = self.rope.rope_dim
 
-        qr = NormedInput(self.wq_a(x), self.q_norm)  # q_norm applied by each consumer's linear
+        xin = NormedInput(x, None)  # wq_a and wkv (stacked: one GEMV launch for a decode row)
+        qr = NormedInput(xin.through(self.wq_a), self.q_norm)  # q_norm applied by each consumer's linear
         q = qr.through(self.wq_b).unflatten(-1, (self.n_heads, self.head_dim))
         if kernels is not None:  # one launch each: per-head RMS + RoPE; norm + RoPE + cache write
             kernels.q_rms_rope(q, self.rope.cos, self.rope.sin, meta.positions, rd, self.eps)
-            kernels.rmsnorm_rope_store(self.wkv(x), self.kv_norm.weight, self.eps, self.rope.cos, self.rope.sin,
-                                       meta.positions, rd, pool.raw[self.layer_id], meta.raw_out_loc,
+            kernels.rmsnorm_rope_store(xin.through(self.wkv), self.kv_norm.weight, self.eps, self.rope.cos,
+                                       self.rope.sin, meta.positions, rd, pool.raw[self.layer_id], meta.raw_out_loc,
                                        nope_fp8=pool.nope_fp8)
         else:
             q = rms_normalize(q, self.eps).to(x.dtype)  # per-head, weight-free
             apply_rope_(q, cos, sin)
-            kv = self.kv_norm(self.wkv(x))
+            kv = self.kv_norm(xin.through(self.wkv))
             apply_rope_(kv, cos, sin)
             # into the token's raw staging row (the break moves the window's rows to the rings),
             # in the pool's format: FP8 rows, or nope dims FP8-rounded (release numerics)
@@ -278,6 +290,15 @@ class DeepseekV4ForCausalLM(nn.Module):
             if hasattr(module, "use_tensor_core_gemms"):
                 module.use_tensor_core_gemms(self.dtype, enabled)
         self._use_bf16_head(enabled and tensor_core_eligible(self.dtype, self.head.weight.device))
+
+    def stack_input_linears(self) -> None:
+        """Post-load step (ModelRunner calls it once the weights are in place on their device):
+        every attention's FP8 linears that read one input become rows of one weight tensor
+        (DeepseekV4Attention.stack_input_linears), the MTP layers' too. Reallocates those
+        weights: never inside graph capture; a repeated call changes nothing."""
+        for module in list(self.layers.modules()) + list(self.mtp.modules()):
+            if isinstance(module, DeepseekV4Attention):
+                module.stack_input_linears()
 
     def use_moe_backend(self, name: str) -> None:
         """Post-load step (ModelRunner calls it with the resolved --moe-backend): the FP4 routed

@@ -77,6 +77,45 @@ class Fp8BlockLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, act_quant={self.act_quant}"
 
 
+class Fp8RowStack:
+    """FP8 block linears that read one input, their weights and scales made rows of one tensor
+    each (the linears keep views of their rows, so nothing is held twice): a decode row goes
+    through all of them in one GEMV launch (layernorm.NormedInput.through), then each reads
+    its columns of the output. Exact: a weight row's product is its own, and the GEMV's sum
+    order depends on K alone (fp8_gemv.gemv_config), so each part is the linear's own output.
+    Every linear but the last needs whole 128-row scale blocks."""
+
+    def __init__(self, linears: list):
+        first = linears[0]
+        if not all(isinstance(m, Fp8BlockLinear) for m in linears) or any(
+                m.in_features != first.in_features or m.act_quant != first.act_quant for m in linears):
+            raise ValueError("Fp8RowStack: FP8 block linears of one input size and numerics only")
+        if any(m.out_features % BLOCK for m in linears[:-1]):
+            raise ValueError(f"Fp8RowStack: all but the last need whole {BLOCK}-row blocks, got "
+                             f"{[m.out_features for m in linears]}")
+        self.act_quant = first.act_quant
+        self.weight = torch.cat([m.weight.data for m in linears])
+        self.weight_scale = torch.cat([m.weight_scale.data for m in linears])
+        self.columns = {}
+        start = 0
+        for m in linears:
+            end = start + m.out_features
+            m.weight.data = self.weight[start:end]
+            m.weight_scale.data = self.weight_scale[start // BLOCK:start // BLOCK + m.weight_scale.shape[0]]
+            m.row_stack = self
+            self.columns[m] = (start, end)
+            start = end
+
+    @staticmethod
+    def stackable(linears: list) -> bool:
+        return all(isinstance(m, Fp8BlockLinear) and getattr(m, "row_stack", None) is None for m in linears) and \
+            len({(m.in_features, m.act_quant) for m in linears}) == 1 and \
+            all(m.out_features % BLOCK == 0 for m in linears[:-1])
+
+    def cublas_scale(self) -> None:
+        return None  # the stack only ever takes the GEMV
+
+
 def make_linear(in_features: int, out_features: int, dtype: torch.dtype, quant: QuantMode) -> nn.Module:
     """The projection the config asks for: FP8 block-scaled for a release-format model, a
     plain bias-free nn.Linear in the model dtype otherwise."""
