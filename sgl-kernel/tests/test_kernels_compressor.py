@@ -347,7 +347,9 @@ def test_fused_emission_equals_pool_norm_rope_store_and_ring_update(device, rati
             assert torch.equal(g, w), name
         elif name == "pool" and target != "entries":  # FP8-rounded nope dims: one e4m3 step at most
             torch.testing.assert_close(g, w, rtol=0.125, atol=1e-6, msg=name)
-            assert (g != w).float().mean() <= 0.01, name
+            # 1.1-1.4% of the pool's values on an H200 (a block whose power-of-two scale flips
+            # moves all of its codes); a wrong row or a missed store is far more
+            assert (g != w).float().mean() <= 0.03, name
         else:
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=name)
     emitting = c["gather_idx"].ne(-1).any(1)

@@ -80,8 +80,10 @@ def test_triton_matches_reference(device, num_splits, has_b, num_heads, keys_as_
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
 def test_output_rope_in_the_store_equals_a_separate_inverse_rope(device, num_splits, rope_dim, dtype):
     """out_rope undoes the RoPE in the attention's own stores (the merge's with split lists,
-    in D chunks: 96 rope dims of 128 span two of them) with exactly the values of the
-    attention followed by inverse_rope_; the reference agrees."""
+    in D chunks: 96 rope dims of 128 span two of them) with the values of the attention
+    followed by inverse_rope_: bit for bit under the interpreter and in bf16 (the rotation's
+    last fp32 bit, which the compiler's FMA contraction may place differently in the two
+    kernels, is rounded away); fp32 on a GPU within that bit. The reference agrees."""
     require_triton()
     from dsv4_kernels.cache_write import inverse_rope_
     from dsv4_kernels.sparse_attention import SparseAttnConfig, sparse_attn_with_sink
@@ -96,7 +98,10 @@ def test_output_rope_in_the_store_equals_a_separate_inverse_rope(device, num_spl
     fused = sparse_attn_with_sink(*case, D ** -0.5, torch.full_like(case[0], float("nan")), config,
                                   out_rope=rope)
     separate = inverse_rope_(plain.clone(), cos, sin, positions, rope_dim)
-    assert torch.equal(fused, separate)
+    if dtype == torch.float32 and fused.is_cuda:
+        torch.testing.assert_close(fused, separate, rtol=3e-7, atol=1e-7)
+    else:
+        assert torch.equal(fused, separate)
     assert not torch.equal(fused[:, :, D - rope_dim:], plain[:, :, D - rope_dim:])
     assert torch.equal(fused[:, :, :D - rope_dim], plain[:, :, :D - rope_dim])
     expected = reference.inverse_rope_(reference.sparse_attn_with_sink(*case, D ** -0.5, torch.empty_like(case[0])),
