@@ -11,7 +11,8 @@ result is exact in bf16, so the dots see the same keys as the reference's fp32 u
 
 With `out_rope` the output's RoPE is undone in the store (the release rotates the attention
 output back by -angle before wo_a): the output is rounded to its dtype first and rotated from
-there, so the values are those of a separate inverse-RoPE pass, one launch fewer per layer.
+there, so the values are those of a separate inverse-RoPE pass (in fp32 up to the last bit,
+which the compiler's FMA contraction places), one launch fewer per layer.
 With `keep_rows` (a decode step) the staging rows of list a's pool move into the window rings in
 the same launch (window_ring.py's move): each token's target ring row holds a position that has
 left its window, and no other token reads that request's ring.
