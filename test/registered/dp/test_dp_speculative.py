@@ -60,7 +60,8 @@ def test_dp_speculation_keeps_step_for_hundreds_of_steps(tmp_path):
     (0 to 3 accepted per step, varying with the position), rank 1 finishes two short requests
     early and then only joins. Over more than 500 steps the ranks never leave step and every
     output equals plain decoding."""
-    out = run_ranks(dp_speculative_rank_main, 2, str(tmp_path), CKPT, soak=True)
+    # about 400 s on two CPU cores: a hang is what outlives twice that
+    out = run_ranks(dp_speculative_rank_main, 2, str(tmp_path), CKPT, soak=True, join_timeout_s=800.0)
     for rank in range(2):
         assert out[rank]["partial"]["results"] == out[rank]["plain"]["results"], rank
         assert out[rank]["partial"]["free_pages"][0] == out[rank]["partial"]["free_pages"][1]
