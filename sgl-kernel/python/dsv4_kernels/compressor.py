@@ -52,6 +52,19 @@ def _pool_tile(kv_state_ptr, score_state_ptr, kv_new_ptr, score_new_ptr, idx, c,
 
 
 @triton.jit
+def _ring_row_store(kv_state_ptr, score_state_ptr, kv_new_ptr, score_new_ptr, ape_ptr, pos_ptr, i, loc, offs, mask,
+                    stride_state, stride_new, stride_ape, RATIO: tl.constexpr, HAS_APE: tl.constexpr):
+    """Columns offs of token i's fresh kv and score (the score with its position's ape row, as
+    the pooling reads it) into ring row loc: the ring update the fused launches carry."""
+    a = tl.load(kv_new_ptr + i * stride_new + offs, mask=mask)
+    b = tl.load(score_new_ptr + i * stride_new + offs, mask=mask)
+    if HAS_APE:
+        b += tl.load(ape_ptr + (tl.load(pos_ptr + i) % RATIO) * stride_ape + offs, mask=mask, other=0.0)
+    tl.store(kv_state_ptr + loc * stride_state + offs, a, mask=mask)
+    tl.store(score_state_ptr + loc * stride_state + offs, b, mask=mask)
+
+
+@triton.jit
 def _compressor_pool_kernel(
     kv_state_ptr, score_state_ptr, kv_new_ptr, score_new_ptr, idx_ptr, out_ptr, ape_ptr, pos_ptr,
     stride_state, stride_new, stride_idx, stride_out, stride_ape, D, E, ring_loc_ptr, T,
@@ -71,13 +84,8 @@ def _compressor_pool_kernel(
             loc = tl.load(ring_loc_ptr + i).to(tl.int64)
             mask = c_mask & ((c * 0 + loc) >= 0)  # vector compare: see cache_write
             for h in tl.static_range(COFF):  # ratio 4 rows hold two halves of D channels
-                offs = h * D + c
-                a = tl.load(kv_new_ptr + i * stride_new + offs, mask=mask)
-                b = tl.load(score_new_ptr + i * stride_new + offs, mask=mask)
-                if HAS_APE:
-                    b += tl.load(ape_ptr + (tl.load(pos_ptr + i) % RATIO) * stride_ape + offs, mask=mask, other=0.0)
-                tl.store(kv_state_ptr + loc * (COFF * D) + offs, a, mask=mask)
-                tl.store(score_state_ptr + loc * (COFF * D) + offs, b, mask=mask)
+                _ring_row_store(kv_state_ptr, score_state_ptr, kv_new_ptr, score_new_ptr, ape_ptr, pos_ptr, i, loc,
+                                h * D + c, mask, stride_state, stride_new, stride_ape, RATIO, HAS_APE)
 
 
 @triton.jit
@@ -123,12 +131,8 @@ def _compressor_emit_kernel(
             for c0 in range(0, C, BLOCK_RING):
                 offs = c0 + tl.arange(0, BLOCK_RING)
                 mask = (offs < C) & ((offs * 0 + loc) >= 0)  # vector compare: see cache_write
-                a = tl.load(kv_new_ptr + i * stride_new + offs, mask=mask)
-                b = tl.load(score_new_ptr + i * stride_new + offs, mask=mask)
-                if HAS_APE:
-                    b += tl.load(ape_ptr + (tl.load(pos_ptr + i) % RATIO) * stride_ape + offs, mask=mask, other=0.0)
-                tl.store(kv_state_ptr + loc * stride_state + offs, a, mask=mask)
-                tl.store(score_state_ptr + loc * stride_state + offs, b, mask=mask)
+                _ring_row_store(kv_state_ptr, score_state_ptr, kv_new_ptr, score_new_ptr, ape_ptr, pos_ptr, i, loc,
+                                offs, mask, stride_state, stride_new, stride_ape, RATIO, HAS_APE)
 
 
 def _pool_args(kv_state, score_state, kv_new, score_new, gather_idx, ratio, out):
