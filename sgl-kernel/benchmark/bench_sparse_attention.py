@@ -6,7 +6,9 @@ the config sweep runs over bf16 rows and again over FP8 rows. Then one decode to
 CUDA-graph replay) with the lists a Flash layer of each kind reads: the window alone, the window
 and a second list of 8 to 512 live entries (slot lists as the indexer's top-k, page-table lists
 as the c128 entries), and the window + top-256 case at each split count: what a list costs
-beside what its bytes cost."""
+beside what its bytes cost. `--tokens 1 64` times those token counts only."""
+
+import argparse
 
 import torch
 
@@ -18,6 +20,9 @@ POOL_ROWS = 1 << 16  # 64 MiB of bf16 rows per pool: random gathers miss L2
 SWEEP = [  # (block_h, block_n, num_warps, num_stages, keys_as_m); sm90_resources.py shows spills
     (32, 32, 8, 2, False), (32, 16, 8, 2, False), (32, 32, 8, 3, False), (16, 32, 4, 2, False),
     (16, 32, 4, 3, False), (16, 16, 4, 2, False), (64, 32, 8, 2, False), (64, 32, 8, 2, True),
+    # 16-head blocks in 8 warps: the decode tier's FP8 tiles, and in 16-key blocks the one FP8
+    # config that does not spill at all
+    (16, 32, 8, 2, False), (16, 16, 8, 2, False),
     # keys as the 64-row M side of the first dot (Hopper's natural wgmma tile), deeper pipelines
     (64, 64, 8, 2, True), (64, 64, 8, 3, True), (64, 32, 8, 3, True), (64, 32, 8, 4, True),
     (64, 16, 4, 3, True), (64, 64, 4, 2, True),
@@ -25,7 +30,16 @@ SWEEP = [  # (block_h, block_n, num_warps, num_stages, keys_as_m); sm90_resource
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 1024], help="tokens per launch")
+    p.add_argument("--long-context", type=int, nargs="*", metavar="CONTEXT",
+                   help="only the decode steps of requests this long (default 8192 131072): the bytes each layer "
+                        "kind's lists read against the time, at 1, 16 and 64 requests")
+    opts = p.parse_args()
     if not require_cuda():
+        return
+    if opts.long_context is not None:
+        long_context(opts.long_context or [8192, 131072])
         return
     from dsv4_kernels import PageTableList, ops, reference
     from dsv4_kernels.sparse_attention import sparse_attn_with_sink
@@ -39,7 +53,7 @@ def main():
     sink = torch.randn(H, device="cuda")
     scale = D ** -0.5
     print(f"== sparse_attn_with_sink H={H} D={D} Wa={WA} Wb={WB} (decode: every entry valid)")
-    for T in (1, 64, 256, 1024):
+    for T in opts.tokens:
         q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
         idx_a = torch.randint(0, POOL_ROWS, (T, WA), device="cuda", dtype=torch.int32)
         idx_b = torch.randint(0, POOL_ROWS, (T, WB), device="cuda", dtype=torch.int32)
@@ -84,6 +98,46 @@ def main():
         sweep(f"T={T:<5} fp8 kv best", lambda cfg: sparse_attn_with_sink(*args8, config=cfg, kv_layout=layout),
               splits, nbytes8, flops)
     decode_lists(kv_a8, kv_b8, layout, sink, scale)
+
+
+def long_context(contexts):
+    """Decode steps (graph replay, FP8 rows, the model's configs) of requests `context` tokens
+    long: a ratio-4 layer reads the window and the indexer's top-512 compressed rows, a ratio-128
+    layer the window and context / 128 compressed rows through the page table. Every request's
+    rows are distinct pool rows, so the bytes are HBM bytes; the share of the copy ceiling is the
+    figure to judge (the field's FP8 sparse decode kernels sit near 90% of HBM for dense decode)."""
+    from dsv4_kernels import PageTableList, ops
+    from dsv4_kernels.kv_fp8 import FP8KVLayout
+
+    layout = FP8KVLayout(D, 64)
+    print(f"== decode at long context: H={H} D={D}, FP8 rows of {layout.row_bytes} B, window {WA}, graph replay "
+          f"({torch.cuda.get_device_name()})")
+    for context in contexts:
+        c128 = context // 128
+        for batch in (1, 16, 64):
+            rows_needed = batch * max(WA + WB, c128)
+            kv = layout.pack(torch.randn(rows_needed, D, device="cuda", dtype=torch.bfloat16))
+            perm = torch.randperm(rows_needed, device="cuda", dtype=torch.int32)
+            window = perm[: batch * WA].view(batch, WA)
+            q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty_like(q)
+            sink = torch.randn(H, device="cuda")
+
+            def full(n):
+                return torch.full((batch,), n, device="cuda", dtype=torch.int32)
+
+            topk = perm[batch * WA: batch * (WA + WB)].view(batch, WB)
+            pages = torch.randperm(rows_needed, device="cuda")[: batch * c128].view(batch, c128)
+            pos = torch.arange(context, device="cuda")
+            rtt = (pages[:, pos // 128] * 128 + pos % 128).int()
+            by_page = PageTableList(rtt, torch.arange(batch, device="cuda", dtype=torch.int32), 128, c128)
+            for kind, idx_b, keys_b in (("ratio 4, window + top-512", topk, WB),
+                                        (f"ratio 128, window + {c128} c128 rows", by_page, c128)):
+                args = (q, kv, window, full(WA), kv, idx_b, full(keys_b), sink, D ** -0.5, out)
+                nbytes = batch * (WA + keys_b) * layout.row_bytes + 2 * q.numel() * 2
+                report(f"ctx {context:>6} x{batch:<3} {kind}",
+                       time_ms(lambda: ops.sparse_attn_with_sink(*args, kv_layout=layout), graph=True), nbytes)
+            del kv, rtt
 
 
 def decode_lists(kv_a8, kv_b8, layout, sink, scale):

@@ -20,6 +20,8 @@ from triton.compiler import ASTSource  # noqa: E402
 def compile_report(name, fn, ptr_types, constexprs, num_warps, num_stages=2, scalar_types=None):
     """ptr_types: arg -> '*bf16' etc.; other non-constexpr args default to i32."""
     scalar_types = scalar_types or {}
+    # constexprs with a default (PDL: off, as on any launch that does not ask for it) take it
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     assert not missing, f"constexpr args without a value (would compile as runtime): {missing}"
     sig = {a: "constexpr" if a in constexprs else ptr_types.get(a, scalar_types.get(a, "i32"))
@@ -43,28 +45,32 @@ def compile_report(name, fn, ptr_types, constexprs, num_warps, num_stages=2, sca
 def main():
     from dsv4_kernels import cache_write, compressor, fp8_gemv, indexer, moe, sparse_attention as sa
 
-    cfg = sa.SparseAttnConfig()
     attn_ptrs = dict(q_ptr="*bf16", kv_a_ptr="*bf16", idx_a_ptr="*i32", len_a_ptr="*i32",
                      kv_b_ptr="*bf16", idx_b_ptr="*i32", len_b_ptr="*i32", sink_ptr="*fp32",
                      out_ptr="*bf16", part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
-                     rows_a_ptr="*i32", rows_b_ptr="*i32")
-    # paged: list b read through the page table (the c128 entries, PageTableList)
-    for splits, fp8, paged in ((1, False, False), (4, False, False), (1, True, False), (4, True, False),
-                               (1, False, True), (4, True, True)):  # fp8: 584-byte KV rows
-        ptrs = dict(attn_ptrs, kv_a_ptr="*u8", kv_b_ptr="*u8", rope_a_ptr="*bf16", rope_b_ptr="*bf16") \
-            if fp8 else dict(attn_ptrs, rope_a_ptr="*bf16", rope_b_ptr="*bf16")
-        compile_report(f"sparse_attn splits={splits} {cfg.block_h}x{cfg.block_n} w{cfg.num_warps}"
-                       f"{' fp8 kv' if fp8 else ''}{' c128 paged' if paged else ''}",
-                       sa._sparse_attn_kernel, ptrs,
-                       dict(HAS_B=True, NUM_SPLITS=splits, BLOCK_H=cfg.block_h,
-                            BLOCK_N=cfg.block_n, BLOCK_D=512, DOT_PREC="tf32",
-                            KEYS_AS_M=cfg.keys_as_m, KV_FP8=fp8, FP8_BLOCK=64, DEQ_BF16=True,
-                            PAGED_A=False, RATIO_A=1, PAGED_B=paged, RATIO_B=128 if paged else 1),
-                       cfg.num_warps, cfg.num_stages, dict(qk_scale="fp32"))
+                     rows_a_ptr="*i32", rows_b_ptr="*i32", rope_a_ptr="*bf16", rope_b_ptr="*bf16",
+                     cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", keep_ptr="*i32")
+    # each tier of configs/sparse_attention_tiles.json as the model launches it: bf16 and FP8
+    # (584-byte) KV rows; the decode tier split 16 ways with the output's inverse RoPE and the
+    # window-ring move in the launch, also with list b read through the page table (c128)
+    for bound, tiles, fp8_tiles in sa._TIERS:
+        decode = bound is not None and bound < 16
+        for fp8, paged in ((False, False), (True, False)) + (((True, True),) if decode else ()):
+            cfg = fp8_tiles if fp8 else tiles
+            ptrs = dict(attn_ptrs, kv_a_ptr="*u8", kv_b_ptr="*u8") if fp8 else attn_ptrs
+            compile_report(f"sparse_attn T<={bound} h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps}"
+                           f"{' keys_as_m' if cfg.keys_as_m else ''}{' fp8 kv' if fp8 else ''}"
+                           f"{' c128 paged' if paged else ''}",
+                           sa._sparse_attn_kernel, ptrs,
+                           dict(HAS_B=True, NUM_SPLITS=16 if decode else 1, OUT_ROPE=decode, KEEP_ROWS=decode,
+                                BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=512, DOT_PREC="tf32",
+                                KEYS_AS_M=cfg.keys_as_m, KV_FP8=fp8, FP8_BLOCK=64, DEQ_BF16=True,
+                                PAGED_A=False, RATIO_A=1, PAGED_B=paged, RATIO_B=128 if paged else 1),
+                           cfg.num_warps, cfg.num_stages, dict(qk_scale="fp32"))
     compile_report("sparse_attn merge splits=4 (D chunk 128)", sa._merge_splits_kernel,
                    dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
-                        sink_ptr="*fp32", out_ptr="*bf16"),
-                   dict(NUM_SPLITS=4, BLOCK_H=16, BLOCK_D=128), 4)
+                        sink_ptr="*fp32", out_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64"),
+                   dict(NUM_SPLITS=4, BLOCK_H=16, BLOCK_D=128, OUT_ROPE=True), 4)
     for mode in ("bf16", "round", "fp8 rows"):  # KV pool: as is, nope FP8-rounded, FP8 rows
         compile_report(f"norm_rope_row (cache write, D=512, {mode})", cache_write._norm_rope_row_kernel,
                        dict(x_ptr="*bf16", weight_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32",
@@ -79,7 +85,8 @@ def main():
                        dict(kv_state_ptr="*fp32", score_state_ptr="*fp32", kv_new_ptr="*fp32",
                             score_new_ptr="*fp32", idx_ptr="*i32", out_ptr="*fp32", ape_ptr="*fp32",
                             pos_ptr="*i64"),
-                       dict(RATIO=ratio, COFF=2 if ratio == 4 else 1, BLOCK_C=block_c, HAS_APE=True), warps)
+                       dict(RATIO=ratio, COFF=2 if ratio == 4 else 1, BLOCK_C=block_c, HAS_APE=True,
+                            RING_WRITE=False), warps)
     # the fused emission: Flash's compressors (D 512, ratio 4 / 128, FP8 rows; the indexer's:
     # D 128, ratio 4, entries), the ring update in the launch (a decode step)
     for ratio, D, fp8 in ((4, 512, True), (128, 512, True), (4, 128, False)):
@@ -107,7 +114,8 @@ def main():
     for bn, bk in ((4, 4096), (8, 2048), (16, 1024)):  # fp8_gemv.gemv_config's tiles at Flash's shapes
         compile_report(f"fp8_gemv {bn}x{bk} w4 (one row, release numerics)", fp8_gemv._fp8_gemv_kernel,
                        dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr="*bf16"),
-                       dict(ROWS=1, BLOCK_N=bn, BLOCK_K=bk, ACT_QUANT=True), 4, 2)
+                       dict(ROWS=1, BLOCK_N=bn, BLOCK_K=bk, ACT_QUANT=True, SWIGLU=False, HAS_LIMIT=False,
+                            ADD=False, HC=False, RMS=False), 4, 2)
     compile_report("moe gate_up 64x64x64", moe._gate_up_kernel,
                    dict(x_ptr="*bf16", w1_ptr="*bf16", w3_ptr="*bf16", sorted_ids_ptr="*i32",
                         block_expert_ptr="*i32", weights_ptr="*fp32", h_ptr="*bf16"),

@@ -37,6 +37,15 @@ def defined_kernels() -> set:
     return names
 
 
+def pdl_kernels() -> set:
+    """The launched kernels that take the PDL constexpr (pdl.py)."""
+    names = set()
+    for path in KERNELS.glob("*.py"):
+        for name in re.findall(r"@triton\.jit[^\n]*\ndef (\w+_kernel)\([^)]*PDL: tl\.constexpr", path.read_text()):
+            names.add(f"dsv4_kernels.{path.stem}.{name}")
+    return names
+
+
 @pytest.mark.skipif(os.environ.get("DSV4_TRITON_COMPILE_ONLY") == "1", reason="the compile-only run itself")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernel tests compile every kernel themselves")
 def test_every_kernel_compiles_for_sm90(tmp_path):
@@ -53,3 +62,5 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     missing = defined_kernels() - set(got["compiled"]) - NOT_REACHED
     assert missing == set(), f"kernels no test launches, so never compiled: {sorted(missing)}"
     assert NOT_REACHED <= defined_kernels(), "NOT_REACHED names a kernel that no longer exists"
+    pdl_missing = pdl_kernels() - set(got["pdl_compiled"]) - NOT_REACHED
+    assert pdl_missing == set(), f"PDL-aware kernels never compiled with PDL on: {sorted(pdl_missing)}"

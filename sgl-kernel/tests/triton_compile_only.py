@@ -6,7 +6,8 @@ rejects: a module-level int read inside a kernel (only `tl.constexpr` globals co
 set up by conftest.py before any kernel module imports triton) the kernel tests run without
 the interpreter: every launch is compiled for sm_90 with Triton's own compiler and not run.
 Outputs are never written, so the tests' assertions fail; what counts is the report written at
-the end (`DSV4_TRITON_COMPILE_REPORT`): every kernel compiled, every compile error.
+the end (`DSV4_TRITON_COMPILE_REPORT`): every kernel compiled, every compile error. A kernel
+that takes `PDL` (pdl.py) also compiles once with it on, as a Hopper launches it.
 test_kernels_compile.py runs the kernel tests this way and checks the report.
 """
 
@@ -20,6 +21,7 @@ TARGET = ("cuda", 90, 32)  # H200: sm_90, warp size 32
 
 compiled: Counter = Counter()
 errors: dict = {}
+pdl_compiled: set = set()
 
 
 class _NoGpuDriver:
@@ -56,6 +58,9 @@ def install() -> None:
         name = f"{self.fn.__module__}.{self.fn.__name__}"
         try:
             kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+            if "PDL" in self.arg_names and name not in pdl_compiled:  # once as a Hopper launches it too
+                pdl_compiled.add(name)
+                run(self, *args, grid=grid, warmup=True, **{**kwargs, "PDL": True, "launch_pdl": True})
         except Exception as e:  # noqa: BLE001 - every compile error is reported, then raised
             errors.setdefault(name, f"{type(e).__name__}: {e}"[:2000])
             raise
@@ -69,4 +74,5 @@ def write_report() -> None:
     path = os.environ.get("DSV4_TRITON_COMPILE_REPORT")
     if path:
         with open(path, "w") as f:
-            json.dump({"target": list(TARGET), "compiled": dict(compiled), "errors": errors}, f, indent=1)
+            json.dump({"target": list(TARGET), "compiled": dict(compiled), "pdl_compiled": sorted(pdl_compiled),
+                       "errors": errors}, f, indent=1)

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .host_math import cdiv, next_power_of_2
 
 DISPATCH_ROWS = 1  # ops.bf16_gemv_takes: the rows sent here (cuBLAS keeps the rest)
@@ -31,7 +32,9 @@ _MIN_PROGRAMS = 128
 def _bf16_gemv_kernel(
     x_ptr, w_ptr, out_ptr, N, K, KW, stride_w, scale,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows_w = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
@@ -86,5 +89,6 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0, round_b
     cfg = config or gemv_config(N, K)
     _bf16_gemv_kernel[(cdiv(N, cfg["BLOCK_N"]),)](
         x1, weight, out, N, K, KW, weight.stride(0), float(scale),
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ROUND_BF16=round_bf16, num_warps=cfg["num_warps"])
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ROUND_BF16=round_bf16, num_warps=cfg["num_warps"],
+        **pdl.options(x1))
     return out

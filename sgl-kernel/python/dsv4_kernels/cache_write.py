@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .host_math import cdiv, next_power_of_2
 from .kv_fp8 import KV_FP8_BLOCK, FP8KVLayout
 from .quant_reference import AMAX_FLOOR, E4M3_MAX
@@ -86,7 +87,9 @@ def _norm_rope_row_kernel(
     HAS_OUT: tl.constexpr, HAS_POOL: tl.constexpr, BLOCK_HALF: tl.constexpr,
     NOPE_FP8: tl.constexpr, FP8_ROWS: tl.constexpr, NUM_SCALES: tl.constexpr,
     PAIRS_PER_BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     t = (pid // H).to(tl.int64)
     h = pid % H
@@ -228,8 +231,7 @@ def _launch(x3, weight, eps, cos, sin, positions, rope_dim, out3, pool, out_loc,
         NOPE_FP8=bool(has_pool and nope_fp8), FP8_ROWS=layout is not None,
         NUM_SCALES=(D - rope_dim) // KV_FP8_BLOCK if nope_fp8 else 0,
         PAIRS_PER_BLOCK=KV_FP8_BLOCK // 2,
-        num_warps=4 if D >= 512 else 1,
-    )
+        num_warps=4 if D >= 512 else 1, **pdl.options(x3))
 
 
 def rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc,

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from . import reference
 from .cache_write import INV_E4M3_MAX, norm_rope_store_row, pool_layout, rmsnorm_rope_store
 from .host_math import cdiv, next_power_of_2
@@ -70,7 +71,9 @@ def _compressor_pool_kernel(
     stride_state, stride_new, stride_idx, stride_out, stride_ape, D, E, ring_loc_ptr, T,
     RATIO: tl.constexpr, COFF: tl.constexpr, BLOCK_C: tl.constexpr, HAS_APE: tl.constexpr,
     RING_WRITE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     i = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = c < D
@@ -99,7 +102,9 @@ def _compressor_emit_kernel(
     BLOCK_HALF: tl.constexpr, HAS_OUT: tl.constexpr, HAS_POOL: tl.constexpr, NOPE_FP8: tl.constexpr,
     FP8_ROWS: tl.constexpr, NUM_SCALES: tl.constexpr, PAIRS_PER_BLOCK: tl.constexpr,
     RING_WRITE: tl.constexpr, BLOCK_RING: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     i = tl.program_id(0).to(tl.int64)
     if i < E:
         # pool every channel of emission i into its fp32 row of `pooled`, then read that row
@@ -167,8 +172,7 @@ def compressor_pool(kv_state, score_state, kv_new, score_new, gather_idx, ratio,
         kv_state.shape[-1], kv_new.stride(0), gather_idx.stride(0), out.stride(0), ape.stride(0) if has_ape else 0, D,
         E, ring_write_loc if ring_write_loc is not None else gather_idx, T,
         RATIO=ratio, COFF=coff, BLOCK_C=block_c, HAS_APE=has_ape, RING_WRITE=ring_write_loc is not None,
-        num_warps=8 if ratio == 128 else 4,
-    )
+        num_warps=8 if ratio == 128 else 4, **pdl.options(kv_state))
     return out
 
 
@@ -208,8 +212,7 @@ def compressor_emit(kv_state, score_state, kv_new, score_new, gather_idx, ratio,
         HAS_POOL=pool is not None, NOPE_FP8=bool(pool is not None and nope_fp8), FP8_ROWS=layout is not None,
         NUM_SCALES=(D - rope_dim) // KV_FP8_BLOCK if nope_fp8 else 0, PAIRS_PER_BLOCK=KV_FP8_BLOCK // 2,
         RING_WRITE=ring_write_loc is not None, BLOCK_RING=min(next_power_of_2(coff * D), 1024),
-        num_warps=4 if D >= 512 else 1,
-    )
+        num_warps=4 if D >= 512 else 1, **pdl.options(kv_state))
 
 
 def compressor_norm_rope_store(pooled, norm_weight, eps, cos, sin, emit_pos, rope_dim, pool,

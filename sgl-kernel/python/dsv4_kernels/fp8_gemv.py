@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .fp8_act_quant import INV_E4M3_MAX, QBLOCK, e4m3_bits, pow2_recip, pow2_scale
 from .host_math import cdiv, next_power_of_2
 
@@ -57,7 +58,9 @@ def _fp8_gemv_kernel(
     rms_w_ptr, rms_eps,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT_QUANT: tl.constexpr,
     SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, ADD: tl.constexpr, HC: tl.constexpr, RMS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     pid_n = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     NB: tl.constexpr = BLOCK_K // 128
@@ -287,4 +290,4 @@ def _launch(x, weight, ws, out, M, N, K, G, sxm, sxg, swg, swsg, som, sog, act_q
         rms[0] if rms is not None else ws, float(rms[1]) if rms is not None else 0.0,
         ROWS=next_power_of_2(M), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ACT_QUANT=act_quant,
         SWIGLU=up_offset is not None, HAS_LIMIT=limit > 0, ADD=add is not None, HC=hc, RMS=rms is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.options(x))

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from ._dot import dot_precision
 from ._page_table import load_page_table_slots
 from .host_math import cdiv, next_power_of_2
@@ -49,11 +50,13 @@ def _indexer_logits_kernel(
     TILES_PER_PROG: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, PAGED: tl.constexpr, RATIO: tl.constexpr,
     OUT: tl.constexpr, FP4_KEYS: tl.constexpr, FP4_BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """PAGED: slots_ptr is the page table (row stride stride_st) and rows_ptr each token's row;
     else slots_ptr is the [T, C] list. OUT: what is stored per candidate: 0 the fp32 logit,
     1 its order-preserving int32 (_ordered_bits), 2 the int64 top-k key (_topk_key). FP4_KEYS: key rows are packed FP4 bytes (index_key_fp4.py),
     decoded to q's dtype (exact). A tile wholly past the row's length stores -inf unread."""
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     if PAGED:
         list_row = slots_ptr + tl.load(rows_ptr + t).to(tl.int64) * stride_st
@@ -176,6 +179,7 @@ def _select_topk_kernel(
     keys_ptr, len_ptr, slots_ptr, rows_ptr, max_col, out_ptr,
     stride_kt, stride_st, stride_ot, K, TOPK,
     BLOCK: tl.constexpr, PAGED: tl.constexpr, RATIO: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Row t's best K live candidates among its first len[t] (by ordered key descending, ties
     by the lower column), as slots in column order, then -1 up to TOPK. One program per row.
@@ -185,6 +189,7 @@ def _select_topk_kernel(
     the K-th best's byte. After four bytes u_K is known exactly, with `need` = how many of the
     candidates equal to it are taken (the first ones by column). A row with at most K live
     candidates skips the three lower bytes and takes them all."""
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     length = tl.load(len_ptr + t)
     key_row = keys_ptr + t * stride_kt
@@ -270,8 +275,7 @@ def indexer_logits(q_idx, weights, key_pool, cand_slots, cand_len, logits=None, 
         TILES_PER_PROG=tiles, BLOCK_H=max(16, next_power_of_2(NH)), BLOCK_N=block_n,
         BLOCK_D=next_power_of_2(DI), DOT_PREC=dot_precision(q_idx.dtype), PAGED=cands.paged,
         RATIO=cands.ratio,
-        OUT=mode, FP4_KEYS=fp4_keys, FP4_BLOCK=FP4_BLOCK, num_warps=4, num_stages=2,
-    )
+        OUT=mode, FP4_KEYS=fp4_keys, FP4_BLOCK=FP4_BLOCK, num_warps=4, num_stages=2, **pdl.options(q_idx))
     return logits
 
 
@@ -288,8 +292,7 @@ def select_topk_slots(ordered, cand_slots, cand_len, topk, out_slots):
     _select_topk_kernel[(T,)](
         ordered, cand_len, cands.table, cands.rows, cands.max_col, out_slots,
         ordered.stride(0), cands.table.stride(0), out_slots.stride(0), min(topk, C), topk,
-        BLOCK=SELECT_BLOCK, PAGED=cands.paged, RATIO=cands.ratio, num_warps=4,
-    )
+        BLOCK=SELECT_BLOCK, PAGED=cands.paged, RATIO=cands.ratio, num_warps=4, **pdl.options(ordered))
     return out_slots
 
 

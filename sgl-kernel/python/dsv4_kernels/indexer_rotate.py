@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .cache_write import _pow2_scale_exp
 from .index_key_fp4 import IndexKeyFP4Layout
 from .quant_reference import AMAX_FLOOR, E2M1_MAX, FP4_BLOCK
@@ -87,7 +88,9 @@ def _rotate_round_tile(x0, x1, scale, amax_floor, inv_qmax, dtype: tl.constexpr,
 def _rope_rotate_round_kernel(x_ptr, stride_r, cos_ptr, sin_ptr, stride_cs, stride_cs_k, pos_ptr,
                               R, H, rope_dim, scale, amax_floor, inv_qmax,
                               DIM: tl.constexpr, HAS_ROPE: tl.constexpr, ROTATE: tl.constexpr, BF16_DOT: tl.constexpr,
-                              BLOCK_R: tl.constexpr, NUM_BLOCKS: tl.constexpr, QBLOCK: tl.constexpr):
+                              BLOCK_R: tl.constexpr, NUM_BLOCKS: tl.constexpr, QBLOCK: tl.constexpr,
+                              PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     HALF: tl.constexpr = DIM // 2
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
@@ -149,17 +152,18 @@ def rope_rotate_round_(x: torch.Tensor, cos=None, sin=None, positions=None, rope
         cos.stride(0) if has_rope else 0, cos.stride(1) if has_rope else 0,
         positions if has_rope else x3, R, H, rope_dim, float(D) ** -0.5, AMAX_FLOOR, INV_E2M1_MAX,
         DIM=D, HAS_ROPE=has_rope, ROTATE=rotate, BF16_DOT=x.dtype == torch.bfloat16 and not _INTERPRET, BLOCK_R=block_r, NUM_BLOCKS=D // FP4_BLOCK,
-        QBLOCK=FP4_BLOCK, num_warps=4)
+        QBLOCK=FP4_BLOCK, num_warps=4, **pdl.options(x3))
     return x
 
 
 @triton.jit
 def _rotate_round_pack_kernel(x_ptr, stride_x, loc_ptr, pool_ptr, stride_pool, R, scale, amax_floor, inv_qmax,
                               DIM: tl.constexpr, BF16_DOT: tl.constexpr, BLOCK_R: tl.constexpr,
-                              NUM_BLOCKS: tl.constexpr, QBLOCK: tl.constexpr):
+                              NUM_BLOCKS: tl.constexpr, QBLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Rows x [R, DIM] rotated and FP4-rounded as _rope_rotate_round_kernel does, stored packed
     (index_key_fp4.py: e2m1 code pairs, then one e8m0 byte per QBLOCK) at pool row loc[row];
     rows with loc -1 are not stored."""
+    pdl.enter(PDL)
     HALF: tl.constexpr = DIM // 2
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
@@ -201,5 +205,5 @@ def rotate_round_pack_store(x: torch.Tensor, pool: torch.Tensor, out_loc: torch.
     _rotate_round_pack_kernel[(triton.cdiv(E, block_r),)](
         x, x.stride(0), out_loc, pool, pool.stride(0), E, float(D) ** -0.5, AMAX_FLOOR, INV_E2M1_MAX,
         DIM=D, BF16_DOT=x.dtype == torch.bfloat16 and not _INTERPRET, BLOCK_R=block_r,
-        NUM_BLOCKS=D // FP4_BLOCK, QBLOCK=FP4_BLOCK, num_warps=4)
+        NUM_BLOCKS=D // FP4_BLOCK, QBLOCK=FP4_BLOCK, num_warps=4, **pdl.options(x))
     return pool

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .host_math import cdiv, next_power_of_2, sm_count
 
 # Programs per SM the split aims for (latency hiding for a streaming kernel).
@@ -65,7 +66,9 @@ def _hc_mixes_kernel(
     T, D, k_blocks, tiles_per_split,
     MIX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     HC: tl.constexpr, X_BF16: tl.constexpr, X_FP32: tl.constexpr, DOT_BF16: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     toks = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     tok_mask = toks < T
@@ -129,12 +132,14 @@ def _hc_finish_kernel(
     D, split, iters, hc_eps, norm_eps, rms_eps,
     HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     RMS: tl.constexpr, BLOCK_ROW: tl.constexpr, SINKHORN_PID: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Without RMS: program (t, 0) does the Sinkhorn, every program (t, c) y's BLOCK_D columns
     c. With RMS (grid (T, 2)): program (t, 1) does the Sinkhorn while (t, 0) writes the whole y
     row, then the sub-layer's RMSNorm of it into yn (elementwise._rms_norm_kernel's math on
     the stored y read back as one row: the same formula, one launch fewer; its sums may run in
     another order than the norm kernel's)."""
+    pdl.enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HC)
     s = tl.arange(0, BLOCK_S)
@@ -290,8 +295,7 @@ def hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out=None, rms_weig
         T, D, k_blocks, plan.tiles_per_split,
         MIX=mix, BLOCK_T=plan.block_t, BLOCK_M=block_m, BLOCK_K=plan.block_k, HC=hc,
         X_BF16=x.dtype == torch.bfloat16, X_FP32=x.dtype == torch.float32, DOT_BF16=_compiled(),
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl.options(x))
     # BLOCK_S covers a decode step's splits in one pass: a loop over small chunks would pay a
     # memory latency per chunk. y is split over D so a small T still spreads over SMs; with the
     # norm one program writes the row while another does the Sinkhorn. 4 warps either way: 8
@@ -310,8 +314,7 @@ def hc_pre(x, fn, scale, base, hc, iters, hc_eps, norm_eps, y_out=None, rms_weig
         rms_weight if rms else scale, y, y.stride(0),
         D, plan.split, int(iters), float(hc_eps), float(norm_eps), float(rms_eps),
         HC=hc, BLOCK_M=block_m, BLOCK_S=min(256, max(16, next_power_of_2(plan.split))),
-        BLOCK_D=block_d, RMS=rms, BLOCK_ROW=block_row, SINKHORN_PID=1 if rms else 0, num_warps=4,
-    )
+        BLOCK_D=block_d, RMS=rms, BLOCK_ROW=block_row, SINKHORN_PID=1 if rms else 0, num_warps=4, **pdl.options(x))
     return y, post, comb
 
 

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from ._dot import dot_precision
 from .host_math import cdiv, next_power_of_2
 
@@ -77,7 +78,8 @@ def align_one_program(
 
 @triton.jit
 def _local_ids_kernel(ids_ptr, out_ptr, T, K, first, BLOCK_T: tl.constexpr, KP: tl.constexpr,
-                      DROP_REPEATS: tl.constexpr):
+                      DROP_REPEATS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, KP)
     live = (t[:, None] < T) & (j[None, :] < K)
@@ -102,7 +104,8 @@ def local_expert_ids(ids: torch.Tensor, first_expert: int, drop_repeats: bool) -
         return out
     block_t = min(64, next_power_of_2(T))
     _local_ids_kernel[(cdiv(T, block_t),)](ids, out, T, K, int(first_expert), BLOCK_T=block_t,
-                                           KP=next_power_of_2(K), DROP_REPEATS=drop_repeats, num_warps=1)
+                                           KP=next_power_of_2(K), DROP_REPEATS=drop_repeats, num_warps=1,
+                                           **pdl.options(ids))
     return out
 
 
@@ -259,7 +262,9 @@ def _down_kernel(
 def _sum_topk_kernel(
     partial_ptr, ids_ptr, out_ptr, d, topk, stride_p, stride_o,
     NUM_EXPERTS: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     # Skipped assignments have no partial row (no block wrote it: the buffer is uninitialised
     # there), so their loads are masked off rather than multiplied by zero (garbage may be NaN).
     t = tl.program_id(0).to(tl.int64)
@@ -285,8 +290,7 @@ def sum_topk(partial, ids, out, num_experts: int):
     block_d = min(SUM_BLOCK_D, next_power_of_2(d))
     _sum_topk_kernel[(T, cdiv(d, block_d))](
         partial, ids.reshape(-1).contiguous(), out, d, ids.shape[1], partial.stride(0), out.stride(0),
-        NUM_EXPERTS=num_experts, BLOCK_D=block_d, num_warps=4,
-    )
+        NUM_EXPERTS=num_experts, BLOCK_D=block_d, num_warps=4, **pdl.options(partial))
     return out
 
 

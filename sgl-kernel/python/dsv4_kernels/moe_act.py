@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .fp8_act_quant import INV_E4M3_MAX, e4m3_bits, pow2_recip, pow2_scale
 from .host_math import cdiv, next_power_of_2
 from .moe import AlignOneLaunch, align_one_applies, align_one_program, moe_align
@@ -61,7 +62,9 @@ def _align_quant_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, row_programs,
     BLOCK_M: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
     BLOCKS: tl.constexpr, QB: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     if pid == 0:
         align_one_program(ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, M, E, CAP, MAX_BLOCKS, BLOCK_M, EP,
@@ -84,7 +87,8 @@ def _round_bf16(x):
 @triton.jit
 def _swiglu_quant_kernel(gu_ptr, w_ptr, h_ptr, s_ptr, I, stride_gu, stride_h, stride_s, limit,
                          ACT_DTYPE: tl.constexpr, HAS_LIMIT: tl.constexpr, FP8: tl.constexpr,
-                         BLOCKS: tl.constexpr, QB: tl.constexpr):
+                         BLOCKS: tl.constexpr, QB: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     m = tl.program_id(0).to(tl.int64)
     kb = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     offs = kb[:, None] * QB + tl.arange(0, QB)[None, :]
@@ -140,7 +144,7 @@ def align_and_quantize(ids: torch.Tensor, num_experts: int, block_m: int, x: tor
     launch = AlignOneLaunch.of(ids, num_experts, block_m)
     _align_quant_kernel[(1 + M * row_programs,)](
         *launch.args, x, q.view(torch.uint8), s, K, x.stride(0), q.stride(0), s.stride(0), row_programs,
-        **launch.constexprs, BLOCKS=blocks, QB=QBLOCK, num_warps=launch.num_warps)
+        **launch.constexprs, BLOCKS=blocks, QB=QBLOCK, num_warps=launch.num_warps, **pdl.options(x))
     return launch.outputs, (q, s)
 
 
@@ -164,5 +168,5 @@ def swiglu_weight_quant(gu: torch.Tensor, weights: torch.Tensor, limit: float,
             gu, weights.reshape(-1), h.view(torch.uint8) if fp8 else h, s if fp8 else h, I,
             gu.stride(0), h.stride(0), s.stride(0) if fp8 else 0, float(limit),
             ACT_DTYPE=_TL_DTYPE[act_dtype], HAS_LIMIT=limit > 0, FP8=fp8,
-            BLOCKS=blocks, QB=QBLOCK, num_warps=4)
+            BLOCKS=blocks, QB=QBLOCK, num_warps=4, **pdl.options(gu))
     return h, (s if fp8 else None)

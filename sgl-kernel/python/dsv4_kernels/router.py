@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from . import pdl
 from .host_math import next_power_of_2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -33,7 +34,9 @@ def _route_kernel(
     E, stride_l, stride_h, stride_w, stride_i, scaling,
     K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HASH: tl.constexpr, LIBDEVICE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     live = cols < E
@@ -99,5 +102,6 @@ def moe_route(router_logits, bias, topk: int, scaling: float, tid2eid=None, inpu
         input_ids if hashed else router_logits, weights, ids,
         E, router_logits.stride(0), tid2eid.stride(0) if hashed else 0, weights.stride(0), ids.stride(0),
         float(scaling), K=topk, BLOCK_E=next_power_of_2(E), BLOCK_K=next_power_of_2(topk),
-        HAS_BIAS=has_bias, HASH=hashed, LIBDEVICE=not _INTERPRET, num_warps=4 if E <= 512 else 8)
+        HAS_BIAS=has_bias, HASH=hashed, LIBDEVICE=not _INTERPRET, num_warps=4 if E <= 512 else 8,
+        **pdl.options(router_logits))
     return weights, ids

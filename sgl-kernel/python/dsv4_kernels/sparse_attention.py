@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from ._dot import dot_precision
 from ._page_table import load_page_table_slots
 from .host_math import cdiv, next_power_of_2, sm_count
@@ -169,7 +170,9 @@ def _sparse_attn_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
     KEYS_AS_M: tl.constexpr, KV_FP8: tl.constexpr, FP8_BLOCK: tl.constexpr, DEQ_BF16: tl.constexpr,
     PAGED_A: tl.constexpr, RATIO_A: tl.constexpr, PAGED_B: tl.constexpr, RATIO_B: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     # A list is a [T, W] slot tensor (row t at idx + t * stride), or with PAGED_* a page table
     # (idx = rtt, stride its row stride) read at each token's row rows[t] (PageTableList).
     # Axis 0 is (token, head block) with the head block fastest, so the programs of one token
@@ -248,7 +251,9 @@ def _merge_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, sink_ptr, out_ptr, H, D, stride_ot, stride_oh,
     cos_ptr, sin_ptr, stride_cs, stride_cs_k, pos_ptr, rope_dim,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, OUT_ROPE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     num_hb = tl.cdiv(H, BLOCK_H)
     pid_h = pid % num_hb
@@ -368,8 +373,7 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
         BLOCK_D=block_d, DOT_PREC=dot_precision(q.dtype), KEYS_AS_M=config.keys_as_m,
         KV_FP8=fp8, FP8_BLOCK=KV_FP8_BLOCK, DEQ_BF16=q.dtype == torch.bfloat16,
         PAGED_A=list_a.paged, RATIO_A=list_a.ratio, PAGED_B=list_b.paged, RATIO_B=list_b.ratio,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.options(q))
     if splits > 1:
         # Few tokens (decode): small tiles, so that enough programs stream the partials (16 x 128
         # tiles gave a one-token Flash step 16 programs, ~10 µs per layer on an H200). Each
@@ -378,5 +382,5 @@ def sparse_attn_with_sink(q, kv_a, idx_a, len_a, kv_b, idx_b, len_b, sink, scale
         _merge_splits_kernel[(T * cdiv(H, merge_h), cdiv(D, merge_d))](
             part_acc, part_m, part_l, sink, out, H, D, out.stride(0), out.stride(1), *rope_args,
             NUM_SPLITS=splits, BLOCK_H=merge_h, BLOCK_D=merge_d, OUT_ROPE=out_rope is not None, num_warps=4,
-        )
+            **pdl.options(part_acc))
     return out

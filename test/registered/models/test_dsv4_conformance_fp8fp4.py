@@ -181,6 +181,27 @@ def test_cuda_float32_rows(fixture_dir, expected, numerics, graphs):
             assert cos > RELEASE_MIN_COS
 
 
+@pytest.mark.gpu
+def test_cuda_pdl_launches_give_the_stream_ordered_rows(fixture_dir, expected, monkeypatch):
+    """Programmatic dependent launch (dsv4_kernels/pdl.py) changes when a kernel starts, never
+    what it computes: every row through the decode graphs, release numerics, equals the row of
+    the stream-ordered launches bit for bit."""
+    from dsv4_kernels import pdl
+
+    rows = {}
+    for on in (False, True):
+        monkeypatch.setenv(pdl.ENV, "1" if on else "0")
+        pdl._device_supports.cache_clear()
+        runner = _runner(fixture_dir, "release", device="cuda")
+        assert runner.decode_graph_runner is not None
+        assert pdl.enabled(torch.empty(0, device="cuda")) == (on and torch.cuda.get_device_capability()[0] >= 9)
+        rows[on] = all_rows(runner, expected)
+        runner.shutdown()
+    pdl._device_supports.cache_clear()
+    print(f"PDL on vs off: max |diff| {(rows[True] - rows[False]).abs().max().item():.3g}")
+    assert torch.equal(rows[True], rows[False])
+
+
 def _module_outputs(runner, ids) -> dict:
     """Every submodule's first tensor output during one eager prefill of `ids`, by name and
     call (fp64 on the CPU)."""

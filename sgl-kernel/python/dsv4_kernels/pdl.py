@@ -1,0 +1,67 @@
+"""Programmatic dependent launch (PDL) for the kernels of a decode layer.
+
+A decode step is a chain of some 28 small launches per layer; between two of them the GPU
+drains the first, flushes its writes and only then starts scheduling the second. With PDL
+(Hopper and later) a kernel is launched while its predecessor still runs: its programs become
+resident and wait at `gdc_wait` until the predecessor has finished and its writes are visible,
+so the next launch's scheduling overlaps the previous one's tail. Inside CUDA graphs the
+launches become programmatic edges.
+
+The contract of a kernel that takes `PDL`:
+- its first statement is `pdl.enter(PDL)`: when PDL is true, every program calls `gdc_wait()`
+  before its first global load or store, so nothing it reads or writes races its predecessor,
+  then `gdc_launch_dependents()`, which lets its own successor start scheduling (that successor
+  waits again in the same way);
+- the launcher passes `**pdl.options(t)`, which sets both the constexpr and triton's
+  `launch_pdl` where the device supports it and nothing changes elsewhere.
+
+The ordering is transitive: a kernel's wait returns only after its predecessor completed, and
+that predecessor could not complete before its own wait returned. Launches without PDL
+(torch ops, cuBLAS, humming) keep the full stream order on both sides.
+
+On with `SGLANG_DSV4_PDL=1` on SM90 and later; off by default until a GPU run has measured
+what it saves and run the kernel tests with it; never on CPU or under the interpreter.
+"""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - torch >= 2.11 ships a triton that has them
+    gdc_launch_dependents = gdc_wait = None
+
+__all__ = ["ENV", "enter", "enabled", "options"]
+
+ENV = "SGLANG_DSV4_PDL"
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """A PDL-aware kernel's first statement: wait for the predecessor, then let the successor start."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=None)
+def _device_supports(index: int) -> bool:
+    if gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if os.environ.get(ENV, "0") != "1":
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """Whether launches for `t`'s device use programmatic dependent launch."""
+    return t.is_cuda and _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def options(t: torch.Tensor) -> dict:
+    """Launch keywords of a PDL-aware kernel: the `PDL` constexpr, and triton's `launch_pdl` when on."""
+    return {"PDL": True, "launch_pdl": True} if enabled(t) else {"PDL": False}
