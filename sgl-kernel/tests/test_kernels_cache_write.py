@@ -104,6 +104,48 @@ def test_triton_q_rms_rope_and_inverse_rope_match_reference(device, num_heads, o
     torch.testing.assert_close(got, reference.rms_norm(q, None, 1e-6), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("pool_kind", ["float32", "bfloat16", "nope_fp8", "fp8_rows"])
+def test_triton_q_and_kv_in_one_launch_equal_their_own_launches(device, pool_kind):
+    """q_kv_norm_rope_store writes exactly what q_rms_rope and rmsnorm_rope_store write, q in
+    place and the kv rows into every pool format, padding tokens (-1) skipped."""
+    require_triton()
+    from dsv4_kernels import cache_write
+    from dsv4_kernels.kv_fp8 import FP8KVLayout
+
+    T, H, D, rope_dim, S = 6, 3, 128, 64, 10
+    q = torch.randn(T, H, D, device=device) * 2
+    kv = torch.randn(T, D, device=device) * 3 + 1
+    weight = torch.rand(D, device=device) + 0.5
+    cos, sin = rope_tables(300, rope_dim, device=device)
+    positions = torch.randint(0, 300, (T,), device=device)
+    out_loc = torch.randperm(S, device=device)[:T].to(torch.int32)
+    out_loc[2] = -1
+
+    def pool():
+        if pool_kind == "fp8_rows":
+            return torch.zeros(S, FP8KVLayout(D, rope_dim, torch.float32).row_bytes, dtype=torch.uint8, device=device)
+        return torch.full((S, D), 7.0, device=device, dtype=torch.bfloat16 if pool_kind == "bfloat16" else torch.float32)
+
+    nope_fp8 = pool_kind == "nope_fp8"
+    q_two, pool_two = q.clone(), pool()
+    cache_write.q_rms_rope(q_two, cos, sin, positions, rope_dim, 1e-6)
+    cache_write.rmsnorm_rope_store(kv, weight, 1e-6, cos, sin, positions, rope_dim, pool_two, out_loc,
+                                   nope_fp8=nope_fp8)
+    q_one, pool_one = q.clone(), pool()
+    assert cache_write.q_kv_norm_rope_store(q_one, kv, weight, 1e-6, cos, sin, positions, rope_dim, pool_one,
+                                            out_loc, nope_fp8=nope_fp8) is q_one
+    assert torch.equal(q_one, q_two)
+    assert torch.equal(pool_one, pool_two)
+    assert not torch.equal(q_one, q)  # it did write
+    if pool_kind != "fp8_rows":  # rows no real token maps to (the padding token's included) stay as they were
+        untouched = [r for r in range(S) if r not in out_loc.tolist()]
+        assert len(untouched) == S - T + 1 and (pool_one[untouched] == 7.0).all()
+    q_ref, pool_ref = q.clone(), pool()
+    reference.q_kv_norm_rope_store(q_ref, kv, weight, 1e-6, cos, sin, positions, rope_dim, pool_ref, out_loc,
+                                   nope_fp8=nope_fp8)
+    torch.testing.assert_close(q_one, q_ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 def test_gpu_real_shapes_match_reference():
     T, H, D, rope_dim = 1000, 64, 512, 64
@@ -129,3 +171,26 @@ def test_gpu_real_shapes_match_reference():
     ops.inverse_rope_(o, cos, sin, positions, rope_dim)
     torch.testing.assert_close(o.float(), reference.apply_rope(q, cos, sin, positions, rope_dim,
                                                                inverse=True), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64])
+def test_gpu_q_and_kv_in_one_launch_at_flash_shapes(T):
+    """Flash's attention at decode (64 heads of 512, rope 64, FP8 rows of 584 bytes): the one
+    launch writes q and the pool rows bit for bit as the two launches do."""
+    from dsv4_kernels import cache_write
+    from dsv4_kernels.kv_fp8 import FP8KVLayout
+
+    H, D, rope_dim = 64, 512, 64
+    cos, sin = rope_tables(8192, rope_dim, theta=160000.0, device="cuda")
+    positions = torch.randint(0, 8192, (T,), device="cuda")
+    q = torch.randn(T, H, D, device="cuda").bfloat16()
+    kv = torch.randn(T, D, device="cuda").bfloat16()
+    weight = torch.rand(D, device="cuda") + 0.5
+    out_loc = torch.randperm(256, device="cuda")[:T].int()
+    pools = [torch.zeros(256, FP8KVLayout(D, rope_dim).row_bytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    q_two, q_one = q.clone(), q.clone()
+    cache_write.q_rms_rope(q_two, cos, sin, positions, rope_dim, 1e-6)
+    cache_write.rmsnorm_rope_store(kv, weight, 1e-6, cos, sin, positions, rope_dim, pools[0], out_loc)
+    cache_write.q_kv_norm_rope_store(q_one, kv, weight, 1e-6, cos, sin, positions, rope_dim, pools[1], out_loc)
+    assert torch.equal(q_one, q_two) and torch.equal(pools[1], pools[0])

@@ -38,7 +38,7 @@ def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
 def test_the_decode_chain_kernels_take_pdl():
     names = {name for _, name in _pdl_kernels()}
     # the launches of a decode layer that are ours (humming's GEMMs and torch ops are not)
-    assert {"_hc_mixes_kernel", "_hc_finish_kernel", "_fp8_gemv_kernel", "_bf16_gemv_kernel", "_norm_rope_row_kernel",
+    assert {"_hc_mixes_kernel", "_hc_finish_kernel", "_fp8_gemv_kernel", "_bf16_gemv_kernel", "_q_kv_norm_rope_kernel",
             "_compressor_emit_kernel", "_compressor_pool_kernel", "_rope_rotate_round_kernel",
             "_rotate_round_pack_kernel", "_indexer_logits_kernel", "_select_topk_kernel", "_sparse_attn_kernel",
             "_merge_splits_kernel", "_route_kernel", "_align_quant_kernel", "_swiglu_quant_kernel",

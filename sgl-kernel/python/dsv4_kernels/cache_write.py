@@ -108,6 +108,45 @@ def _norm_rope_row_kernel(
 
 
 @triton.jit
+def _q_kv_norm_rope_kernel(
+    q_ptr, stride_qt, stride_qh, kv_ptr, stride_kvt, weight_ptr, cos_ptr, sin_ptr, stride_cs, stride_cs_k, pos_ptr,
+    pool_ptr, stride_pool, loc_ptr, rope_pool_ptr, stride_rope, scale_offset, amax_floor, inv_qmax,
+    T, H, D, rope_dim, eps,
+    BLOCK_HALF: tl.constexpr, NOPE_FP8: tl.constexpr, FP8_ROWS: tl.constexpr, NUM_SCALES: tl.constexpr,
+    PAIRS_PER_BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Programs below T * H: q_rms_rope's rows (in place); the T after them: rmsnorm_rope_store's
+    kv rows into the pool. Each row takes the very path of its own launch (same row function,
+    same flags, same warps), so both are bit for bit what the two launches write."""
+    pdl.enter(PDL)
+    pid = tl.program_id(0)
+    k = tl.arange(0, BLOCK_HALF)
+    k_mask = k < D // 2
+    if pid < T * H:
+        t = (pid // H).to(tl.int64)
+        row = q_ptr + t * stride_qt + (pid % H) * stride_qh
+        x0 = tl.load(row + 2 * k, mask=k_mask, other=0.0).to(tl.float32)
+        x1 = tl.load(row + 2 * k + 1, mask=k_mask, other=0.0).to(tl.float32)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        norm_rope_store_row(
+            x0, x1, k, k_mask, pos, t, row, weight_ptr, cos_ptr, sin_ptr, stride_cs, stride_cs_k, pool_ptr,
+            stride_pool, rope_pool_ptr, stride_rope, scale_offset, amax_floor, inv_qmax, D, rope_dim, eps,
+            True, False, False, True, False, BLOCK_HALF, False, False, 0, PAIRS_PER_BLOCK)
+    else:
+        t = (pid - T * H).to(tl.int64)
+        row = kv_ptr + t * stride_kvt
+        x0 = tl.load(row + 2 * k, mask=k_mask, other=0.0).to(tl.float32)
+        x1 = tl.load(row + 2 * k + 1, mask=k_mask, other=0.0).to(tl.float32)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        loc = tl.load(loc_ptr + t).to(tl.int64)
+        norm_rope_store_row(
+            x0, x1, k, k_mask, pos, loc, row, weight_ptr, cos_ptr, sin_ptr, stride_cs, stride_cs_k, pool_ptr,
+            stride_pool, rope_pool_ptr, stride_rope, scale_offset, amax_floor, inv_qmax, D, rope_dim, eps,
+            True, True, False, False, True, BLOCK_HALF, NOPE_FP8, FP8_ROWS, NUM_SCALES, PAIRS_PER_BLOCK)
+
+
+@triton.jit
 def norm_rope_store_row(
     x0, x1, k, k_mask, pos, loc, orow, weight_ptr, cos_ptr, sin_ptr, stride_cs, stride_cs_k,
     pool_ptr, stride_pool, rope_pool_ptr, stride_rope, scale_offset, amax_floor, inv_qmax, D, rope_dim, eps,
@@ -240,6 +279,31 @@ def rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool
             kv_out[:, None, :] if kv_out is not None else None, pool, out_loc,
             norm=True, inverse=False, nope_fp8=nope_fp8)
     return kv_out
+
+
+def q_kv_norm_rope_store(q, kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc, nope_fp8=False):
+    """q_rms_rope(q, ...) then rmsnorm_rope_store(kv, norm_weight, ..., pool, out_loc) in one
+    launch (a layer's q heads and its kv row share the head dim, the positions and the tables).
+    Shapes the shared launch does not cover take the two launches."""
+    T, H, D = q.shape
+    if (kv.shape != (T, D) or kv.stride(-1) != 1 or q.stride(-1) != 1 or pool is None or norm_weight is None
+            or cos.stride() != sin.stride()):
+        q_rms_rope(q, cos, sin, positions, rope_dim, eps)
+        rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc, nope_fp8=nope_fp8)
+        return q
+    assert D % 2 == 0 and rope_dim % 2 == 0 and rope_dim <= D
+    layout, nope_fp8 = pool_layout(pool, D, rope_dim, nope_fp8, "q_kv_norm_rope_store pool")
+    if T == 0:
+        return q
+    rope_pool = layout.rope(pool) if layout is not None else kv
+    _q_kv_norm_rope_kernel[(T * H + T,)](
+        q, q.stride(0), q.stride(1), kv, kv.stride(0), norm_weight, cos, sin, cos.stride(0), cos.stride(1), positions,
+        pool, pool.stride(0), out_loc, rope_pool, rope_pool.stride(0), layout.scale_offset if layout else 0,
+        AMAX_FLOOR, INV_E4M3_MAX, T, H, D, rope_dim, float(eps),
+        BLOCK_HALF=max(next_power_of_2(D // 2), KV_FP8_BLOCK // 2), NOPE_FP8=bool(nope_fp8), FP8_ROWS=layout is not None,
+        NUM_SCALES=(D - rope_dim) // KV_FP8_BLOCK if nope_fp8 else 0, PAIRS_PER_BLOCK=KV_FP8_BLOCK // 2,
+        num_warps=4 if D >= 512 else 1, **pdl.options(q))
+    return q
 
 
 def q_rms_rope(q, cos, sin, positions, rope_dim, eps):

@@ -63,6 +63,14 @@ def q_rms_rope(q, cos, sin, positions, rope_dim, eps):
     return impl.q_rms_rope(q, cos, sin, positions, rope_dim, eps)
 
 
+def q_kv_norm_rope_store(q, kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc, nope_fp8=False):
+    """q_rms_rope(q, ...) and rmsnorm_rope_store(kv, ..., pool, out_loc) of one layer in one
+    launch on CUDA (the same values as the two). Returns q."""
+    impl = _kernels("cache_write") if _use_triton(q) else reference
+    return impl.q_kv_norm_rope_store(q, kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc,
+                                     nope_fp8=nope_fp8)
+
+
 def inverse_rope_(o, cos, sin, positions, rope_dim):
     """In place on o [T, H, D]: RoPE by -angle on the last rope_dim dims."""
     impl = _kernels("cache_write") if _use_triton(o) else reference

@@ -199,6 +199,12 @@ def q_rms_rope(q, cos, sin, positions, rope_dim, eps):
     return q
 
 
+def q_kv_norm_rope_store(q, kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc, nope_fp8=False):
+    q_rms_rope(q, cos, sin, positions, rope_dim, eps)
+    rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc, nope_fp8=nope_fp8)
+    return q
+
+
 def inverse_rope_(o, cos, sin, positions, rope_dim):
     o.copy_(apply_rope(o, cos, sin, positions, rope_dim, inverse=True).to(o.dtype))
     return o

@@ -137,11 +137,10 @@ class DeepseekV4Attention(nn.Module):
         xin = NormedInput(x, None)  # wq_a and wkv (stacked: one GEMV launch for a decode row)
         qr = NormedInput(xin.through(self.wq_a), self.q_norm)  # q_norm applied by each consumer's linear
         q = qr.through(self.wq_b).unflatten(-1, (self.n_heads, self.head_dim))
-        if kernels is not None:  # one launch each: per-head RMS + RoPE; norm + RoPE + cache write
-            kernels.q_rms_rope(q, self.rope.cos, self.rope.sin, meta.positions, rd, self.eps)
-            kernels.rmsnorm_rope_store(xin.through(self.wkv), self.kv_norm.weight, self.eps, self.rope.cos,
-                                       self.rope.sin, meta.positions, rd, pool.raw[self.layer_id], meta.raw_out_loc,
-                                       nope_fp8=pool.nope_fp8)
+        if kernels is not None:  # one launch: q's per-head RMS + RoPE beside kv's norm + RoPE + cache write
+            kernels.q_kv_norm_rope_store(q, xin.through(self.wkv), self.kv_norm.weight, self.eps, self.rope.cos,
+                                         self.rope.sin, meta.positions, rd, pool.raw[self.layer_id],
+                                         meta.raw_out_loc, nope_fp8=pool.nope_fp8)
         else:
             q = rms_normalize(q, self.eps).to(x.dtype)  # per-head, weight-free
             apply_rope_(q, cos, sin)
