@@ -24,6 +24,7 @@ what it saves and run the kernel tests with it; never on CPU or under the interp
 """
 
 import functools
+import logging
 import os
 
 import torch
@@ -39,6 +40,18 @@ __all__ = ["ENV", "enter", "enabled", "options"]
 
 ENV = "SGLANG_DSV4_PDL"
 
+logger = logging.getLogger(__name__)
+
+
+def _triton_launches_pdl() -> bool:
+    """Whether this triton's CUDA launcher takes `launch_pdl` (an unknown launch keyword would
+    fail every kernel launch, so without it PDL stays off)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return gdc_wait is not None and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
 
 @triton.jit
 def enter(PDL: tl.constexpr):
@@ -50,9 +63,11 @@ def enter(PDL: tl.constexpr):
 
 @functools.lru_cache(maxsize=None)
 def _device_supports(index: int) -> bool:
-    if gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get(ENV, "0") != "1":
         return False
-    if os.environ.get(ENV, "0") != "1":
+    if not _triton_launches_pdl():
+        logger.warning("%s=1 ignored: triton %s cannot launch with programmatic dependent launch", ENV,
+                       triton.__version__)
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9
 
