@@ -104,10 +104,12 @@ def test_triton_q_rms_rope_and_inverse_rope_match_reference(device, num_heads, o
     torch.testing.assert_close(got, reference.rms_norm(q, None, 1e-6), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("views", [False, True], ids=["contiguous", "stacked-views"])
 @pytest.mark.parametrize("pool_kind", ["float32", "bfloat16", "nope_fp8", "fp8_rows"])
-def test_triton_q_and_kv_in_one_launch_equal_their_own_launches(device, pool_kind):
+def test_triton_q_and_kv_in_one_launch_equal_their_own_launches(device, pool_kind, views):
     """q_kv_norm_rope_store writes exactly what q_rms_rope and rmsnorm_rope_store write, q in
-    place and the kv rows into every pool format, padding tokens (-1) skipped."""
+    place and the kv rows into every pool format, padding tokens (-1) skipped. stacked-views:
+    q and kv as the model holds them, column ranges of stacked linears' outputs (Fp8RowStack)."""
     require_triton()
     from dsv4_kernels import cache_write
     from dsv4_kernels.kv_fp8 import FP8KVLayout
@@ -115,6 +117,15 @@ def test_triton_q_and_kv_in_one_launch_equal_their_own_launches(device, pool_kin
     T, H, D, rope_dim, S = 6, 3, 128, 64, 10
     q = torch.randn(T, H, D, device=device) * 2
     kv = torch.randn(T, D, device=device) * 3 + 1
+    if views:
+        kv = torch.cat([torch.randn(T, 24, device=device), kv], 1)[:, 24:]
+
+    def copy_of_q():  # written in place: each run gets its own, strided as the model's when views
+        if not views:
+            return q.clone()
+        out = torch.cat([q.flatten(1), torch.randn(T, 40, device=device)], 1)[:, :H * D].unflatten(-1, (H, D))
+        assert out.stride(0) == H * D + 40 and kv.stride(0) == D + 24
+        return out
     weight = torch.rand(D, device=device) + 0.5
     cos, sin = rope_tables(300, rope_dim, device=device)
     positions = torch.randint(0, 300, (T,), device=device)
@@ -127,11 +138,11 @@ def test_triton_q_and_kv_in_one_launch_equal_their_own_launches(device, pool_kin
         return torch.full((S, D), 7.0, device=device, dtype=torch.bfloat16 if pool_kind == "bfloat16" else torch.float32)
 
     nope_fp8 = pool_kind == "nope_fp8"
-    q_two, pool_two = q.clone(), pool()
+    q_two, pool_two = copy_of_q(), pool()
     cache_write.q_rms_rope(q_two, cos, sin, positions, rope_dim, 1e-6)
     cache_write.rmsnorm_rope_store(kv, weight, 1e-6, cos, sin, positions, rope_dim, pool_two, out_loc,
                                    nope_fp8=nope_fp8)
-    q_one, pool_one = q.clone(), pool()
+    q_one, pool_one = copy_of_q(), pool()
     assert cache_write.q_kv_norm_rope_store(q_one, kv, weight, 1e-6, cos, sin, positions, rope_dim, pool_one,
                                             out_loc, nope_fp8=nope_fp8) is q_one
     assert torch.equal(q_one, q_two)
@@ -140,7 +151,7 @@ def test_triton_q_and_kv_in_one_launch_equal_their_own_launches(device, pool_kin
     if pool_kind != "fp8_rows":  # rows no real token maps to (the padding token's included) stay as they were
         untouched = [r for r in range(S) if r not in out_loc.tolist()]
         assert len(untouched) == S - T + 1 and (pool_one[untouched] == 7.0).all()
-    q_ref, pool_ref = q.clone(), pool()
+    q_ref, pool_ref = copy_of_q(), pool()
     reference.q_kv_norm_rope_store(q_ref, kv, weight, 1e-6, cos, sin, positions, rope_dim, pool_ref, out_loc,
                                    nope_fp8=nope_fp8)
     torch.testing.assert_close(q_one, q_ref, rtol=1e-5, atol=1e-5)
