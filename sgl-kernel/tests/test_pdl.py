@@ -30,7 +30,8 @@ def _pdl_kernels() -> dict:
 
 def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
     body = fn.body
-    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+    first = body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
         body = body[1:]  # the docstring
     return body[0]
 
