@@ -37,6 +37,34 @@ def defined_kernels() -> set:
     return names
 
 
+def compile_all(tmp_path) -> dict:
+    """The kernel tests in compile-only mode, the files dealt over one process per core (the
+    compiles are single-threaded): their reports merged."""
+    files = sorted(TESTS.glob("test_*.py"), key=lambda f: -f.stat().st_size)  # the largest first, dealt round
+    n = max(1, min(4, os.cpu_count() or 1))
+    runs = []
+    for i, shard in enumerate(files[i::n] for i in range(n)):
+        report = tmp_path / f"report{i}.json"
+        env = dict(os.environ, DSV4_TRITON_COMPILE_ONLY="1", DSV4_TRITON_COMPILE_REPORT=str(report))
+        env.pop("TRITON_INTERPRET", None)
+        # The tests' assertions fail in this mode (nothing runs); only the report counts.
+        log = tmp_path / f"log{i}.txt"  # a file, not a pipe: a full pipe would stall the shard
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *map(str, shard)],
+                                    cwd=TESTS.parent, env=env, stdout=out, stderr=subprocess.STDOUT)
+        runs.append((report, log, proc))
+    got = {"compiled": {}, "pdl_compiled": [], "errors": {}}
+    for report, log, proc in runs:
+        proc.wait(timeout=1200)
+        assert report.exists(), log.read_text()[-3000:]
+        part = json.loads(report.read_text())
+        for name, count in part["compiled"].items():
+            got["compiled"][name] = got["compiled"].get(name, 0) + count
+        got["pdl_compiled"] += part["pdl_compiled"]
+        got["errors"].update(part["errors"])
+    return got
+
+
 def pdl_kernels() -> set:
     """The launched kernels that take the PDL constexpr (pdl.py)."""
     names = set()
@@ -48,16 +76,10 @@ def pdl_kernels() -> set:
 
 @pytest.mark.skipif(os.environ.get("DSV4_TRITON_COMPILE_ONLY") == "1", reason="the compile-only run itself")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernel tests compile every kernel themselves")
+@pytest.mark.timeout(1500)  # a cold Triton cache on two cores: 12.5 min (one process alone: over 15)
 def test_every_kernel_compiles_for_sm90(tmp_path):
     pytest.importorskip("triton")
-    report = tmp_path / "report.json"
-    env = dict(os.environ, DSV4_TRITON_COMPILE_ONLY="1", DSV4_TRITON_COMPILE_REPORT=str(report))
-    env.pop("TRITON_INTERPRET", None)
-    # The tests' assertions fail in this mode (nothing runs); only the report counts.
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS)],
-                         cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=1200)
-    assert report.exists(), run.stdout[-3000:] + run.stderr[-3000:]
-    got = json.loads(report.read_text())
+    got = compile_all(tmp_path)
     assert got["errors"] == {}, "\n\n".join(f"{k}:\n{v}" for k, v in got["errors"].items())
     missing = defined_kernels() - set(got["compiled"]) - NOT_REACHED
     assert missing == set(), f"kernels no test launches, so never compiled: {sorted(missing)}"
