@@ -78,6 +78,14 @@ def encode_e4m3(x):
 
 
 @triton.jit
+def _load_pairs(row, k, k_mask):
+    """A row's even and odd elements (pairs k) in fp32."""
+    x0 = tl.load(row + 2 * k, mask=k_mask, other=0.0).to(tl.float32)
+    x1 = tl.load(row + 2 * k + 1, mask=k_mask, other=0.0).to(tl.float32)
+    return x0, x1
+
+
+@triton.jit
 def _norm_rope_row_kernel(
     x_ptr, stride_xt, stride_xh, weight_ptr, cos_ptr, sin_ptr, stride_cs, stride_cs_k, pos_ptr,
     out_ptr, stride_ot, stride_oh, pool_ptr, stride_pool, loc_ptr,
@@ -95,9 +103,7 @@ def _norm_rope_row_kernel(
     h = pid % H
     k = tl.arange(0, BLOCK_HALF)  # pair index
     k_mask = k < D // 2
-    row = x_ptr + t * stride_xt + h * stride_xh
-    x0 = tl.load(row + 2 * k, mask=k_mask, other=0.0).to(tl.float32)
-    x1 = tl.load(row + 2 * k + 1, mask=k_mask, other=0.0).to(tl.float32)
+    x0, x1 = _load_pairs(x_ptr + t * stride_xt + h * stride_xh, k, k_mask)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     loc = tl.load(loc_ptr + t).to(tl.int64) if HAS_POOL else t
     norm_rope_store_row(
@@ -126,8 +132,7 @@ def _q_kv_norm_rope_kernel(
     if pid < T * H:
         t = (pid // H).to(tl.int64)
         row = q_ptr + t * stride_qt + (pid % H) * stride_qh
-        x0 = tl.load(row + 2 * k, mask=k_mask, other=0.0).to(tl.float32)
-        x1 = tl.load(row + 2 * k + 1, mask=k_mask, other=0.0).to(tl.float32)
+        x0, x1 = _load_pairs(row, k, k_mask)
         pos = tl.load(pos_ptr + t).to(tl.int64)
         norm_rope_store_row(
             x0, x1, k, k_mask, pos, t, row, weight_ptr, cos_ptr, sin_ptr, stride_cs, stride_cs_k, pool_ptr,
@@ -136,8 +141,7 @@ def _q_kv_norm_rope_kernel(
     else:
         t = (pid - T * H).to(tl.int64)
         row = kv_ptr + t * stride_kvt
-        x0 = tl.load(row + 2 * k, mask=k_mask, other=0.0).to(tl.float32)
-        x1 = tl.load(row + 2 * k + 1, mask=k_mask, other=0.0).to(tl.float32)
+        x0, x1 = _load_pairs(row, k, k_mask)
         pos = tl.load(pos_ptr + t).to(tl.int64)
         loc = tl.load(loc_ptr + t).to(tl.int64)
         norm_rope_store_row(
@@ -240,6 +244,15 @@ def pool_layout(pool, D, rope_dim, nope_fp8, what):
     return None, nope_fp8
 
 
+def store_row_constexprs(D, rope_dim, pool, nope_fp8, layout) -> dict:
+    """norm_rope_store_row's store flags and tiles for rows of D with pool (None: no store) in
+    pool_layout's (layout, nope_fp8), and the warps its launches take."""
+    return dict(BLOCK_HALF=max(next_power_of_2(D // 2), KV_FP8_BLOCK // 2),
+                NOPE_FP8=bool(pool is not None and nope_fp8), FP8_ROWS=layout is not None,
+                NUM_SCALES=(D - rope_dim) // KV_FP8_BLOCK if nope_fp8 else 0, PAIRS_PER_BLOCK=KV_FP8_BLOCK // 2,
+                num_warps=4 if D >= 512 else 1)
+
+
 def _launch(x3, weight, eps, cos, sin, positions, rope_dim, out3, pool, out_loc, *, norm, inverse,
             nope_fp8=False):
     """x3/out3 are [T, H, D] views; pool/out_loc optional. A uint8 pool holds FP8 KV rows."""
@@ -254,7 +267,6 @@ def _launch(x3, weight, eps, cos, sin, positions, rope_dim, out3, pool, out_loc,
         assert out3.stride(-1) == 1
     if T == 0:
         return
-    block_half = max(next_power_of_2(D // 2), KV_FP8_BLOCK // 2)
     rope_pool = layout.rope(pool) if layout is not None else x3
     _norm_rope_row_kernel[(T * H,)](
         x3, x3.stride(0), x3.stride(1), weight if weight is not None else x3,
@@ -265,12 +277,8 @@ def _launch(x3, weight, eps, cos, sin, positions, rope_dim, out3, pool, out_loc,
         rope_pool, rope_pool.stride(0), layout.scale_offset if layout else 0,
         AMAX_FLOOR, INV_E4M3_MAX,
         H, D, rope_dim, float(eps),
-        HAS_NORM=norm, HAS_WEIGHT=weight is not None, INVERSE=inverse,
-        HAS_OUT=has_out, HAS_POOL=has_pool, BLOCK_HALF=block_half,
-        NOPE_FP8=bool(has_pool and nope_fp8), FP8_ROWS=layout is not None,
-        NUM_SCALES=(D - rope_dim) // KV_FP8_BLOCK if nope_fp8 else 0,
-        PAIRS_PER_BLOCK=KV_FP8_BLOCK // 2,
-        num_warps=4 if D >= 512 else 1, **pdl.options(x3))
+        HAS_NORM=norm, HAS_WEIGHT=weight is not None, INVERSE=inverse, HAS_OUT=has_out, HAS_POOL=has_pool,
+        **store_row_constexprs(D, rope_dim, pool, nope_fp8, layout), **pdl.options(x3))
 
 
 def rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc,
@@ -282,16 +290,12 @@ def rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool
 
 
 def q_kv_norm_rope_store(q, kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc, nope_fp8=False):
-    """q_rms_rope(q, ...) then rmsnorm_rope_store(kv, norm_weight, ..., pool, out_loc) in one
-    launch (a layer's q heads and its kv row share the head dim, the positions and the tables).
-    Shapes the shared launch does not cover take the two launches."""
+    """q_rms_rope(q, ...) and rmsnorm_rope_store(kv, norm_weight, ..., pool, out_loc) in one
+    launch: a layer's q heads [T, H, D] and its kv rows [T, D] share the head dim, the positions
+    and the tables."""
     T, H, D = q.shape
-    if (kv.shape != (T, D) or kv.stride(-1) != 1 or q.stride(-1) != 1 or pool is None or norm_weight is None
-            or cos.stride() != sin.stride()):
-        q_rms_rope(q, cos, sin, positions, rope_dim, eps)
-        rmsnorm_rope_store(kv, norm_weight, eps, cos, sin, positions, rope_dim, pool, out_loc, nope_fp8=nope_fp8)
-        return q
-    assert D % 2 == 0 and rope_dim % 2 == 0 and rope_dim <= D
+    assert kv.shape == (T, D) and q.stride(-1) == 1 and kv.stride(-1) == 1 and pool is not None
+    assert D % 2 == 0 and rope_dim % 2 == 0 and rope_dim <= D and cos.stride() == sin.stride()
     layout, nope_fp8 = pool_layout(pool, D, rope_dim, nope_fp8, "q_kv_norm_rope_store pool")
     if T == 0:
         return q
@@ -300,9 +304,7 @@ def q_kv_norm_rope_store(q, kv, norm_weight, eps, cos, sin, positions, rope_dim,
         q, q.stride(0), q.stride(1), kv, kv.stride(0), norm_weight, cos, sin, cos.stride(0), cos.stride(1), positions,
         pool, pool.stride(0), out_loc, rope_pool, rope_pool.stride(0), layout.scale_offset if layout else 0,
         AMAX_FLOOR, INV_E4M3_MAX, T, H, D, rope_dim, float(eps),
-        BLOCK_HALF=max(next_power_of_2(D // 2), KV_FP8_BLOCK // 2), NOPE_FP8=bool(nope_fp8), FP8_ROWS=layout is not None,
-        NUM_SCALES=(D - rope_dim) // KV_FP8_BLOCK if nope_fp8 else 0, PAIRS_PER_BLOCK=KV_FP8_BLOCK // 2,
-        num_warps=4 if D >= 512 else 1, **pdl.options(q))
+        **store_row_constexprs(D, rope_dim, pool, nope_fp8, layout), **pdl.options(q))
     return q
 
 

@@ -12,11 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
-from . import reference
-from .cache_write import INV_E4M3_MAX, norm_rope_store_row, pool_layout, rmsnorm_rope_store
+from . import pdl, reference
+from .cache_write import (INV_E4M3_MAX, norm_rope_store_row, pool_layout, rmsnorm_rope_store,
+                          store_row_constexprs)
 from .host_math import cdiv, next_power_of_2
-from .kv_fp8 import KV_FP8_BLOCK
 from .quant_reference import AMAX_FLOOR
 
 
@@ -207,12 +206,10 @@ def compressor_emit(kv_state, score_state, kv_new, score_new, gather_idx, ratio,
         rope_pool, rope_pool.stride(0), layout.scale_offset if layout else 0,
         AMAX_FLOOR, INV_E4M3_MAX, rope_dim,
         ring_write_loc if ring_write_loc is not None else emit_pos, T,
-        RATIO=ratio, COFF=coff, BLOCK_C=block_c, HAS_APE=has_ape,
-        BLOCK_HALF=max(next_power_of_2(D // 2), KV_FP8_BLOCK // 2), HAS_OUT=entries is not None,
-        HAS_POOL=pool is not None, NOPE_FP8=bool(pool is not None and nope_fp8), FP8_ROWS=layout is not None,
-        NUM_SCALES=(D - rope_dim) // KV_FP8_BLOCK if nope_fp8 else 0, PAIRS_PER_BLOCK=KV_FP8_BLOCK // 2,
-        RING_WRITE=ring_write_loc is not None, BLOCK_RING=min(next_power_of_2(coff * D), 1024),
-        num_warps=4 if D >= 512 else 1, **pdl.options(kv_state))
+        RATIO=ratio, COFF=coff, BLOCK_C=block_c, HAS_APE=has_ape, HAS_OUT=entries is not None,
+        HAS_POOL=pool is not None, RING_WRITE=ring_write_loc is not None,
+        BLOCK_RING=min(next_power_of_2(coff * D), 1024), **store_row_constexprs(D, rope_dim, pool, nope_fp8, layout),
+        **pdl.options(kv_state))
 
 
 def compressor_norm_rope_store(pooled, norm_weight, eps, cos, sin, emit_pos, rope_dim, pool,
