@@ -208,6 +208,57 @@ def test_swiglu_down_add_is_the_three_steps_in_one_launch(device, limit, act_qua
         fp8_gemv.fp8_gemv_swiglu_add(pair[0], pair[1][:, :256], mod.weight, mod.weight_scale, act_quant, limit, add)
 
 
+def _routed_rows(M, topk, N, num_experts, dtype, device):
+    """The routed experts' rows before their sum, with one skipped assignment per row (an id
+    outside [0, num_experts), its row NaN: never read) and the rest ordinary."""
+    from dsv4_kernels.moe import RoutedRows
+    partial = torch.randn(M * topk, N, device=device).to(dtype) * 2
+    ids = torch.randint(0, num_experts, (M, topk), device=device, dtype=torch.int32)
+    for r in range(M):
+        k = r % topk
+        ids[r, k] = -1 if r % 2 == 0 else num_experts + r
+        partial[r * topk + k] = float("nan")
+    return RoutedRows(partial, ids, num_experts)
+
+
+@pytest.mark.parametrize("M,dtype,with_streams", [(1, torch.bfloat16, True), (3, torch.float32, False)])
+def test_swiglu_down_add_sums_routed_rows_in_its_launch(device, M, dtype, with_streams):
+    """Given the routed experts' rows before their top-k sum (RoutedRows), the launch sums each
+    row's top-k rows itself, skipping ids outside the experts: the same bits as sum_topk's
+    launch followed by the fused launch with that sum."""
+    require_triton()
+    from dsv4_kernels import fp8_gemv
+    N, K, topk = 200, 384, 6
+    mod = _Linear(*_weight(N, K, device), True)
+    pair = (torch.randn(2, M, K) * 6).to(device=device, dtype=dtype)
+    routed = _routed_rows(M, topk, N, 16, dtype, device)
+    streams = tuple(t for t in _streams(M, 4, N, dtype, device)) if with_streams else None
+    summed = routed.sum()
+    assert summed.dtype == torch.float32 and torch.isfinite(summed).all()
+    got = fp8_gemv.fp8_gemv_swiglu_add(pair[0], pair[1], mod.weight, mod.weight_scale, True, 7.0, routed,
+                                       streams=streams)
+    want = fp8_gemv.fp8_gemv_swiglu_add(pair[0], pair[1], mod.weight, mod.weight_scale, True, 7.0, summed,
+                                        streams=streams)
+    assert torch.equal(got, want)
+    from dsv4_kernels.moe import RoutedRows
+    with pytest.raises(ValueError, match="top-k"):
+        fp8_gemv.fp8_gemv_swiglu_add(pair[0], pair[1], mod.weight, mod.weight_scale, True, 7.0,
+                                     RoutedRows(routed.partial[:-1], routed.ids, 16))
+
+
+def test_swiglu_linear_add_sums_routed_rows_first_where_the_gemv_does_not_take_them(device):
+    """fp8_gemm's entry point off the one-row GEMV (here: not CUDA, or several rows) sums the
+    routed rows with sum_topk first, then runs the separate steps: the result of the plain sum."""
+    require_triton()
+    from dsv4_kernels import fp8_gemm
+    N, K = 128, 256
+    mod = _Linear(*_weight(N, K, device), True)
+    gate, up = torch.randn(2, K, device=device) * 4, torch.randn(2, K, device=device) * 4
+    routed = _routed_rows(2, 4, N, 8, torch.float32, device)
+    got = fp8_gemm.fp8_swiglu_linear_add(gate, up, mod, 5.0, routed)
+    assert torch.equal(got, fp8_gemm.fp8_swiglu_linear_add(gate, up, mod, 5.0, routed.sum()))
+
+
 def test_ops_swiglu_down_add_off_cuda_is_the_steps():
     """Off CUDA the op is the reference activation, the module and the fp32 sum."""
     from dsv4_kernels import ops, reference
@@ -235,6 +286,26 @@ def test_gpu_shared_expert_tail_is_one_launch_equal_to_three():
     pair.copy_((torch.randn(2, 1, 2048, device="cuda") * 4).bfloat16())
     graph.replay()
     assert torch.equal(out, _swiglu_down_add_steps(pair[0], pair[1], mod, 10.0, add))
+
+
+@pytest.mark.gpu
+def test_gpu_shared_expert_tail_sums_the_routed_rows_at_flash_shapes():
+    """Flash's decode MoE tail at one row: six routed rows of 4096 (bf16, humming's down output)
+    summed inside the shared expert's down GEMV, with the mHC streams after it: the bits of
+    sum_topk followed by the fused launch, and the same from a graph replay."""
+    from dsv4_kernels import ops
+    mod = _Linear(*Q.quantize_fp8_weight(torch.randn(4096, 2048, device="cuda") / 45), True)
+    pair = (torch.randn(2, 1, 2048, device="cuda") * 4).bfloat16()
+    routed = _routed_rows(1, 6, 4096, 256, torch.bfloat16, "cuda")
+    streams = _streams(1, 4, 4096, torch.bfloat16, "cuda")
+    want = ops.fp8_swiglu_linear_add(pair[0], pair[1], mod, 10.0, routed.sum(), streams)
+    assert torch.equal(ops.fp8_swiglu_linear_add(pair[0], pair[1], mod, 10.0, routed, streams), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.fp8_swiglu_linear_add(pair[0], pair[1], mod, 10.0, routed, streams)
+    routed.partial.copy_(torch.randn_like(routed.partial))
+    graph.replay()
+    assert torch.equal(out, ops.fp8_swiglu_linear_add(pair[0], pair[1], mod, 10.0, routed.sum(), streams))
 
 
 def _streams(M, hc, N, dtype, device):

@@ -35,6 +35,7 @@ from . import fp8_gemv, fp8_scaled_mm
 from ._dot import dot_precision
 from .elementwise import add_fp32, rms_norm, swiglu_clamped
 from .mhc import hc_post
+from .moe import RoutedRows
 from .fp8_act_quant import INV_E4M3_MAX, QBLOCK, e4m3_bits, pow2_recip, pow2_scale, quantize_act, round_act
 from .host_math import cdiv, sm_count
 
@@ -344,12 +345,20 @@ def fp8_swiglu_linear_add(gate, up, linear, limit: float, add, streams=None):
     gate.dtype, for an FP8 block linear module (weight, weight_scale, act_quant): one GEMV launch
     for the activation, the linear and the sum where a single row would take the GEMV anyway
     (the shared expert's down projection at decode), else the three steps. streams (residual,
-    post, comb): the mHC streams after that output instead (mhc.hc_post), in the same launch."""
+    post, comb): the mHC streams after that output instead (mhc.hc_post), in the same launch.
+    add may be the routed experts' rows before their sum (moe.RoutedRows): the GEMV sums them,
+    every other path sums them first."""
+    M, N = gate.shape[0], linear.weight.shape[0]
+    routed = isinstance(add, RoutedRows)
+    rows = add.partial if routed else add
     if (takes_one_row_gemv(gate, linear) and up.shape == gate.shape and up.stride() == gate.stride()
-            and add.shape == (gate.shape[0], linear.weight.shape[0]) and add.stride(-1) == 1
+            and (not routed or add.ids.shape[0] == M)
+            and rows.shape == (add.ids.numel() if routed else M, N) and rows.stride(-1) == 1
             and _streams_fit(streams, gate, linear)):
         return fp8_gemv.fp8_gemv_swiglu_add(gate, up, linear.weight, linear.weight_scale, linear.act_quant,
                                             limit, add, streams=streams)
+    if routed:
+        add = add.sum()
     y = add_fp32(add, linear(swiglu_clamped(gate, up, limit, gate.dtype)), gate.dtype)
     return y if streams is None else hc_post(y, *streams)
 

@@ -25,7 +25,8 @@ four):
 - SWIGLU takes x as a gate / up pair and feeds the kernel silu(min(gate, limit)) *
   clamp(up, +-limit) rounded to the output dtype (elementwise.swiglu_clamped's formula);
 - ADD returns (add + the output rounded to its dtype) in fp32, rounded once more (add_fp32:
-  the routed experts' fp32 sum plus the shared expert's output);
+  the routed experts' fp32 sum plus the shared expert's output), or sums that fp32 sum itself
+  from the routed experts' rows first (moe.RoutedRows: the top-k sum's launch gone);
 - HC writes, instead of the output f, the mHC streams after it (mhc.hc_post's formula and
   order on f as stored).
 
@@ -53,12 +54,12 @@ DISPATCH_ROWS = 1  # fp8_gemm's auto path takes it for this many rows: from 2 on
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
     stride_xm, stride_xg, stride_w, stride_wg, stride_ws, stride_wsg, stride_om, stride_og,
-    up_offset, limit, add_ptr, stride_am,
+    up_offset, limit, add_ptr, stride_am, ids_ptr, topk, num_experts,
     res_ptr, stride_rm, stride_rh, post_ptr, stride_pm, comb_ptr, stride_cm, stride_ci, stride_oh,
     rms_w_ptr, rms_eps,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT_QUANT: tl.constexpr,
     SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, ADD: tl.constexpr, HC: tl.constexpr, RMS: tl.constexpr,
-    PDL: tl.constexpr = False,
+    TOPK_SUM: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid_n = tl.program_id(0)
@@ -119,7 +120,16 @@ def _fp8_gemv_kernel(
     out = out_ptr + g * stride_og + row_ids[:, None] * stride_om + offs_n[None, :]
     out_mask = (row_ids < M)[:, None] & n_mask[None, :]
     if ADD:
-        a = tl.load(add_ptr + row_ids[:, None] * stride_am + offs_n[None, :], mask=out_mask, other=0.0)
+        if TOPK_SUM:  # add = each row's routed rows summed here, as moe.sum_topk sums them
+            a = tl.zeros([ROWS, BLOCK_N], tl.float32)
+            for k in range(topk):
+                assign = row_ids * topk + k
+                e = tl.load(ids_ptr + assign, mask=row_ids < M, other=-1)
+                n = N * ((e >= 0) & (e < num_experts)).to(tl.int32)  # 0: a skipped assignment
+                a += tl.load(add_ptr + assign.to(tl.int64)[:, None] * stride_am + offs_n[None, :],
+                             mask=out_mask & (offs_n[None, :] < n[:, None]), other=0.0).to(tl.float32)
+        else:
+            a = tl.load(add_ptr + row_ids[:, None] * stride_am + offs_n[None, :], mask=out_mask, other=0.0)
         acc = a.to(tl.float32) + acc.to(out_ptr.dtype.element_ty).to(tl.float32)
     if HC:
         # out holds the streams: X'_j = post_j * f + sum_i comb[i, j] * X_i, f as stored
@@ -226,27 +236,35 @@ def fp8_gemv_pair(x2: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tenso
 
 
 def fp8_gemv_swiglu_add(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                        act_quant: bool, limit: float, add: torch.Tensor, config: dict | None = None,
+                        act_quant: bool, limit: float, add, config: dict | None = None,
                         streams: tuple | None = None) -> torch.Tensor:
     """gate.dtype [M, N] = (add + fp8_block_linear_ref(swiglu_clamped(gate, up, limit) in
     gate.dtype)) summed in fp32: the shared expert's down projection with its activation before
-    and the routed experts' fp32 sum `add` [M, N] after, in one launch. gate and up [M, K] with
-    one row stride (up may sit anywhere relative to gate: fp8_gemv_pair's two halves).
-    streams: as fp8_gemv's (the MoE's output goes straight into the mHC streams)."""
+    and the routed experts' fp32 sum `add` [M, N] after, in one launch. `add` may also be the
+    routed experts' rows before their sum (moe.RoutedRows): the kernel then sums each row's
+    top-k rows itself, in moe.sum_topk's order, so one launch fewer and the same bits.
+    gate and up [M, K] with one row stride (up may sit anywhere relative to gate: fp8_gemv_pair's
+    two halves). streams: as fp8_gemv's (the MoE's output goes straight into the mHC streams)."""
     M, K = gate.shape
     N = weight.shape[0]
+    routed = None
+    if not isinstance(add, torch.Tensor):
+        routed, add = add, add.partial
+        if routed.ids.shape[0] != M or add.shape[0] != routed.ids.numel():
+            raise ValueError(f"fp8_gemv_swiglu_add: routed rows {tuple(add.shape)} with ids {tuple(routed.ids.shape)} "
+                             f"are not {M} rows' top-k")
     if up.shape != gate.shape or up.dtype != gate.dtype or up.stride() != gate.stride():
         raise ValueError(f"fp8_gemv_swiglu_add: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape, "
                          "dtype or strides")
     if not fits(M, K, gate.dtype) or gate.stride(-1) != 1:
         raise ValueError(f"fp8_gemv_swiglu_add: gate {tuple(gate.shape)} does not fit (1..{MAX_ROWS} rows, "
                          "K % 128 == 0, unit last stride)")
-    if add.shape != (M, N) or add.stride(-1) != 1:
+    if add.shape[1:] != (N,) or (routed is None and add.shape[0] != M) or add.stride(-1) != 1:
         raise ValueError(f"fp8_gemv_swiglu_add: add {tuple(add.shape)} must be [{M}, {N}] with a unit last stride")
     out = _output(M, N, gate, streams)
     _launch(gate, weight, _scales(weight_scale), out, M, N, K, 1, gate.stride(0), 0, 0, 0, out.stride(0), 0,
             act_quant, config, up_offset=(up.data_ptr() - gate.data_ptr()) // gate.element_size(), limit=limit,
-            add=add, streams=streams)
+            add=add, streams=streams, routed=routed)
     return out
 
 
@@ -274,20 +292,23 @@ def _scales(weight_scale: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x, weight, ws, out, M, N, K, G, sxm, sxg, swg, swsg, som, sog, act_quant, config,
-            up_offset=None, limit=0.0, add=None, streams=None, rms=None):
+            up_offset=None, limit=0.0, add=None, streams=None, rms=None, routed=None):
     """streams: (residual [M, hc, N], post [M, hc], comb [M, hc, hc]); out is then [M, hc, N].
-    rms: (weight [K], eps) of the norm applied to x's rows first."""
+    rms: (weight [K], eps) of the norm applied to x's rows first. routed (moe.RoutedRows):
+    add holds its rows [M * topk, N], summed per row in the kernel."""
     cfg = config or gemv_config(M, N, K, G)
     if cfg["BLOCK_K"] % 128:
         raise ValueError(f"fp8_gemv: BLOCK_K must be whole 128-blocks, got {cfg}")
     res, post, comb = streams if streams is not None else (out, out, out)  # (never read without)
     hc = res.shape[1] if streams is not None else 0
+    ids = routed.ids.reshape(-1).contiguous() if routed is not None else ws  # (never read without)
     _fp8_gemv_kernel[(cdiv(N, cfg["BLOCK_N"]), G)](
         x, weight, ws, out, M, N, K, sxm, sxg, weight.stride(0), swg, ws.stride(0), swsg, som, sog,
         up_offset or 0, float(limit), out if add is None else add, 0 if add is None else add.stride(0),
+        ids, routed.ids.shape[1] if routed is not None else 0, routed.num_experts if routed is not None else 0,
         res, res.stride(0), res.stride(1) if hc else 0, post, post.stride(0), comb, comb.stride(0),
         comb.stride(1) if hc else 0, out.stride(1) if hc else 0,
         rms[0] if rms is not None else ws, float(rms[1]) if rms is not None else 0.0,
         ROWS=next_power_of_2(M), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ACT_QUANT=act_quant,
         SWIGLU=up_offset is not None, HAS_LIMIT=limit > 0, ADD=add is not None, HC=hc, RMS=rms is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.options(x))
+        TOPK_SUM=routed is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.options(x))

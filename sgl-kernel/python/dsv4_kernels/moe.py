@@ -294,6 +294,25 @@ def sum_topk(partial, ids, out, num_experts: int):
     return out
 
 
+@dataclass(frozen=True)
+class RoutedRows:
+    """The routed experts' output before its top-k sum: partial [T * topk, d] (row t * topk + k
+    is assignment k of token t), ids [T, topk] (assignments outside [0, num_experts) add
+    nothing). A backend hands this out instead of the sum when the consumer sums the rows in
+    its own launch (the shared expert's down GEMV at decode, fp8_gemv's ADD step); `sum` is
+    the separate launch, for every other consumer."""
+
+    partial: torch.Tensor
+    ids: torch.Tensor
+    num_experts: int
+
+    def sum(self) -> torch.Tensor:
+        """fp32 [T, d]: sum_topk's result."""
+        T, d = self.ids.shape[0], self.partial.shape[1]
+        out = torch.empty(T, d, dtype=torch.float32, device=self.partial.device)
+        return sum_topk(self.partial, self.ids, out, self.num_experts)
+
+
 def fused_moe(x, w1, w3, w2, ids, weights, swiglu_limit, out, block_n: int = 64,
               block_k: int = 64, num_warps: int = 8, num_stages: int = 3):
     """out [T, d] (any float dtype) <- the routed experts' sum (see the module docstring).

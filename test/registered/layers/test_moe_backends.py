@@ -155,3 +155,34 @@ def test_the_shipped_h200_file_covers_every_row_count():
         assert ranges[0][0] == 0 and ranges[-1][1] >= 1 << 30, key
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), key  # contiguous, no gaps
         assert all("block_shape" in cfg for _, _, cfg in ranges), key
+
+
+@pytest.mark.parametrize("shared_sums_rows,dp_moe", [(True, None), (False, None), (True, object())])
+def test_moe_defers_the_routed_sum_only_to_a_shared_expert_that_sums_it(monkeypatch, shared_sums_rows, dp_moe):
+    """DeepseekV4MoE asks its experts for their rows before the top-k sum (defer_sum) only
+    when the shared expert's last launch adds them (SharedExpert.sums_routed_rows) and no DP
+    dispatcher sits between (its combine needs the sum); the output is the same either way."""
+    from sglang.srt.configs.presets import get_preset
+    from sglang.srt.layers.moe import experts as experts_mod
+    from sglang.srt.model_executor.forward_context import forward_context
+
+    cfg = get_preset("dsv4-tiny")
+    layer = next(i for i in range(cfg.num_hidden_layers) if not cfg.is_hash_layer(i))
+    torch.manual_seed(0)
+    moe = experts_mod.DeepseekV4MoE(cfg, layer, torch.float32)
+    for p in moe.parameters():
+        p.copy_(torch.randn_like(p) * 0.1)
+    x = torch.randn(1, cfg.hidden_size)
+    ids = torch.zeros(1, dtype=torch.int64)
+    with forward_context(None, None, 1):
+        want = moe(x, ids)
+    asked = []
+    forward = type(moe.experts).forward
+    monkeypatch.setattr(type(moe.experts), "forward",
+                        lambda self, *a, defer_sum=False: asked.append(defer_sum) or forward(self, *a, defer_sum))
+    monkeypatch.setattr(experts_mod.SharedExpert, "sums_routed_rows", lambda self, x: shared_sums_rows)
+    monkeypatch.setattr(experts_mod, "dispatch_and_compute", lambda e, x, w, i, ctx: e(x, w, i))
+    with forward_context(None, None, 1, dp_moe=dp_moe):
+        got = moe(x, ids)
+    assert asked == [shared_sums_rows and dp_moe is None]
+    assert torch.equal(got, want)

@@ -84,6 +84,24 @@ def test_humming_matches_the_reference_formula(act_quant, T):
     assert cos > (0.999 if act_quant else 0.99995)
 
 
+def test_humming_hands_out_the_rows_before_their_sum_when_asked():
+    """defer_sum: humming returns its down GEMM's rows and the local ids (RoutedRows) instead
+    of their top-k sum; summed they are the undeferred output bit for bit. The Triton backend
+    always sums."""
+    _require_humming()
+    from dsv4_kernels.moe import RoutedRows
+
+    packed = _packed(16, seed=7)
+    hm = _experts(packed, 48, (16, 32), True, "humming")
+    tri = _experts(packed, 48, (16, 32), True, "triton")
+    x, w, ids = _inputs(1, 48, seed=8)
+    ids[:, 0] = 16 + ids[:, 0] % 16
+    rows = hm(x, w, ids, defer_sum=True)
+    assert isinstance(rows, RoutedRows) and rows.partial.shape == (TOPK, D) and rows.num_experts == 16
+    assert torch.equal(rows.sum(), hm(x, w, ids))
+    assert isinstance(tri(x, w, ids, defer_sum=True), torch.Tensor)
+
+
 @pytest.mark.parametrize("T", [1, 64, 2048])
 def test_humming_agrees_with_triton_at_flash_experts_and_replays_from_a_graph(T):
     """All 256 experts: humming W4A8 beside the Triton backend (release numerics both), then

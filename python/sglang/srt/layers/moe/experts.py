@@ -49,11 +49,17 @@ class SharedExpert(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor, add: Optional[torch.Tensor] = None,
-                streams: Optional[tuple] = None) -> torch.Tensor:
-        """The shared expert of x [T, d]; with `add` (fp32 [T, d], the routed experts' sum),
-        (add + that) in fp32, rounded to x.dtype; with streams (residual, post, comb), the mHC
-        streams after that result (HyperConnection.post)."""
+    def sums_routed_rows(self, x: torch.Tensor) -> bool:
+        """Whether forward's last launch can take the routed experts' rows before their top-k
+        sum (dsv4_kernels.moe.RoutedRows) as `add`: a decode row into FP8 weights on CUDA, where
+        the down projection is one GEMV launch that adds them (fp8_gemv's ADD step)."""
+        return x.shape[0] == 1 and isinstance(self.w2, Fp8BlockLinear) and segment_kernel_ops() is not None
+
+    def forward(self, x: torch.Tensor, add=None, streams: Optional[tuple] = None) -> torch.Tensor:
+        """The shared expert of x [T, d]; with `add` (fp32 [T, d], the routed experts' sum, or
+        their rows before it where sums_routed_rows), (add + that) in fp32, rounded to x.dtype;
+        with streams (residual, post, comb), the mHC streams after that result
+        (HyperConnection.post)."""
         kernels = segment_kernel_ops()
         if kernels is not None:
             if isinstance(self.w1, Fp8BlockLinear):
@@ -95,8 +101,9 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(n_local, dim, inter, dtype=dtype), requires_grad=False)
         self.w3 = nn.Parameter(torch.zeros(n_local, inter, dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, d], weights/ids [T, k] -> fp32 [T, d]."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                defer_sum: bool = False) -> torch.Tensor:
+        """x [T, d], weights/ids [T, k] -> fp32 [T, d] (always the sum: defer_sum is for FP4 backends)."""
         kernels = segment_kernel_ops()
         if kernels is not None:
             return self._forward_grouped(x, weights, ids, kernels)
@@ -178,9 +185,10 @@ class Fp4RoutedExperts(RoutedExperts):
         """The device tensors holding these experts' weights, in whatever layout the backend keeps."""
         return dict(list(self.named_parameters(recurse=False)) + list(self.named_buffers(recurse=False)))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, d], weights/ids [T, k] -> fp32 [T, d]."""
-        return self.backend.forward(self, x, weights, self._local_ids(ids))
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, defer_sum: bool = False):
+        """x [T, d], weights/ids [T, k] -> fp32 [T, d]; with defer_sum the backend may return
+        the rows before their top-k sum instead (RoutedRows, see Fp4MoEBackend.forward)."""
+        return self.backend.forward(self, x, weights, self._local_ids(ids), defer_sum)
 
 
 class DeepseekV4MoE(nn.Module):
@@ -210,7 +218,12 @@ class DeepseekV4MoE(nn.Module):
         weights, ids = self.gate(x, input_ids)
         # Under DP attention (expert parallel) the rows go to the ranks holding their experts
         # and come back summed (layers/moe/ep_dispatch.py); else the local experts run them.
-        y = dispatch_and_compute(self.experts, x, weights, ids, get_forward_context().dp_moe)
+        dp_moe = get_forward_context().dp_moe
+        if dp_moe is None and self.shared_experts is not None and self.shared_experts.sums_routed_rows(x):
+            # the routed rows' top-k sum inside the shared expert's last launch (RoutedRows)
+            y = self.experts(x, weights, ids, defer_sum=True)
+        else:
+            y = dispatch_and_compute(self.experts, x, weights, ids, dp_moe)
         if self.shared_experts is not None:
             return self.shared_experts(x, add=y, streams=streams)  # y + shared in fp32, rounded once
         y = y.to(x.dtype)

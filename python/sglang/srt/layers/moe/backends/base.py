@@ -23,7 +23,10 @@ class Fp4MoEBackend:
         backend keeps its own layout. Default: use them as loaded."""
 
     def forward(self, experts, x: torch.Tensor, weights: torch.Tensor,
-                local_ids: torch.Tensor) -> torch.Tensor:
+                local_ids: torch.Tensor, defer_sum: bool = False):
+        """The contract's out; with defer_sum a backend whose last step is the top-k sum may
+        return its rows before it instead (dsv4_kernels.moe.RoutedRows), for a consumer that
+        sums them in its own launch."""
         raise NotImplementedError
 
     def weight_bytes(self, experts) -> int:

@@ -17,7 +17,9 @@ Step (forward), for T tokens, top-k, M = T * top-k assignments:
 4. moe_act.swiglu_weight_quant: clamped SwiGLU x routing weight, rounded to the model dtype
    and (release numerics) to e4m3 per 128: one launch.
 5. down GEMM -> [M, d] in the model dtype; sum_topk adds each token's k rows in fp32, in
-   top-k order, skipping ids outside this rank's experts.
+   top-k order, skipping ids outside this rank's experts. When the caller asks (defer_sum: a
+   decode row whose shared expert's down GEMV sums them in its own launch) the rows are
+   returned before that sum (dsv4_kernels.moe.RoutedRows).
 Numerics against quant_reference.fp4_moe_ref: the same products (e2m1 x e8m0 weights times
 e4m3 x 2^k activations, or bf16 ones), fp32 accumulation; the gate/up outputs and each
 expert's down output are rounded to the model dtype (the reference keeps fp32 there), the one
@@ -158,8 +160,8 @@ class HummingFp4MoE(Fp4MoEBackend):
             locks=experts.hm_locks, top_k=top_k, valid_shape_m=m, compute_config=COMPUTE_CONFIG,
             tuning_config=g.tuning_str)
 
-    def forward(self, experts, x, weights, local_ids):
-        from dsv4_kernels.moe import moe_align, sum_topk
+    def forward(self, experts, x, weights, local_ids, defer_sum: bool = False):
+        from dsv4_kernels.moe import RoutedRows, moe_align, sum_topk
         from dsv4_kernels.moe_act import align_and_quantize, swiglu_weight_quant
 
         n_local, inter, d = experts.dims
@@ -183,4 +185,6 @@ class HummingFp4MoE(Fp4MoEBackend):
         h, hs = swiglu_weight_quant(gate_up, weights.reshape(-1).float(), experts.limit, x.dtype, fp8)
         down = torch.empty(M, d, dtype=x.dtype, device=x.device)
         self._gemm(experts, "w2", h, hs, down, align2, 1, m)
+        if defer_sum:
+            return RoutedRows(down, local_ids, n_local)
         return sum_topk(down, local_ids, out, n_local)

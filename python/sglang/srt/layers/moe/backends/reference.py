@@ -11,7 +11,7 @@ from sglang.srt.layers.moe.backends.base import Fp4MoEBackend
 class ReferenceFp4MoE(Fp4MoEBackend):
     name = "torch"
 
-    def forward(self, experts, x, weights, local_ids):
+    def forward(self, experts, x, weights, local_ids, defer_sum: bool = False):  # always the sum
         e = experts
         return fp4_moe_ref(x, e.w1, e.w1_scale, e.w3, e.w3_scale, e.w2, e.w2_scale, local_ids, weights,
                            e.limit, e.act_quant)
