@@ -42,9 +42,10 @@ def test_sparse_attention_takes_the_measured_tiers():
     assert got == [S(block_h=32), S(block_h=32), S(block_h=64), S(block_h=64),
                    S(block_h=64, keys_as_m=True), S(block_h=64, keys_as_m=True)]
     assert sparse_attention.measured_config(8) is sparse_attention.measured_config(9)  # built once
-    # an FP8 KV cache: 16-head blocks at decode sizes (no spills), the same tiles above
-    fp8 = [sparse_attention.measured_config(T, kv_fp8=True) for T in (1, 15, 16, 65536)]
-    assert fp8 == [S(block_h=16), S(block_h=16), S(block_h=64), S(block_h=64, keys_as_m=True)]
+    # an FP8 KV cache: tiles of its own in every tier (the dequantized rows need registers)
+    fp8 = [sparse_attention.measured_config(T, kv_fp8=True) for T in (1, 15, 16, 255, 256, 65536)]
+    assert fp8 == [S(block_h=16, block_n=16), S(block_h=16, block_n=16), S(block_h=32), S(block_h=32),
+                   S(block_h=64, block_n=16, keys_as_m=True), S(block_h=64, block_n=16, keys_as_m=True)]
 
 
 def test_the_moe_variants_read_their_files():
