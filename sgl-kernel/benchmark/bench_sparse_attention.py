@@ -26,6 +26,8 @@ SWEEP = [  # (block_h, block_n, num_warps, num_stages, keys_as_m); sm90_resource
     # keys as the 64-row M side of the first dot (Hopper's natural wgmma tile), deeper pipelines
     (64, 64, 8, 2, True), (64, 64, 8, 3, True), (64, 32, 8, 3, True), (64, 32, 8, 4, True),
     (64, 16, 4, 3, True), (64, 64, 4, 2, True),
+    # the FP8 tiles of the T > 255 tier (configs/sparse_attention_tiles.json)
+    (64, 16, 8, 2, True),
 ]
 
 
