@@ -160,7 +160,7 @@ def test_the_shipped_h200_file_covers_every_row_count():
 @pytest.mark.parametrize("shared_sums_rows,dp_moe", [(True, None), (False, None), (True, object())])
 def test_moe_defers_the_routed_sum_only_to_a_shared_expert_that_sums_it(monkeypatch, shared_sums_rows, dp_moe):
     """DeepseekV4MoE asks its experts for their rows before the top-k sum (defer_sum) only
-    when the shared expert's last launch adds them (SharedExpert.sums_routed_rows) and no DP
+    when the shared expert takes them as its `add` (SharedExpert.takes_routed_rows) and no DP
     dispatcher sits between (its combine needs the sum); the output is the same either way."""
     from sglang.srt.configs.presets import get_preset
     from sglang.srt.layers.moe import experts as experts_mod
@@ -180,7 +180,7 @@ def test_moe_defers_the_routed_sum_only_to_a_shared_expert_that_sums_it(monkeypa
     forward = type(moe.experts).forward
     monkeypatch.setattr(type(moe.experts), "forward",
                         lambda self, *a, defer_sum=False: asked.append(defer_sum) or forward(self, *a, defer_sum))
-    monkeypatch.setattr(experts_mod.SharedExpert, "sums_routed_rows", lambda self, x: shared_sums_rows)
+    monkeypatch.setattr(experts_mod.SharedExpert, "takes_routed_rows", lambda self: shared_sums_rows)
     monkeypatch.setattr(experts_mod, "dispatch_and_compute", lambda e, x, w, i, ctx: e(x, w, i))
     with forward_context(None, None, 1, dp_moe=dp_moe):
         got = moe(x, ids)

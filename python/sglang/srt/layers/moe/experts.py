@@ -49,15 +49,16 @@ class SharedExpert(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def sums_routed_rows(self, x: torch.Tensor) -> bool:
-        """Whether forward's last launch can take the routed experts' rows before their top-k
-        sum (dsv4_kernels.moe.RoutedRows) as `add`: a decode row into FP8 weights on CUDA, where
-        the down projection is one GEMV launch that adds them (fp8_gemv's ADD step)."""
-        return x.shape[0] == 1 and isinstance(self.w2, Fp8BlockLinear) and segment_kernel_ops() is not None
+    def takes_routed_rows(self) -> bool:
+        """Whether forward takes the routed experts' rows before their top-k sum
+        (dsv4_kernels.moe.RoutedRows) as `add`: FP8 weights with segment kernels, whose
+        fp8_swiglu_linear_add sums them inside the down GEMV where that is one launch (a decode
+        row on CUDA) and with sum_topk first everywhere else."""
+        return isinstance(self.w2, Fp8BlockLinear) and segment_kernel_ops() is not None
 
     def forward(self, x: torch.Tensor, add=None, streams: Optional[tuple] = None) -> torch.Tensor:
         """The shared expert of x [T, d]; with `add` (fp32 [T, d], the routed experts' sum, or
-        their rows before it where sums_routed_rows), (add + that) in fp32, rounded to x.dtype;
+        their rows before it where takes_routed_rows), (add + that) in fp32, rounded to x.dtype;
         with streams (residual, post, comb), the mHC streams after that result
         (HyperConnection.post)."""
         kernels = segment_kernel_ops()
@@ -219,7 +220,7 @@ class DeepseekV4MoE(nn.Module):
         # Under DP attention (expert parallel) the rows go to the ranks holding their experts
         # and come back summed (layers/moe/ep_dispatch.py); else the local experts run them.
         dp_moe = get_forward_context().dp_moe
-        if dp_moe is None and self.shared_experts is not None and self.shared_experts.sums_routed_rows(x):
+        if dp_moe is None and self.shared_experts is not None and self.shared_experts.takes_routed_rows():
             # the routed rows' top-k sum inside the shared expert's last launch (RoutedRows)
             y = self.experts(x, weights, ids, defer_sum=True)
         else:

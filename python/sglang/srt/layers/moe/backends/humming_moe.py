@@ -18,7 +18,7 @@ Step (forward), for T tokens, top-k, M = T * top-k assignments:
    and (release numerics) to e4m3 per 128: one launch.
 5. down GEMM -> [M, d] in the model dtype; sum_topk adds each token's k rows in fp32, in
    top-k order, skipping ids outside this rank's experts. When the caller asks (defer_sum: a
-   decode row whose shared expert's down GEMV sums them in its own launch) the rows are
+   shared expert that sums them itself, inside its down GEMV at a decode row) the rows are
    returned before that sum (dsv4_kernels.moe.RoutedRows).
 Numerics against quant_reference.fp4_moe_ref: the same products (e2m1 x e8m0 weights times
 e4m3 x 2^k activations, or bf16 ones), fp32 accumulation; the gate/up outputs and each
@@ -161,14 +161,13 @@ class HummingFp4MoE(Fp4MoEBackend):
             tuning_config=g.tuning_str)
 
     def forward(self, experts, x, weights, local_ids, defer_sum: bool = False):
-        from dsv4_kernels.moe import RoutedRows, moe_align, sum_topk
+        from dsv4_kernels.moe import RoutedRows, moe_align
         from dsv4_kernels.moe_act import align_and_quantize, swiglu_weight_quant
 
         n_local, inter, d = experts.dims
         T, topk = local_ids.shape
-        out = torch.empty(T, d, dtype=torch.float32, device=x.device)
         if T == 0:
-            return out
+            return torch.empty(T, d, dtype=torch.float32, device=x.device)
         M = T * topk
         # rows this rank's experts see on average: the kernel configuration's M (a shard's
         # experts share the same routed rows as the whole set)
@@ -185,6 +184,5 @@ class HummingFp4MoE(Fp4MoEBackend):
         h, hs = swiglu_weight_quant(gate_up, weights.reshape(-1).float(), experts.limit, x.dtype, fp8)
         down = torch.empty(M, d, dtype=x.dtype, device=x.device)
         self._gemm(experts, "w2", h, hs, down, align2, 1, m)
-        if defer_sum:
-            return RoutedRows(down, local_ids, n_local)
-        return sum_topk(down, local_ids, out, n_local)
+        rows = RoutedRows(down, local_ids, n_local)
+        return rows if defer_sum else rows.sum()
