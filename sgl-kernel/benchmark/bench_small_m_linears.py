@@ -28,6 +28,8 @@ HBM_GBPS = 4800.0  # H200 HBM3e peak
 FLASH = [  # (name, N, K): Flash's FP8 block-scaled linears
     ("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096), ("idx_wq_b", 8192, 1024),
     ("wo_b", 4096, 8192), ("shared_gate_up", 2048, 4096), ("shared_down", 4096, 2048),
+    # the linears that read one input, as one stacked weight (Fp8RowStack): one launch each
+    ("wq_a+wkv", 1536, 4096), ("wq_b+idx_wq_b", 40960, 1024),
 ]
 WO_A = (8, 1024, 4096)  # groups, rows per group, K
 BF16_FP32 = [  # (name, N, terms, K): bf16 x bf16 -> fp32 linears of one row (bf16_gemv.py)
