@@ -9,10 +9,11 @@ captured for that exact batch, attention included (GPU work only, the no-break b
 Reports ms per step, eager/bcg and bcg/ideal, breaks per step, capture time, graph memory.
 In decode mode (`--num-tokens` = batch sizes, one token per request) the bcg column is the
 decode graph's replay, which holds the whole step; there is no separate ideal.
-The limit column is the physical bound of the step on one H200 (planning/step_cost.py): HBM
-bytes / bandwidth (the weights the step's tokens touch, the KV they read), and for extend and
-mixed the larger of that and FLOPs / peak (the FP8 peak for a release-format model, bf16
-otherwise); "% limit" is limit / (ideal, or the decode graph).
+The limit column is the physical bound of the step on the GPU it ran on (planning/step_cost.py;
+the H100 and H200 kinds' datasheet peaks, an H200's on paper on CPU, '-' on a GPU without known
+peaks): HBM bytes / bandwidth (the weights the step's tokens touch, the KV they read), and for
+extend and mixed the larger of that and FLOPs / peak (the FP8 peak for a release-format model,
+bf16 otherwise); "% limit" is limit / (ideal, or the decode graph).
 
 `--profile-kernels N` adds, under each row, the N largest kernels of one eager step (GPU time
 from torch.profiler; op CPU time on CPU) with the step's kernel count: where a step goes at

@@ -135,20 +135,31 @@ def ideal_graph(runner, fb, dp_moe=None):
     return graph, replay
 
 
-def limit_ms(config, mode: str, n: int, prefix: int, kv_pool, ep_size: int = 1) -> float:
-    """The step's physical bound on one H200, in ms: the larger of its HBM time (the weights
-    its n tokens touch and the KV they read at `prefix` context, in `kv_pool`'s row and
-    indexer-key formats) and, for extend / mixed, its FLOP time (see the module docstring).
-    `ep_size`: under DP each rank holds 1/ep_size of the routed experts and its MoE sees every
-    rank's n tokens."""
+def limit_ms(config, mode: str, n: int, prefix: int, kv_pool, ep_size: int = 1,
+             ceilings: Optional[step_cost.Ceilings] = step_cost.H200) -> Optional[float]:
+    """The step's physical bound on one GPU with `ceilings`' peaks, in ms (None for a GPU whose
+    peaks are not known): the larger of its HBM time (the weights its n tokens touch and the KV
+    they read at `prefix` context, in `kv_pool`'s row and indexer-key formats) and, for extend /
+    mixed, its FLOP time (see the module docstring). `ep_size`: under DP each rank holds
+    1/ep_size of the routed experts and its MoE sees every rank's n tokens."""
+    if ceilings is None:
+        return None
     row = kv_pool.fp8_layout.row_bytes if kv_pool.fp8_layout is not None else None
     key = kv_pool.index_key_layout.row_bytes if kv_pool.index_key_layout is not None else None
     hbm = step_cost.decode_step_cost(config, n, prefix, ep_size=ep_size, kv_row_bytes=row,
-                                     index_key_bytes=key).seconds()
+                                     index_key_bytes=key).seconds(ceilings)
     if mode == "decode":
         return hbm * 1e3
-    peak = step_cost.H200_FP8_FLOPS if config.fp8_linears else step_cost.H200_BF16_FLOPS
+    peak = ceilings.peak_flops(config.fp8_linears)
     return max(hbm, n * step_cost.flops_per_token(config, prefix) / peak) * 1e3
+
+
+def device_ceilings(dev: torch.device) -> Optional[step_cost.Ceilings]:
+    """The peaks a step on `dev` is judged against: its own GPU's; on CPU an H200's, on paper
+    (what the model would be bound by on the GPU it is built for)."""
+    if dev.type != "cuda":
+        return step_cost.H200
+    return step_cost.ceilings_for(torch.cuda.get_device_name(dev))
 
 
 def print_capture_table(breakable) -> None:
@@ -232,6 +243,7 @@ def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
     dp = steps.dp_size > 1
     say = print if steps.rank == 0 else (lambda *_, **__: None)
     rows = []
+    ceilings = device_ceilings(dev)
     header = (f"{'mode':6} {'tokens':>6} {'eager ms':>9} {'bcg ms':>8} {'ideal ms':>9} {'eager/bcg':>9} "
               f"{'bcg/ideal':>9} {'breaks':>6} {'spread e/b/i':>17} {'limit ms':>9} {'% limit':>7}")
     if dp:
@@ -241,6 +253,10 @@ def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
         + (f"; DP attention {steps.dp_size} ranks, experts split {steps.dp_size} ways (rank 0 shown)" if dp else ""))
     if steps.rank == 0:
         print_capture_table(breakable)
+    say(f"limit: {ceilings.name} peaks, HBM {ceilings.hbm_bytes_per_s / 1e12:.2f} TB/s, "
+        f"{ceilings.peak_flops(runner.config.fp8_linears) / 1e12:.0f} TFLOP/s"
+        + (" (on paper: no GPU here)" if dev.type != "cuda" else "") if ceilings is not None
+        else f"limit: '-' (no peaks known for {torch.cuda.get_device_name(dev)})")
     say(header)
     for mode in a.modes:
         want = PathKind.DECODE_GRAPH if mode == "decode" else PathKind.BREAKABLE
@@ -267,7 +283,7 @@ def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
             eager, replay = median(eager_runs), median(breakable_runs)
             ideal = median(ideal_runs) if ideal_runs else None
             breaks = 0 if mode == "decode" else breakable.graphs[breakable.bucket_for(n)].num_breaks
-            bound = limit_ms(runner.config, mode, n, a.prefix, runner.kv_pool, steps.dp_size)
+            bound = limit_ms(runner.config, mode, n, a.prefix, runner.kv_pool, steps.dp_size, ceilings)
             per_rank = steps.gather(dict(graph_replays=replays, comm_ms=comm, comm_transfer_ms=xfer))
             row = dict(mode=mode, tokens=n, eager_ms=eager, bcg_ms=replay, ideal_ms=ideal,
                        eager_over_bcg=eager / replay, bcg_over_ideal=_ratio(replay, ideal), breaks=breaks,
@@ -281,7 +297,7 @@ def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
             rows.append(row)
             noise = "/".join(f"{spread(r):.0%}" if r else "-" for r in (eager_runs, breakable_runs, ideal_runs))
             line = (f"{mode:6} {n:6d} {eager:9.2f} {replay:8.2f} {_fmt(ideal, '.2f', 9)} {eager / replay:9.2f} "
-                    f"{_fmt(_ratio(replay, ideal), '.2f', 9)} {breaks:6d} {noise:>17} {bound:9.3g} "
+                    f"{_fmt(_ratio(replay, ideal), '.2f', 9)} {breaks:6d} {noise:>17} {_fmt(bound, '.3g', 9)} "
                     f"{_fmt(_ratio(bound, ideal), '.1%', 7)}")
             if dp:
                 line += f" {comm:8.2f} {comm / eager:6.0%} {xfer:8.2f} {xfer / eager:6.0%}"
@@ -297,7 +313,9 @@ def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
                         print_top_kernels(f"{mode} {n}, one graph replay", row["graph_kernels"])
             for s in slots:
                 runner.req_to_token_pool.free_req(s)
-    result = dict(model=a.model_path, device=str(dev), dtype=runner.server_args.dtype, dp_size=steps.dp_size, rows=rows,
+    result = dict(model=a.model_path, device=str(dev),
+                  device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                  limit_peaks=ceilings.name if ceilings is not None else None, dtype=runner.server_args.dtype, dp_size=steps.dp_size, rows=rows,
                   capture_seconds=breakable.capture_seconds, graph_memory_bytes=breakable.graph_memory_bytes,
                   capture_memory_bytes=breakable.capture_memory_bytes,
                   graph_memory_by_bucket=breakable.graph_memory_by_bucket,

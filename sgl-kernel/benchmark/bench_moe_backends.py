@@ -10,8 +10,8 @@ rounding, both expert GEMMs, SwiGLU, top-k sum) replayed from a CUDA graph with 
   with 4x the weight memory would run), with its sort / gather / weighted scatter.
 
 Columns per T: each backend's median time (10th-90th percentile of REPS replays), and the
-limits: the HBM bound (the bytes of the distinct local experts hit, FP4 + scales, at HBM_GBPS)
-and the FLOP bounds (the local assignments' three GEMMs at the bf16 and FP8 dense peaks). "% of
+limits: the HBM bound (the bytes of the distinct local experts hit, FP4 + scales, at the GPU's
+HBM peak, common.hbm_gbps) and the FLOP bounds (the local assignments' three GEMMs at the bf16 and FP8 dense peaks). "% of
 limit" divides max(HBM bound, the FLOP bound of that backend's tensor-core dtype) by the time.
 Before timing, every backend's output is compared with the triton backend's at T = 64 (cosine).
 
@@ -32,10 +32,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 from bench_quant import _time as timed  # noqa: E402  (median, p10, p90) ms of graph replays, cold L2
-from common import require_cuda  # noqa: E402
+from common import hbm_gbps, require_cuda  # noqa: E402
 
 D, I, TOPK, LIMIT = 4096, 2048, 6, 10.0
-HBM_GBPS = 4800.0
 BF16_PEAK_TFLOPS = 989.0
 FP8_PEAK_TFLOPS = 1979.0
 REPS = 20  # bench_quant._time's default
@@ -145,7 +144,7 @@ def main():
         local_ids = ids  # experts [0, n_local): ids >= n_local are other ranks' (skipped)
         hit = int(torch.unique(ids[ids < n_local]).numel())
         assigns = int((ids < n_local).sum())
-        hbm_ms = hit * EXPERT_BYTES / HBM_GBPS / 1e6
+        hbm_ms = hit * EXPERT_BYTES / hbm_gbps() / 1e6
         flops = 2 * assigns * 3 * D * I
         bf16_ms, fp8_ms = flops / BF16_PEAK_TFLOPS / 1e9, flops / FP8_PEAK_TFLOPS / 1e9
         row = {"T": T, "experts_hit": hit, "hbm_bound_ms": hbm_ms, "bf16_flop_bound_ms": bf16_ms,
@@ -160,7 +159,7 @@ def main():
             limit = max(hbm_ms, bf16_ms if bname.endswith("w4a16") else fp8_ms)
             row[bname] = {"ms": ms, "p10": p10, "p90": p90, "pct_of_limit": 100 * limit / ms, "cos_vs_triton": cos}
         if grouped is not None:
-            bf16_hbm_ms = hit * 3 * I * D * 2 / HBM_GBPS / 1e6
+            bf16_hbm_ms = hit * 3 * I * D * 2 / hbm_gbps() / 1e6
             try:
                 out = grouped(x, weights, ids)
                 cos = F.cosine_similarity(out.flatten(), ref.flatten().float(), dim=0).item()

@@ -1,4 +1,4 @@
-"""Release-format kernels on an H200, replayed from CUDA graphs with a cold L2:
+"""Release-format kernels on one GPU (built and tuned on an H200), replayed from CUDA graphs with a cold L2:
 
 - FP8 block-scaled linear (ops.fp8_block_linear, act_quant on = release numerics, off =
   weight-only) at DSV4-Flash shapes, with bf16 torch.mm on a bf16 copy of the weight beside it.
@@ -6,7 +6,7 @@
   through cuBLAS block scaling (backend="cublas", fp8_scaled_mm: what "auto" runs where the
   device passed its probe; skipped with the reason elsewhere).
   TFLOP/s vs the dense FP8 (1979) and bf16 (989) peaks; GB/s (weight + scales + x + out) vs
-  4.8 TB/s HBM.
+  the GPU's HBM peak (common.hbm_gbps: 4.8 TB/s on an H200).
 - FP4 MoE (fp4_moe.fp4_fused_moe, both variants; the bf16 one beside its other K step:
   bf16_release_step = one dot per 128-input step where moe_config runs one per 32-input chunk,
   bf16_release_chunk = the reverse where moe_config's tiles already step, and there
@@ -39,11 +39,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import _flush_l2, require_cuda  # noqa: E402
+from common import _flush_l2, hbm_gbps, require_cuda  # noqa: E402
 
 FP8_PEAK_TFLOPS = 1979.0
 BF16_PEAK_TFLOPS = 989.0
-HBM_GBPS = 4800.0
 REPS = 20
 
 # (name, K, N) of Flash's FP8 linears (x [M, K] -> [M, N]).
@@ -96,7 +95,7 @@ def _record(rows, kind, name, size, impl, timing, nbytes, flops, **extra):
     row = dict(kind=kind, name=name, size=size, impl=impl, ms=ms, ms_p10=p10, ms_p90=p90,
                tflops=tflops, pct_fp8_peak=100 * tflops / FP8_PEAK_TFLOPS,
                pct_bf16_peak=100 * tflops / BF16_PEAK_TFLOPS, gbps=gbps,
-               pct_hbm=100 * gbps / HBM_GBPS, bytes=nbytes, flops=flops, **extra)
+               pct_hbm=100 * gbps / hbm_gbps(), bytes=nbytes, flops=flops, **extra)
     rows.append(row)
     print(f"{kind:<5} {name:<13} {size:>5} {impl:<16} {ms * 1e3:9.1f} us "
           f"[{p10 * 1e3:8.1f}-{p90 * 1e3:8.1f}]  {tflops:7.1f} TFLOP/s "
@@ -412,7 +411,7 @@ def main(argv=None) -> int:
     if args.out:
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                     fp8_peak_tflops=FP8_PEAK_TFLOPS, bf16_peak_tflops=BF16_PEAK_TFLOPS,
-                    hbm_gbps=HBM_GBPS, reps=REPS)
+                    hbm_gbps=hbm_gbps(), reps=REPS)
         Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     return 0
 

@@ -22,9 +22,8 @@ import json
 import torch
 
 from bench_quant import _time
-from common import require_cuda
+from common import hbm_gbps, require_cuda
 
-HBM_GBPS = 4800.0  # H200 HBM3e peak
 FLASH = [  # (name, N, K): Flash's FP8 block-scaled linears
     ("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096), ("idx_wq_b", 8192, 1024),
     ("wo_b", 4096, 8192), ("shared_gate_up", 2048, 4096), ("shared_down", 4096, 2048),
@@ -77,10 +76,10 @@ def main(argv=None) -> int:
 
     def record(name, M, impl, timing, nbytes, **extra):
         us, p10, p90 = timing
-        pct = 100 * nbytes / (us * 1e-6) / (HBM_GBPS * 1e9)
+        pct = 100 * nbytes / (us * 1e-6) / (hbm_gbps() * 1e9)
         rows.append(dict(name=name, M=M, impl=impl, us=us, p10=p10, p90=p90, bytes=nbytes, pct_hbm=pct, **extra))
         print(f"{name:<15} M={M:<3} {impl:<40} {us:8.2f} us [{p10:7.2f}-{p90:7.2f}]  {pct:5.1f}% of HBM "
-              f"(bound {nbytes / HBM_GBPS / 1e3:6.2f} us)", flush=True)
+              f"(bound {nbytes / hbm_gbps() / 1e3:6.2f} us)", flush=True)
 
     for name, N, K in FLASH:
         w, ws = weights(N, K, gen)

@@ -7,11 +7,29 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))  # sglang's planning tables
 
 H200_COPY_GBPS = 4300.0  # achievable HBM3e copy bandwidth
 H200_BF16_TFLOPS = 790.0  # dense bf16 matmul
 
 _L2_FLUSH = None
+_HBM_GBPS = None
+
+
+def hbm_gbps() -> float:
+    """The HBM peak (GB/s) of the GPU these run on, from its datasheet (planning.step_cost's
+    table); an H200's, with a note, for a GPU not in it."""
+    global _HBM_GBPS
+    if _HBM_GBPS is None:
+        from sglang.srt.planning.step_cost import H200, ceilings_for
+
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        ceilings = ceilings_for(name)
+        if ceilings is None:
+            print(f"HBM peak of {name or 'this machine'} unknown: the % of HBM below uses an H200's", flush=True)
+            ceilings = H200
+        _HBM_GBPS = ceilings.hbm_bytes_per_s / 1e9
+    return _HBM_GBPS
 
 
 def _flush_l2():

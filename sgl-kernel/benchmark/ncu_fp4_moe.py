@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_quant import HBM_GBPS, MOE_D, MOE_E, MOE_EXPERT_BYTES, MOE_TOPK, fp4_expert_weights  # noqa: E402
-from common import require_cuda  # noqa: E402
+from bench_quant import MOE_D, MOE_E, MOE_EXPERT_BYTES, MOE_TOPK, fp4_expert_weights  # noqa: E402
+from common import hbm_gbps, require_cuda  # noqa: E402
 
 
 def build(local_experts: int, T: int, seed: int = 0):
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     gbps = hit * MOE_EXPERT_BYTES / ms / 1e6
     print(f"{args.variant} T={args.t} experts={args.experts}: {ms:.3f} ms median of {args.calls} "
           f"(spread {max(times) - min(times):.3f} ms), {hit} experts hit, "
-          f"{gbps:.0f} GB/s of weights ({100 * gbps / HBM_GBPS:.1f}% of HBM)", flush=True)
+          f"{gbps:.0f} GB/s of weights ({100 * gbps / hbm_gbps():.1f}% of HBM)", flush=True)
     return 0
 
 

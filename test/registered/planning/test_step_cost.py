@@ -56,3 +56,24 @@ def test_flash_flops_per_token_layer_near_the_hand_count(flash):
     assert 0.55e9 < per_layer < 0.7e9
     # the attention core grows with the context, the matrices do not
     assert sc.flops_per_token(config, 65536) > sc.flops_per_token(config, 1024)
+
+
+@pytest.mark.parametrize("name, want", [
+    ("NVIDIA H200", "H200 SXM"), ("NVIDIA H200 NVL", "H200 NVL"), ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+    ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
+])
+def test_ceilings_follow_the_gpu_name(name, want):
+    assert sc.ceilings_for(name).name == want
+
+
+def test_a_gpu_without_known_peaks_has_no_ceilings():
+    assert sc.ceilings_for("NVIDIA A100-SXM4-80GB") is None
+    assert sc.ceilings_for(None) is None
+
+
+def test_decode_bound_scales_with_the_gpus_bandwidth(flash):
+    config, mb = flash
+    cost = sc.decode_step_cost(config, 64, 1024, bytes_=mb)
+    h100 = sc.ceilings_for("NVIDIA H100 80GB HBM3")
+    assert cost.seconds(h100) == pytest.approx(cost.total_bytes / 3.35e12)
+    assert cost.seconds(h100) / cost.seconds(sc.H200) == pytest.approx(4.8 / 3.35)

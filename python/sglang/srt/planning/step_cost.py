@@ -23,10 +23,40 @@ from dataclasses import dataclass
 
 from sglang.srt.planning.meta_model import meta_tensors
 
-# The ceilings a measured step is judged against (H200 SXM, dense).
-H200_HBM_BYTES_PER_S = 4.8e12
-H200_BF16_FLOPS = 989e12
-H200_FP8_FLOPS = 1979e12
+
+@dataclass(frozen=True)
+class Ceilings:
+    """One GPU's datasheet peaks (dense tensor-core math, HBM bandwidth): the ceilings a measured
+    step is judged against."""
+
+    name: str
+    hbm_bytes_per_s: float
+    bf16_flops: float
+    fp8_flops: float
+
+    def peak_flops(self, fp8: bool) -> float:
+        return self.fp8_flops if fp8 else self.bf16_flops
+
+
+H200 = Ceilings("H200 SXM", 4.8e12, 989e12, 1979e12)
+# Most specific first: a name matches the first entry all of whose words it contains.
+_KNOWN = (
+    (("H200", "NVL"), Ceilings("H200 NVL", 4.8e12, 835e12, 1671e12)),
+    (("H200",), H200),
+    (("H100", "PCIE"), Ceilings("H100 PCIe", 2.0e12, 756e12, 1513e12)),
+    (("H100", "NVL"), Ceilings("H100 NVL", 3.9e12, 835e12, 1671e12)),
+    (("H100",), Ceilings("H100 SXM", 3.35e12, 989e12, 1979e12)),
+)
+
+
+def ceilings_for(device_name: str | None) -> Ceilings | None:
+    """The ceilings of a GPU by its name (torch.cuda.get_device_name), None for one not known
+    here: a bound computed with another GPU's peaks would be wrong, not approximate."""
+    upper = (device_name or "").upper()
+    for words, ceilings in _KNOWN:
+        if all(w in upper for w in words):
+            return ceilings
+    return None
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 _EXPERTS = re.compile(r"\.ffn\.experts\.")
@@ -87,8 +117,8 @@ class DecodeCost:
     def total_bytes(self) -> float:
         return self.weight_bytes + self.kv_bytes
 
-    def seconds(self, hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S) -> float:
-        return self.total_bytes / hbm_bytes_per_s
+    def seconds(self, ceilings: Ceilings = H200) -> float:
+        return self.total_bytes / ceilings.hbm_bytes_per_s
 
 
 def decode_step_cost(config, batch: int, context: int, *, ep_size: int = 1, global_batch: int | None = None,
