@@ -330,7 +330,7 @@ def _moe_compile_report():
 
     _sm90_report("moe_align one kernel (E 256)", moe._align_one_kernel,
                  dict(ids_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32", used_ptr="*i32"),
-                 dict(BLOCK_M=16, EP=256, CHUNK=32, FILL=128), 16, 1,
+                 dict(BLOCK_M=16, MP=512, EP=256, FILL=32, FB=1), 4, 1,
                  ("M", "E", "CAP", "MAX_BLOCKS"))
 
     for T in (1, 64, 512, 1024, 2048, 8192):  # each tier of moe_config

@@ -104,7 +104,7 @@ def test_align_groups_every_assignment_once_in_single_expert_blocks(device):
 
 
 @pytest.mark.parametrize("E,T,topk,block_m", [(8, 37, 3, 16), (256, 1, 6, 16), (5, 16, 2, 64), (256, 90, 6, 8),
-                                             (128, 600, 6, 32)])
+                                             (128, 600, 6, 32), (256, 64, 6, 16), (256, 682, 6, 64)])
 def test_one_kernel_align_equals_the_torch_align(device, monkeypatch, E, T, topk, block_m):
     require_triton()
     from dsv4_kernels import moe

@@ -28,51 +28,60 @@ ALIGN_ONE_KERNEL_MAX_M = 4096  # moe_align in one kernel up to this many assignm
 @triton.jit
 def _align_one_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, M, E, CAP, MAX_BLOCKS,
-    BLOCK_M: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+    BLOCK_M: tl.constexpr, MP: tl.constexpr, EP: tl.constexpr, FILL: tl.constexpr, FB: tl.constexpr,
 ):
-    align_one_program(ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, M, E, CAP, MAX_BLOCKS, BLOCK_M, EP, CHUNK,
-                      FILL)
+    align_program(tl.program_id(0), ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, M, E, CAP, MAX_BLOCKS,
+                  BLOCK_M, MP, EP, FILL, FB)
 
 
 @triton.jit
-def align_one_program(
-    ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, M, E, CAP, MAX_BLOCKS,
-    BLOCK_M: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
-):
-    """moe_align's result in one program (decode and mid-size batches: the torch version is
-    ~25 tiny launches, tens of microseconds, about as long as the experts' GEMMs at decode).
-    Two passes over the assignments, CHUNK at a time, each a one-hot [CHUNK, EP] against the
-    experts: the counts, then each assignment's slot = its expert's group start + the earlier
-    assignments of that expert (a stable sort's order), so the work is O(M x E / threads)."""
+def _expert_groups(ids_ptr, M, E, BLOCK_M: tl.constexpr, MP: tl.constexpr, EP: tl.constexpr):
+    """Every assignment's group (its expert, E for a skipped one) and, per expert (EP >= E
+    columns, zero past E), its count and its padded group's start and end."""
+    i = tl.arange(0, MP)
+    e = tl.load(ids_ptr + i, mask=i < M, other=-1).to(tl.int32)
+    valid = (i < M) & (e >= 0) & (e < E)
+    # skipped and padding lanes go to bin 0 and are taken out of it again (no spare bin needed)
+    counts = tl.histogram(tl.where(valid, e, 0), EP)
     ex = tl.arange(0, EP)
-    counts = tl.zeros([EP], tl.int32)
-    for a0 in range(0, M, CHUNK):
-        i = a0 + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + i, mask=i < M, other=-1).to(tl.int32)
-        valid = (i < M) & (e >= 0) & (e < E)  # skipped assignments match no column
-        onehot = (e[:, None] == ex[None, :]) & valid[:, None]
-        counts += tl.sum(onehot.to(tl.int32), axis=0)
+    counts -= tl.where(ex == 0, MP - tl.sum(valid.to(tl.int32), axis=0), 0)
+    counts = tl.where(ex < E, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
-    group_start = padded_end - padded
-    tl.store(used_ptr, tl.sum(padded, axis=0))
-    for p0 in range(0, CAP, FILL):  # padding slots hold the sentinel M
-        p = p0 + tl.arange(0, FILL)
-        tl.store(sorted_ptr + p, tl.zeros([FILL], tl.int32) + M, mask=p < CAP)
-    tl.debug_barrier()  # the sentinel fill lands before the scatter (other threads' slots)
-    seen = tl.zeros([EP], tl.int32)
-    for a0 in range(0, M, CHUNK):
-        i = a0 + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + i, mask=i < M, other=-1).to(tl.int32)
-        valid = (i < M) & (e >= 0) & (e < E)
-        onehot = ((e[:, None] == ex[None, :]) & valid[:, None]).to(tl.int32)
-        before = tl.cumsum(onehot, axis=0) - onehot + seen[None, :]  # earlier ones of that expert
-        dest = tl.sum(onehot * (before + group_start[None, :]), axis=1)
-        tl.store(sorted_ptr + dest, i, mask=valid)
-        seen += tl.sum(onehot, axis=0)
-    for b0 in range(0, MAX_BLOCKS, FILL):  # block b: experts whose padded group ends <= b*BM
-        b = b0 + tl.arange(0, FILL)
-        done = (padded_end[None, :] <= (b * BLOCK_M)[:, None]) & (ex[None, :] < E)
+    return tl.where(valid, e, E), counts, padded_end - padded, padded_end
+
+
+@triton.jit
+def align_program(
+    pid, ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, M, E, CAP, MAX_BLOCKS,
+    BLOCK_M: tl.constexpr, MP: tl.constexpr, EP: tl.constexpr, FILL: tl.constexpr, FB: tl.constexpr,
+):
+    """moe_align's result from 1 + cdiv(CAP, FILL) programs (decode and mid-size batches: the
+    torch version is ~25 tiny launches, tens of microseconds, about as long as the experts'
+    GEMMs at decode). Every program counts the experts from all M ids (a histogram). Program 0
+    sorts the assignments by (expert, index) (a stable sort by expert) and writes each to its
+    expert's padded start + its rank in the expert; program 1 + f writes the sentinel M into
+    the padding slots among slots [f * FILL, (f + 1) * FILL) and block_expert for blocks
+    [f * FB, (f + 1) * FB). The two kinds write disjoint slots, so no program waits for
+    another."""
+    group, counts, group_start, padded_end = _expert_groups(ids_ptr, M, E, BLOCK_M, MP, EP)
+    if pid == 0:
+        i = tl.arange(0, MP)
+        keys = tl.sort(group * MP + i)  # the index below the expert: ties cannot occur
+        g = keys // MP
+        # sorted position s of expert g's r-th assignment is first[g] + r, its slot start[g] + r
+        shift = group_start - (tl.cumsum(counts, axis=0) - counts)
+        dest = i + tl.gather(shift, tl.minimum(g, EP - 1), axis=0)
+        tl.store(sorted_ptr + dest, keys - g * MP, mask=g < E)
+        tl.store(used_ptr, tl.sum(padded_end - group_start, axis=0))
+    else:
+        f = pid - 1
+        p = f * FILL + tl.arange(0, FILL)
+        real = (group_start[None, :] <= p[:, None]) & (p[:, None] < (group_start + counts)[None, :])
+        tl.store(sorted_ptr + p, tl.zeros([FILL], tl.int32) + M,
+                 mask=(p < CAP) & (tl.max(real.to(tl.int32), axis=1) == 0))
+        b = f * FB + tl.arange(0, FB)  # block b: experts whose padded group ends <= b * BLOCK_M
+        done = (padded_end[None, :] <= (b * BLOCK_M)[:, None]) & (tl.arange(0, EP)[None, :] < E)
         tl.store(block_expert_ptr + b, tl.sum(done.to(tl.int32), axis=1), mask=b < MAX_BLOCKS)
 
 
@@ -109,26 +118,22 @@ def local_expert_ids(ids: torch.Tensor, first_expert: int, drop_repeats: bool) -
     return out
 
 
-def align_one_launch(M: int) -> tuple[int, int]:
-    """(num_warps, FILL) of _align_one_kernel for M assignments. Measured on an H200 (256
-    experts, graph replay): 16 warps cost 11.3 / 53.6 / 377 us at M = 6 / 384 / 4096 where 4
-    warps take 5.8 / 36.4 / 248 (the kernel is a chain of block-wide reductions: fewer warps,
-    cheaper barriers); FILL 16 beat 64 only at M = 6."""
-    return 4, 16 if M <= 16 else 64
+ALIGN_FILL = 32  # slots per sentinel program of align_program
 
 
 def align_one_applies(ids) -> bool:
-    """Whether moe_align runs as one program (align_one_program) for these routing ids."""
+    """Whether moe_align runs in one kernel (align_program) for these routing ids."""
     return 0 < ids.numel() <= ALIGN_ONE_KERNEL_MAX_M and (ids.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @dataclass
 class AlignOneLaunch:
-    """align_one_program's outputs, arguments and compile-time parameters for routing ids
-    (shared by its own kernel and by kernels that run it as one of their programs)."""
+    """align_program's outputs, arguments, program count and compile-time parameters for
+    routing ids (shared by its own kernel and by kernels that run it in their first programs)."""
     outputs: tuple  # (sorted_ids, block_expert, used)
     args: tuple
     constexprs: dict
+    programs: int
     num_warps: int
 
     @classmethod
@@ -139,11 +144,11 @@ class AlignOneLaunch:
         sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
         block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
         used = torch.empty((), dtype=torch.int32, device=device)
-        ep = max(16, next_power_of_2(num_experts))
-        num_warps, fill = align_one_launch(M)
+        fills = cdiv(capacity, ALIGN_FILL)
         args = (ids.reshape(-1).contiguous(), sorted_ids, block_expert, used, M, num_experts, capacity, max_blocks)
-        constexprs = dict(BLOCK_M=block_m, EP=ep, CHUNK=max(16, min(next_power_of_2(M), 8192 // ep)), FILL=fill)
-        return cls((sorted_ids, block_expert, used), args, constexprs, num_warps)
+        constexprs = dict(BLOCK_M=block_m, MP=max(16, next_power_of_2(M)), EP=max(16, next_power_of_2(num_experts)),
+                          FILL=ALIGN_FILL, FB=next_power_of_2(cdiv(max_blocks, fills)))
+        return cls((sorted_ids, block_expert, used), args, constexprs, 1 + fills, 4)
 
 
 def moe_align(ids, num_experts: int, block_m: int = BLOCK_M, return_used: bool = False):
@@ -162,7 +167,7 @@ def moe_align(ids, num_experts: int, block_m: int = BLOCK_M, return_used: bool =
     capacity = max_blocks * block_m
     if align_one_applies(ids):
         launch = AlignOneLaunch.of(ids, num_experts, block_m)
-        _align_one_kernel[(1,)](*launch.args, **launch.constexprs, num_warps=launch.num_warps)
+        _align_one_kernel[(launch.programs,)](*launch.args, **launch.constexprs, num_warps=launch.num_warps)
         return launch.outputs if return_used else launch.outputs[:2]
     flat = ids.reshape(-1).long()
     # Skipped assignments form one extra group (index E) that sorts after every real expert.

@@ -5,8 +5,9 @@ first, as one Triton launch each (the humming backend's glue: layers/moe/backend
   row-major (the layout a GEMM that takes per-row group scales reads), the values of
   quant_reference.quantize_fp8_blocks.
 - `align_and_quantize(ids, E, block_m, x)`: moe_align's result (return_used) and
-  quantize_rows(x) in one launch where moe_align runs as one program (decode and mid-size
-  batches): program 0 sorts the assignments, the others round the rows.
+  quantize_rows(x) in one launch where moe_align runs in one kernel (decode and mid-size
+  batches): the first programs sort the assignments and fill the padding (moe.align_program),
+  the others round the rows.
 - `swiglu_weight_quant(gu, weights, limit, act_dtype, fp8)`: gu [M, 2I] (gate | up halves, any
   float dtype) -> h = act_dtype(SwiGLU_clamped(gate, up) * weight[m]) computed in fp32, and with
   fp8 also rounded to e4m3 per 128 with its scales, exactly as quant_reference.fp4_moe_ref
@@ -22,7 +23,7 @@ import triton.language as tl
 from . import pdl
 from .fp8_act_quant import INV_E4M3_MAX, e4m3_bits, pow2_recip, pow2_scale
 from .host_math import cdiv, next_power_of_2
-from .moe import AlignOneLaunch, align_one_applies, align_one_program, moe_align
+from .moe import AlignOneLaunch, align_one_applies, align_program, moe_align
 
 QBLOCK = 128  # FP8 activation scale block
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -59,18 +60,18 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
 @triton.jit
 def _align_quant_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, M, E, CAP, MAX_BLOCKS,
-    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, row_programs,
-    BLOCK_M: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, align_programs, row_programs,
+    BLOCK_M: tl.constexpr, MP: tl.constexpr, EP: tl.constexpr, FILL: tl.constexpr, FB: tl.constexpr,
     BLOCKS: tl.constexpr, QB: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid = tl.program_id(0)
-    if pid == 0:
-        align_one_program(ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, M, E, CAP, MAX_BLOCKS, BLOCK_M, EP,
-                          CHUNK, FILL)
+    if pid < align_programs:
+        align_program(pid, ids_ptr, sorted_ptr, block_expert_ptr, used_ptr, M, E, CAP, MAX_BLOCKS, BLOCK_M, MP,
+                      EP, FILL, FB)
     else:
-        r = pid - 1
+        r = pid - align_programs
         _quant_row_blocks(x_ptr, q_ptr, s_ptr, (r // row_programs).to(tl.int64), (r % row_programs) * BLOCKS, K,
                           stride_x, stride_q, stride_s, BLOCKS, QB)
 
@@ -133,7 +134,7 @@ def quantize_rows(x: torch.Tensor, q: torch.Tensor | None = None, s: torch.Tenso
 
 def align_and_quantize(ids: torch.Tensor, num_experts: int, block_m: int, x: torch.Tensor):
     """((sorted_ids, block_expert, used) = moe_align(ids, num_experts, block_m, return_used=True),
-    (q, s) = quantize_rows(x)): one launch where moe_align runs as one program, else the two."""
+    (q, s) = quantize_rows(x)): one launch where moe_align runs in one kernel, else the two."""
     M, K = x.shape
     if not align_one_applies(ids) or M == 0 or K % QBLOCK or x.stride(-1) != 1:
         return moe_align(ids, num_experts, block_m, return_used=True), quantize_rows(x)
@@ -142,8 +143,9 @@ def align_and_quantize(ids: torch.Tensor, num_experts: int, block_m: int, x: tor
     blocks = _blocks_per_program(K)
     row_programs = cdiv(K // QBLOCK, blocks)
     launch = AlignOneLaunch.of(ids, num_experts, block_m)
-    _align_quant_kernel[(1 + M * row_programs,)](
-        *launch.args, x, q.view(torch.uint8), s, K, x.stride(0), q.stride(0), s.stride(0), row_programs,
+    _align_quant_kernel[(launch.programs + M * row_programs,)](
+        *launch.args, x, q.view(torch.uint8), s, K, x.stride(0), q.stride(0), s.stride(0), launch.programs,
+        row_programs,
         **launch.constexprs, BLOCKS=blocks, QB=QBLOCK, num_warps=launch.num_warps, **pdl.options(x))
     return launch.outputs, (q, s)
 
