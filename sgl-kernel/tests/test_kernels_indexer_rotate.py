@@ -77,14 +77,34 @@ def test_rope_only_and_rotation_only(device):
     assert (_e2m1_steps(rotated, _chain(keys, None, None, None, 0)) == 0).float().mean() > 0.995
 
 
+def test_rope_rotate_round_takes_the_columns_of_a_wider_row(device):
+    """The indexer's q as columns of a stacked GEMM's output (Fp8RowStack): a token's heads
+    sit at a row stride wider than its own H x dim; the result is the contiguous copy's, and
+    the other columns are left alone."""
+    require_triton()
+    from dsv4_kernels import indexer_rotate
+
+    g = torch.Generator().manual_seed(11)
+    T, H, other = 5, 4, 96
+    wide = torch.randn(T, other + H * D, generator=g).to(torch.bfloat16).to(device)
+    cos, sin = rope_tables(256, ROPE, device=device)
+    pos = torch.randint(0, 256, (T,), generator=g).to(device)
+    want = indexer_rotate.rope_rotate_round_(wide[:, other:].clone().unflatten(-1, (H, D)), cos, sin, pos, ROPE)
+    before = wide[:, :other].clone()
+    view = wide[:, other:].unflatten(-1, (H, D))
+    assert view.stride() == (other + H * D, D, 1)
+    indexer_rotate.rope_rotate_round_(view, cos, sin, pos, ROPE)
+    assert torch.equal(view, want) and torch.equal(wide[:, :other], before)
+
+
 def test_rope_rotate_round_refuses_bad_rows(device):
     require_triton()
     from dsv4_kernels import indexer_rotate
 
     with pytest.raises(ValueError, match="power of two"):
         indexer_rotate.rope_rotate_round_(torch.zeros(2, 96, device=device))
-    with pytest.raises(ValueError, match="uniform stride"):
-        indexer_rotate.rope_rotate_round_(torch.zeros(2, 4, 256, device=device)[:, :, :128])
+    with pytest.raises(ValueError, match="unit last stride"):
+        indexer_rotate.rope_rotate_round_(torch.zeros(2, 4, 256, device=device)[:, :, ::2])
     with pytest.raises(ValueError, match="needs cos"):
         indexer_rotate.rope_rotate_round_(torch.zeros(2, 128, device=device), rope_dim=64)
 

@@ -16,10 +16,15 @@ Decode sizes on CUDA, by measurement at Flash's seven FP8 linear shapes and wo_a
 - one row takes fp8_gemv's weight-streaming GEMV: 1.2-2.8x cuBLAS, 1.3-1.7x these kernels;
 - 2..16 rows take these kernels with the quantization fused: 1.1-1.8x cuBLAS on five shapes,
   even on wq_b and wo_b, 7% behind on the indexer's wq_b (cuBLAS's ~18 µs floor at small M);
-  the GEMV's per-row work makes it lose from two rows on.
-Release numerics on bf16/fp16 x from 17 rows up go to cuBLAS instead (fp8_scaled_mm: torch's scaled GEMM
-with the same block scales, 1.5-2.6x faster on an H200 at M >= 64) where the device supports it;
-`backend` forces either path.
+  the GEMV's per-row work makes it lose from two rows on;
+- 17..64 rows take these kernels after a separate quantization launch (H100, same benchmark,
+  `--m 16 32 64`): at 64 rows 1.3-1.5x cuBLAS at wq_a, wkv and the shared gate/up, 1.1x at
+  wo_b, 2-6% behind at wq_b and the shared down, 21% behind at the indexer's wq_b alone; as one
+  stacked weight (Fp8RowStack) wq_a + wkv take 15.0 µs against cuBLAS's 19.0 + 19.5 apart and
+  wq_b + the indexer's wq_b 29.5 against 25.9 + 13.0.
+Release numerics on bf16/fp16 x from 65 rows up go to cuBLAS instead (fp8_scaled_mm: torch's
+scaled GEMM with the same block scales, 1.5-2.6x faster on an H200 at prefill sizes) where the
+device supports it; `backend` forces either path.
 
 Graph-safe: no host syncs; the tiles, the split and the buffers depend only on shapes (a small
 table, `gemm_config`, instead of autotuning, which would launch many configs at capture).
@@ -39,7 +44,7 @@ from .moe import RoutedRows
 from .fp8_act_quant import INV_E4M3_MAX, QBLOCK, e4m3_bits, pow2_recip, pow2_scale, quantize_act, round_act
 from .host_math import cdiv, sm_count
 
-SMALL_M_ROWS = 16  # auto: up to this many rows the Triton GEMM, not cuBLAS (module doc)
+SMALL_M_ROWS = 64  # auto: up to this many rows the Triton GEMM, not cuBLAS (module doc)
 
 
 @triton.jit
@@ -323,6 +328,15 @@ def fp8_block_linear_pair(x, a, b):
         N = a.weight.shape[0]
         return both[0].view(*x.shape[:-1], N), both[1].view(*x.shape[:-1], N)
     return a(x), b(x)
+
+
+def takes_small_m(x, linear) -> bool:
+    """Whether x [rows, K] (CUDA, unit last stride) into the FP8 block linear module `linear`
+    takes the one-row GEMV or the Triton small-M GEMM on the auto path (1..SMALL_M_ROWS rows):
+    where linears stacked on one input (Fp8RowStack) are one launch and faster than apart."""
+    w = getattr(linear, "weight", None)
+    return (x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and w is not None and w.dtype == torch.float8_e4m3fn
+            and hasattr(linear, "weight_scale") and w.shape[1] == x.shape[1] and 1 <= x.shape[0] <= SMALL_M_ROWS)
 
 
 def takes_one_row_gemv(x, linear) -> bool:

@@ -85,7 +85,7 @@ def _rotate_round_tile(x0, x1, scale, amax_floor, inv_qmax, dtype: tl.constexpr,
 
 
 @triton.jit
-def _rope_rotate_round_kernel(x_ptr, stride_r, cos_ptr, sin_ptr, stride_cs, stride_cs_k, pos_ptr,
+def _rope_rotate_round_kernel(x_ptr, stride_t, stride_h, cos_ptr, sin_ptr, stride_cs, stride_cs_k, pos_ptr,
                               R, H, rope_dim, scale, amax_floor, inv_qmax,
                               DIM: tl.constexpr, HAS_ROPE: tl.constexpr, ROTATE: tl.constexpr, BF16_DOT: tl.constexpr,
                               BLOCK_R: tl.constexpr, NUM_BLOCKS: tl.constexpr, QBLOCK: tl.constexpr,
@@ -95,7 +95,9 @@ def _rope_rotate_round_kernel(x_ptr, stride_r, cos_ptr, sin_ptr, stride_cs, stri
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     k = tl.arange(0, HALF)
-    base = x_ptr + rows.to(tl.int64)[:, None] * stride_r + 2 * k[None, :]
+    # row r is head r % H of token r // H (a token's heads need not follow the last one's)
+    row_off = (rows // H).to(tl.int64) * stride_t + (rows % H).to(tl.int64) * stride_h
+    base = x_ptr + row_off[:, None] + 2 * k[None, :]
     m2 = rmask[:, None]
     x0 = tl.load(base, mask=m2, other=0.0).to(tl.float32)
     x1 = tl.load(base + 1, mask=m2, other=0.0).to(tl.float32)
@@ -119,7 +121,7 @@ def _rope_rotate_round_kernel(x_ptr, stride_r, cos_ptr, sin_ptr, stride_cs, stri
         q_scale = (exp << 23).to(tl.float32, bitcast=True)
         out = tl.where(y < 0, -r, r) * q_scale
         j = tl.arange(0, DIM)
-        optr = x_ptr + rows.to(tl.int64)[:, None] * stride_r + j[None, :]
+        optr = x_ptr + row_off[:, None] + j[None, :]
         tl.store(optr, out.to(dtype), mask=m2)
     else:
         tl.store(base, x0.to(dtype), mask=m2)
@@ -128,27 +130,26 @@ def _rope_rotate_round_kernel(x_ptr, stride_r, cos_ptr, sin_ptr, stride_cs, stri
 
 def rope_rotate_round_(x: torch.Tensor, cos=None, sin=None, positions=None, rope_dim: int = 0,
                        rotate: bool = True) -> torch.Tensor:
-    """In place on x [T, H, dim] (or [T, dim]; unit last stride, bf16/fp16/fp32, dim a power of
-    two >= 32): RoPE on the last rope_dim dims from the [max_pos, rope_dim/2] tables at
+    """In place on x [T, H, dim] (or [T, dim]; unit last stride, any token and head strides,
+    bf16/fp16/fp32, dim a power of two >= 32): RoPE on the last rope_dim dims from the [max_pos, rope_dim/2] tables at
     positions [T] (skipped when rope_dim is 0), then with `rotate` the Hadamard rotation and
     the FP4 rounding per 32. Returns x."""
     x3 = x if x.dim() == 3 else x.unsqueeze(1)
     T, H, D = x3.shape
     if D < FP4_BLOCK or D & (D - 1) or D > 256:
         raise ValueError(f"rope_rotate_round_: dim {D} must be a power of two in [32, 256]")
-    if x3.stride(-1) != 1 or (H > 1 and x3.stride(1) != D) or x3.stride(0) != H * x3.stride(1):
-        raise ValueError("rope_rotate_round_: x must be rows of dim elements at a uniform stride")
+    if x3.stride(-1) != 1:
+        raise ValueError("rope_rotate_round_: x needs a unit last stride")
     if rope_dim % 2 or rope_dim > D or (rope_dim and (cos is None or positions is None)):
         raise ValueError(f"rope_rotate_round_: rope_dim {rope_dim} needs cos / sin / positions and must be "
                          f"even and <= {D}")
     R = T * H
     if R == 0:
         return x
-    stride_r = x3.stride(1) if H > 1 else x3.stride(0)
     block_r = 32
     has_rope = rope_dim > 0
     _rope_rotate_round_kernel[(triton.cdiv(R, block_r),)](
-        x3, stride_r, cos if has_rope else x3, sin if has_rope else x3,
+        x3, x3.stride(0), x3.stride(1), cos if has_rope else x3, sin if has_rope else x3,
         cos.stride(0) if has_rope else 0, cos.stride(1) if has_rope else 0,
         positions if has_rope else x3, R, H, rope_dim, float(D) ** -0.5, AMAX_FLOOR, INV_E2M1_MAX,
         DIM=D, HAS_ROPE=has_rope, ROTATE=rotate, BF16_DOT=x.dtype == torch.bfloat16 and not _INTERPRET, BLOCK_R=block_r, NUM_BLOCKS=D // FP4_BLOCK,

@@ -340,6 +340,12 @@ def rms_linear_fuses(x, linear) -> bool:
     return _use_triton(x) and _kernels("fp8_gemm").takes_one_row_gemv(x, linear)
 
 
+def stack_fuses(x, stack) -> bool:
+    """Whether linears stacked on x (an Fp8RowStack) run as one GEMM here: CUDA, 1..64 rows
+    (the one-row GEMV or the Triton small-M GEMM; larger batches take each linear alone)."""
+    return _use_triton(x) and _kernels("fp8_gemm").takes_small_m(x, stack)
+
+
 def fp8_rms_linear(x, norm_weight, eps: float, linear):
     """linear(rms_norm(x, norm_weight, eps)): on CUDA a single row into an FP8 block linear is
     one GEMV launch with the norm in its prologue (fp8_gemv's RMS step)."""

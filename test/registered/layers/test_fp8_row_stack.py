@@ -1,7 +1,8 @@
 """Fp8RowStack: FP8 block linears on one input as rows of one weight tensor. On CPU the
 re-layout holds every linear's values in shared storage and the release-format model's logits
 do not move; on a GPU a decode row through NormedInput takes one GEMV for the stack and each
-linear's columns equal its own GEMV bit for bit."""
+linear's columns equal its own GEMV bit for bit, and up to 64 rows take one GEMM whose columns
+are each linear's product."""
 
 import pytest
 import torch
@@ -35,6 +36,13 @@ def test_the_stack_keeps_each_linear_s_values_in_one_storage():
     assert torch.equal(a(x), want[0]) and torch.equal(b(x), want[1])
     assert stack.columns[a] == (0, 128) and stack.columns[b] == (128, 328)
     assert not Fp8RowStack.stackable([a, b])  # stacked already: a repeated call changes nothing
+
+
+def test_the_stack_called_gives_every_linear_s_output_side_by_side():
+    a, b = _linear(256, 128, 0), _linear(256, 200, 1)
+    x = torch.randn(4, 256)
+    want = torch.cat([a(x), b(x)], dim=1)
+    assert torch.equal(Fp8RowStack([a, b])(x), want)
 
 
 def test_only_linears_of_one_input_with_whole_blocks_stack():
@@ -84,3 +92,32 @@ def test_gpu_a_decode_row_through_the_stack_equals_each_linear_s_gemv(norm):
     assert len(shared._stacked) == 1  # one GEMV for both
     assert got[0].is_contiguous() and got[1].is_contiguous()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2, 16, 64])
+@pytest.mark.parametrize("norm", [False, True])
+def test_gpu_small_batches_take_one_gemm_for_the_stack(rows, norm):
+    """2..64 rows: one Triton GEMM for the stack (its split-K follows the stack's width, so a
+    part may differ from its linear alone in the order of fp32 sums: within a bf16 step); each
+    linear's columns a view at the stack's row stride; 65 rows take each linear alone."""
+    from sglang.srt.model_executor.forward_context import forward_context
+    from sglang.test.ep_harness import _KernelsSwitch
+
+    K = 1024
+    a, b = _linear(K, 1024, 0, "cuda"), _linear(K, 512, 1, "cuda")
+    rms = RMSNorm(K, 1e-6).cuda() if norm else None
+    if rms is not None:
+        rms.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(rows, K, device="cuda").bfloat16()
+    with forward_context(None, _KernelsSwitch(True), num_live_tokens=rows):
+        want = NormedInput(x, rms).through(a), NormedInput(x, rms).through(b)
+        Fp8RowStack([a, b])
+        shared = NormedInput(x, rms)
+        got = shared.through(a), shared.through(b)
+        big = NormedInput(torch.randn(65, K, device="cuda").bfloat16(), rms)
+        big.through(a)
+    assert len(shared._stacked) == 1 and not big._stacked
+    assert got[0].stride() == (1536, 1) and got[1].stride() == (1536, 1)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2 ** -7, atol=1e-3)

@@ -29,9 +29,10 @@ class NormedInput:
     ratio-4 layers, the indexer's wq_b; norm None: x itself, which wq_a and wkv read).
     `through(linear)` is linear(norm(x)): with segment kernels a single row into an FP8 linear
     takes the norm into the GEMV's own launch, so a decode step runs no norm launch at all, and
-    linears stacked on this input (quantization.fp8_linear.Fp8RowStack) share that launch: the
-    first asks for all, the others read their columns of it. Every other consumer shares one
-    computed norm(x)."""
+    linears stacked on this input (quantization.fp8_linear.Fp8RowStack) share one launch up to
+    64 rows: the first asks for all, the others read their columns of it (from two rows on a
+    view whose rows are the stack's width apart). Every other consumer shares one computed
+    norm(x)."""
 
     def __init__(self, x: torch.Tensor, norm: RMSNorm | None):
         self.x, self.norm = x, norm
@@ -46,11 +47,11 @@ class NormedInput:
     def through(self, linear) -> torch.Tensor:
         kernels = segment_kernel_ops()
         stack = getattr(linear, "row_stack", None)
-        if kernels is not None and stack is not None and kernels.rms_linear_fuses(self.x, stack):
+        if kernels is not None and stack is not None and kernels.stack_fuses(self.x, stack):
             if stack not in self._stacked:
                 self._stacked[stack] = self._linear(kernels, stack)
             start, end = stack.columns[linear]
-            return self._stacked[stack][:, start:end]  # one row: a contiguous view
+            return self._stacked[stack][:, start:end]
         if kernels is not None and self.norm is not None and kernels.rms_linear_fuses(self.x, linear):
             return self._linear(kernels, linear)
         return linear(self.normed())

@@ -79,11 +79,13 @@ class Fp8BlockLinear(nn.Module):
 
 class Fp8RowStack:
     """FP8 block linears that read one input, their weights and scales made rows of one tensor
-    each (the linears keep views of their rows, so nothing is held twice): a decode row goes
-    through all of them in one GEMV launch (layernorm.NormedInput.through), then each reads
-    its columns of the output. Exact: a weight row's product is its own, and the GEMV's sum
-    order depends on K alone (fp8_gemv.gemv_config), so each part is the linear's own output.
-    Every linear but the last needs whole 128-row scale blocks."""
+    each (the linears keep views of their rows, so nothing is held twice): up to 64 rows go
+    through all of them in one launch (layernorm.NormedInput.through; the one-row GEMV or the
+    Triton small-M GEMM), then each reads its columns of the output. A weight row's product is
+    its own: for one row the GEMV's sum order depends on K alone (fp8_gemv.gemv_config), so each
+    part is bit for bit the linear's own output; the GEMM splits K by the stack's tile count,
+    so a part may differ from its linear alone in the order of fp32 sums. Every linear but the
+    last needs whole 128-row scale blocks."""
 
     def __init__(self, linears: list):
         first = linears[0]
@@ -112,8 +114,14 @@ class Fp8RowStack:
             len({(m.in_features, m.act_quant) for m in linears}) == 1 and \
             all(m.out_features % BLOCK == 0 for m in linears[:-1])
 
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Every stacked linear's output for x, side by side ([rows, sum of out_features])."""
+        from dsv4_kernels import ops
+
+        return ops.fp8_block_linear(x, self.weight, self.weight_scale, self.act_quant)
+
     def cublas_scale(self) -> None:
-        return None  # the stack only ever takes the GEMV
+        return None  # the stack only takes the GEMV or the Triton small-M GEMM
 
 
 def make_linear(in_features: int, out_features: int, dtype: torch.dtype, quant: QuantMode) -> nn.Module:
