@@ -58,6 +58,11 @@ def test_resolve_on_cuda_sizes_kv_from_free_memory():
     # weights + 0.019 GiB of split compressor weights, tensor_core_copy_bytes).
     with pytest.raises(ValueError, match=r"weights need 0.8 GiB .* short by 0.3 GiB; raise --dp-size"):
         mini.resolve(cuda_available=True, gpu_free_memory=GiB // 2)
+    # a KV size of the user's own skips the KV sizing, not the check that the weights fit
+    sized = dataclasses.replace(mini, max_total_tokens=8192)
+    with pytest.raises(ValueError, match=r"weights need 0.8 GiB .* short by 0.3 GiB; raise --dp-size"):
+        sized.resolve(cuda_available=True, gpu_free_memory=GiB // 2)
+    assert sized.resolve(cuda_available=True, gpu_free_memory=4 * GiB).max_total_tokens == 8192
     long_ctx = dataclasses.replace(mini, context_length=65536, max_running_requests=8, mem_fraction_static=0.4)
     with pytest.raises(ValueError, match=r"not enough memory for the KV cache: .* short by .* lower --context-length"):
         long_ctx.resolve(cuda_available=True, gpu_free_memory=2 * GiB)

@@ -121,8 +121,9 @@ class ServerArgs:
 
         cuda_available: whether a CUDA device can be used (passed in so tests resolve both
         ways on CPU). model_config: the DeepseekV4Config (loaded from model_path when None).
-        gpu_free_memory: free bytes on the GPU, used for --max-total-tokens on CUDA (queried
-        from torch when None).
+        gpu_free_memory: free bytes on the GPU, used for --max-total-tokens on CUDA and to check
+        that the weights fit while they load (queried from torch when None; resolving for CUDA
+        on a machine without one checks nothing unless it is given).
         """
         if self.resolved:
             return self
@@ -171,14 +172,20 @@ class ServerArgs:
         # release numerics are the release format's: a bf16 model has nothing to round
         quant_numerics = QuantMode.resolve_numerics(model_config, self.quant_numerics)
         kv_cache_dtype = self.kv_cache_dtype or default_kv_cache_dtype(quant_numerics)
+        moe_backend = resolve_moe_backend(self.moe_backend, device, getattr(torch, dtype), segment_kernels,
+                                          fp4_experts=model_config.fp4_experts)
         max_total_tokens = self.max_total_tokens
+
+        def plan(check_only: bool = False):
+            free = gpu_free_memory if gpu_free_memory is not None else _query_gpu_free_memory()
+            return self._memory_plan(model_config, dtype, quant_numerics, kv_cache_dtype, free, context_length,
+                                     max_running, pick, moe_backend, check_only)
+
         if max_total_tokens is None:
             # never more than the running requests could ever use
             cap = context_length * max_running
             if on_cuda:
-                free = gpu_free_memory if gpu_free_memory is not None else _query_gpu_free_memory()
-                max_total_tokens = self._memory_plan(model_config, dtype, quant_numerics, kv_cache_dtype, free,
-                                                     context_length, max_running, pick).kv_pool_tokens
+                max_total_tokens = plan().kv_pool_tokens
             else:
                 max_total_tokens = min(cap, max(_CPU_MAX_TOTAL_TOKENS, context_length))
             if max_total_tokens < self.page_size:
@@ -186,6 +193,8 @@ class ServerArgs:
                     f"not enough memory for the KV cache: {max_total_tokens} tokens fit, less than one page "
                     f"({self.page_size}); use a smaller model or raise --mem-fraction-static"
                 )
+        elif on_cuda and (gpu_free_memory is not None or torch.cuda.is_available()):
+            plan(check_only=True)  # a KV size of the user's own: the weights must still fit, loading included
         max_total_tokens = max_total_tokens // self.page_size * self.page_size  # whole pages
         breakable_max = self.breakable_cuda_graph_max_tokens or _DEFAULT_BREAKABLE_MAX_TOKENS[pick]
         if self.breakable_cuda_graph_tokens and max(self.breakable_cuda_graph_tokens) > breakable_max:
@@ -193,8 +202,6 @@ class ServerArgs:
                 f"--breakable-cuda-graph-tokens has {max(self.breakable_cuda_graph_tokens)}, "
                 f"above --breakable-cuda-graph-max-tokens {breakable_max}"
             )
-        moe_backend = resolve_moe_backend(self.moe_backend, device, getattr(torch, dtype), segment_kernels,
-                                          fp4_experts=model_config.fp4_experts)
         prefix_caching = resolve_prefix_caching(self)
         if self.schedule_policy == "lpm" and not prefix_caching:
             raise ValueError("--schedule-policy lpm admits the waiting requests with the longest cached prefix "
@@ -228,10 +235,16 @@ class ServerArgs:
         )
 
     def _memory_plan(self, model_config, dtype: str, quant_numerics: str, kv_cache_dtype: str, free: int,
-                     context_length: int, max_running: int, pick: int):
+                     context_length: int, max_running: int, pick: int, moe_backend: str, check_only: bool = False):
         """This GPU's memory plan (planning/memory_planner.py); raises MemoryPlanError, which
-        names the shortfall and the flag to change, when the model or the KV cache does not fit."""
-        from sglang.srt.planning.memory_planner import PlanSettings, loaded_weight_format, plan_memory
+        names the shortfall and the flag to change, when the model or the KV cache does not fit.
+        check_only: only whether the weights fit, loading included (their bytes are returned)."""
+        from sglang.srt.planning.memory_planner import (
+            PlanSettings,
+            check_weights_fit,
+            loaded_weight_format,
+            plan_memory,
+        )
 
         settings = PlanSettings(
             weight_format=loaded_weight_format(model_config, dtype), model_dtype=dtype,
@@ -247,8 +260,10 @@ class ServerArgs:
             decode_graph_max_bs=0 if self.disable_cuda_graph else min(
                 self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick], max_running),
             mem_fraction_static=self.mem_fraction_static, max_total_tokens=None,  # sized by this plan
-            mtp_layers=model_config.num_mtp_layers,
+            mtp_layers=model_config.num_mtp_layers, moe_backend=moe_backend,
         )
+        if check_only:
+            return check_weights_fit(model_config, settings, free)
         return plan_memory(model_config, settings, free)
 
     @property

@@ -15,7 +15,9 @@ from sglang.srt.planning.memory_planner import (
     H200_USABLE_BYTES,
     MemoryPlanError,
     PlanSettings,
+    check_weights_fit,
     kv_bytes_per_token,
+    load_transient_bytes,
     loaded_weight_format,
     min_gpus_to_fit,
     per_request_state_bytes,
@@ -176,6 +178,27 @@ def test_flash_needs_two_h200():
     assert plan.headroom >= 0
     parts = plan.weights + plan.per_request_state + plan.raw_window + plan.rope_tables + plan.kv_pool + plan.graph_pool
     assert parts + plan.activation_reserve + plan.headroom == H200_USABLE_BYTES
+
+
+def test_humming_loading_holds_one_layer_s_gate_up_experts_once_more():
+    flash = load_model_config("dsv4-flash", 20)
+    humming = dataclasses.replace(SERVING, moe_backend="humming")
+    # 256 experts' w1 | w3 [4096, 4096] FP4 (half a byte) with an e8m0 scale per 32
+    one_layer = 256 * (2 * 2048 * 4096 // 2 + 2 * 2048 * 4096 // 32)
+    assert load_transient_bytes(flash, humming) == one_layer
+    assert load_transient_bytes(flash, dataclasses.replace(humming, dp_size=2)) == one_layer // 2  # a rank's experts
+    assert load_transient_bytes(flash, SERVING) == 0  # the Triton backend reads the packed originals
+    assert load_transient_bytes(flash, dataclasses.replace(humming, weight_format="bfloat16")) == 0
+    # 20 Flash layers (73.4 GiB with the split compressor weights) fit 75 GiB with the Triton
+    # backend, not with humming's re-layout
+    weights = check_weights_fit(flash, SERVING, 75 * GiB)
+    assert 73 * GiB < weights < 73.5 * GiB
+    with pytest.raises(MemoryPlanError, match=r"weights need 73\.4 GiB per GPU at --dp-size 1 plus 2\.1 GiB while "
+                                              r"the humming MoE backend re-lays out one layer's experts, 75\.0 GiB is "
+                                              r"free: short by 0\.6 GiB.*--num-layers"):
+        check_weights_fit(flash, humming, 75 * GiB)
+    with pytest.raises(MemoryPlanError, match="while the humming MoE backend"):
+        plan_memory(flash, humming, 75 * GiB)
 
 
 def test_pro_needs_eight_or_more(pro):

@@ -79,7 +79,7 @@ def report_startup_memory(runner, free_before: Optional[int]) -> Optional[Memory
         breakable_max_tokens=runner.breakable_runner.buckets[-1] if runner.breakable_runner else 0,
         decode_graph_max_bs=runner.decode_graph_runner.buckets[-1] if runner.decode_graph_runner else 0,
         mem_fraction_static=cfg.mem_fraction_static, max_total_tokens=cfg.max_total_tokens,
-        mtp_layers=runner.num_mtp_layers,
+        mtp_layers=runner.num_mtp_layers, moe_backend=cfg.moe_backend,
     )
     try:
         plan = plan_memory(runner.config, settings, free_before)

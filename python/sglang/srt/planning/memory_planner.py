@@ -100,6 +100,34 @@ def weight_bytes(config, weight_format: str, model_dtype: str = "bfloat16") -> W
     return WeightBytes(replicated, routed)
 
 
+def load_transient_bytes(config, s: "PlanSettings") -> int:
+    """Bytes held beside the weights only while they load: the humming MoE backend re-lays out
+    one layer's routed experts at a time, and while humming writes gate/up's layout the stacked
+    w1 | w3 it reads is still held (layers.moe.backends.humming_moe: one more copy of one
+    layer's local gate/up experts, FP4 bytes + e8m0 scales). Nothing for other backends."""
+    if s.moe_backend != "humming" or s.weight_format != "release" or not config.fp4_experts:
+        return 0
+    local = -(-config.n_routed_experts // s.dp_size)
+    gate_up = 2 * config.moe_intermediate_size * config.hidden_size  # elements, w1 and w3
+    return local * (gate_up // 2 + gate_up // 32)
+
+
+def check_weights_fit(config, s: "PlanSettings", free_memory: int, weights: Optional[WeightBytes] = None) -> int:
+    """The weights per GPU (and their tensor-core copies), after checking that they and what
+    loading them holds for a while fit `free_memory`; MemoryPlanError names the flags otherwise."""
+    w = weights if weights is not None else weight_bytes(config, s.weight_format, s.model_dtype)
+    weights_gpu = w.per_gpu(s.dp_size) + tensor_core_copy_bytes(config, s.model_dtype)
+    transient = load_transient_bytes(config, s)
+    if weights_gpu + transient > free_memory:
+        during = (f" plus {transient / GiB:.1f} GiB while the {s.moe_backend} MoE backend re-lays out one layer's "
+                  f"experts" if transient else "")
+        raise MemoryPlanError(
+            f"weights need {weights_gpu / GiB:.1f} GiB per GPU at --dp-size {s.dp_size}{during}, "
+            f"{free_memory / GiB:.1f} GiB is free: short by {(weights_gpu + transient - free_memory) / GiB:.1f} GiB; "
+            f"raise --dp-size (routed experts are sharded across DP ranks) or run fewer layers with --num-layers")
+    return weights_gpu
+
+
 def estimate_weight_bytes(config, dtype_bytes: int) -> int:
     """Weight bytes of the model as it holds them in a model dtype of `dtype_bytes` (2: bf16,
     4: fp32): release-format weights at their quantized size (the loader keeps them so), the
@@ -322,6 +350,7 @@ class PlanSettings:
     breakable_max_tokens: int = 0  # largest breakable-graph bucket; 0: breakable graphs off
     decode_graph_max_bs: int = 0  # largest decode-graph batch; 0: decode graphs off
     mtp_layers: int = 0  # MTP layers that run (speculative decoding): their caches and input streams
+    moe_backend: str = "triton"  # resolved --moe-backend: humming holds a layer's experts twice while loading
     mem_fraction_static: float
     max_total_tokens: Optional[int]  # the user's KV size; None: what the fraction leaves
 
@@ -343,7 +372,7 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
     """
     w = weights if weights is not None else weight_bytes(config, s.weight_format, s.model_dtype)
     tensor_core_copies = tensor_core_copy_bytes(config, s.model_dtype)
-    weights_gpu = w.per_gpu(s.dp_size) + tensor_core_copies
+    weights_gpu = check_weights_fit(config, s, free_memory, w)
     state = per_request_state_bytes(config, s.context_length, s.mtp_layers, s.model_dtype) * \
         (s.max_running_requests + 1)
     raw_window = raw_window_plan_bytes(config, s)
@@ -363,11 +392,6 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
 
     static_budget = int(free_memory * s.mem_fraction_static)
     fixed = weights_gpu + state + raw_window + rope
-    if weights_gpu > free_memory:
-        raise MemoryPlanError(
-            f"weights need {weights_gpu / GiB:.1f} GiB per GPU at --dp-size {s.dp_size}, {free_memory / GiB:.1f} GiB "
-            f"is free: short by {(weights_gpu - free_memory) / GiB:.1f} GiB; raise --dp-size (routed experts are "
-            f"sharded across DP ranks) or run fewer layers with --num-layers")
     min_kv = -(-s.context_length // s.page_size) * s.page_size  # one request of full context
     if fixed + padding_page + min_kv * per_token > static_budget:
         need = fixed + padding_page + min_kv * per_token

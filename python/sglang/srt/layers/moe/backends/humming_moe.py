@@ -25,6 +25,11 @@ e4m3 x 2^k activations, or bf16 ones), fp32 accumulation; the gate/up outputs an
 expert's down output are rounded to the model dtype (the reference keeps fp32 there), the one
 difference, within the release-numerics bound of the conformance tests.
 
+Not bit-reproducible: where a configuration uses stream-K (humming's own heuristics do for
+the MoE, some tuned rows too), the slices of a tile are added with bf16 atomics in whatever
+order they finish, so two calls on the same inputs can differ (after the FP8 rounding between
+the GEMMs, by up to 0.16 at Flash's dims on an H100); `--moe-backend triton` repeats exactly.
+
 Kernel configurations come per (GEMM, M range) from a data file for this GPU when one exists
 (configs/humming_<gpu>.json, written by sgl-kernel/benchmark/tune_humming_moe.py), else from
 humming's own heuristics; every configuration in the list is compiled in `prepare`, so no step
@@ -114,11 +119,13 @@ class HummingFp4MoE(Fp4MoEBackend):
         weight_schema = Mxfp4WeightSchema().to_humming_schema(dtype)
         input_schema = HummingInputSchema(a_dtype=dtypes.float8e4m3, input_scale_group_size=128) if fp8 else None
         gemms = {}
-        stacks = {
-            "w13": (torch.cat([experts.w1, experts.w3], dim=1), torch.cat([experts.w1_scale, experts.w3_scale], dim=1)),
-            "w2": (experts.w2, experts.w2_scale),
-        }
-        for name, (w, s) in stacks.items():
+        w13 = torch.cat([experts.w1, experts.w3], dim=1), torch.cat([experts.w1_scale, experts.w3_scale], dim=1)
+        for name in ("w1", "w3", "w1_scale", "w3_scale"):
+            delattr(experts, name)  # the stacked copy holds them: one layer's gate/up is never held three times
+        stacks = {"w13": w13, "w2": (experts.w2, experts.w2_scale)}
+        del w13
+        for name in ("w13", "w2"):
+            w, s = stacks.pop(name)  # nothing keeps the gate/up copy once its layout exists
             n, k = w.shape[1], w.shape[2] * 2
             tensors = {"weight": w.contiguous().view(torch.int32),
                        "weight_scale": s.contiguous().view(torch.float8_e8m0fnu)}
@@ -130,8 +137,8 @@ class HummingFp4MoE(Fp4MoEBackend):
                 experts.register_buffer(f"hm_{name}_{key}", t)
             tuning = self._tuning_for(config, gemm_key(name, n, k, n_local, experts.n_total, fp8), device)
             gemms[name] = _Gemm(config, tuning, json.dumps(tuning))
-        del stacks  # the stacked gate/up copy
-        for name in ("w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale"):
+            del w, s, tensors
+        for name in ("w2", "w2_scale"):
             delattr(experts, name)  # the packed originals: humming's layout replaces them
         experts.register_buffer("hm_locks", torch.zeros(LOCK_WORDS, dtype=torch.int32, device=device))
         experts.humming = gemms
