@@ -92,6 +92,18 @@ def test_options_stay_off_on_cpu_and_by_default(monkeypatch):
     pdl._device_supports.cache_clear()
 
 
+def test_a_captured_launch_stays_stream_ordered(monkeypatch):
+    """Inside CUDA-graph capture the options are off even where PDL is on (graph capture failed
+    with programmatic launches: pdl.py's docstring)."""
+    from dsv4_kernels import pdl
+
+    monkeypatch.setattr(pdl, "enabled", lambda t: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert pdl.options(torch.zeros(1)) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert pdl.options(torch.zeros(1)) == {"PDL": False}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_options_follow_the_switch_on_hopper(monkeypatch):
@@ -102,6 +114,9 @@ def test_options_follow_the_switch_on_hopper(monkeypatch):
     monkeypatch.setenv(pdl.ENV, "1")
     pdl._device_supports.cache_clear()
     assert pdl.options(x) == ({"PDL": True, "launch_pdl": True} if hopper else {"PDL": False})
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):  # a captured launch: stream-ordered
+        captured = pdl.options(x)
+    assert captured == {"PDL": False}
     monkeypatch.setenv(pdl.ENV, "0")
     pdl._device_supports.cache_clear()
     assert pdl.options(x) == {"PDL": False}

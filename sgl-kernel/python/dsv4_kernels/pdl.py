@@ -20,7 +20,10 @@ that predecessor could not complete before its own wait returned. Launches witho
 (torch ops, cuBLAS, humming) keep the full stream order on both sides.
 
 On with `SGLANG_DSV4_PDL=1` on SM90 and later; off by default until a GPU run has measured
-what it saves and run the kernel tests with it; never on CPU or under the interpreter.
+what it saves and run the kernel tests with it; never on CPU or under the interpreter. Never
+inside CUDA-graph capture either: with programmatic launches in it, the capture of the first
+graph failed (torch 2.11, Triton 3.6, an H100: "operation failed due to a previous error during
+capture"), so a captured launch stays stream-ordered and only eager launches are programmatic.
 """
 
 import functools
@@ -78,5 +81,8 @@ def enabled(t: torch.Tensor) -> bool:
 
 
 def options(t: torch.Tensor) -> dict:
-    """Launch keywords of a PDL-aware kernel: the `PDL` constexpr, and triton's `launch_pdl` when on."""
-    return {"PDL": True, "launch_pdl": True} if enabled(t) else {"PDL": False}
+    """Launch keywords of a PDL-aware kernel: the `PDL` constexpr, and triton's `launch_pdl` when
+    on and the stream is not being captured (module docstring)."""
+    if enabled(t) and not torch.cuda.is_current_stream_capturing():
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}

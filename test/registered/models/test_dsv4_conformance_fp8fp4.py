@@ -184,8 +184,9 @@ def test_cuda_float32_rows(fixture_dir, expected, numerics, graphs):
 @pytest.mark.gpu
 def test_cuda_pdl_launches_give_the_stream_ordered_rows(fixture_dir, expected, monkeypatch):
     """Programmatic dependent launch (dsv4_kernels/pdl.py) changes when a kernel starts, never
-    what it computes: every row through the decode graphs, release numerics, equals the row of
-    the stream-ordered launches bit for bit."""
+    what it computes: every row, release numerics, equals the row of the stream-ordered
+    launches bit for bit (the prefill's eager launches programmatic; the decode graphs capture
+    stream-ordered launches, which is what lets them capture at all)."""
     from dsv4_kernels import pdl
 
     rows = {}
