@@ -8,7 +8,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 BENCHMARKS = ["bench_sparse_attention", "bench_cache_write", "bench_compressor", "bench_indexer",
-              "bench_moe"]
+              "bench_moe", "bench_moe_align"]
 
 
 def main() -> int:
