@@ -189,6 +189,8 @@ def server_args_for(a: argparse.Namespace, dp_size: int = 1) -> ServerArgs:
         enable_breakable_cuda_graph=True, breakable_cuda_graph_tokens=sorted(set(a.num_tokens)),
         breakable_cuda_graph_max_tokens=max_tokens, disable_cuda_graph=not decode,
         cuda_graph_max_bs=max_tokens if decode else None, attention_backend=a.attention_backend,
+        # only the batch sizes timed: fewer captures, and no compiles for batch tiers no row uses
+        cuda_graph_bs=sorted(set(a.num_tokens)) if decode else None,
         segment_kernels=a.segment_kernels, quant_numerics=a.quant_numerics, kv_cache_dtype=a.kv_cache_dtype,
         moe_backend=a.moe_backend, enable_dp_attention=dp_size > 1, dp_size=dp_size,
     ).resolve(cuda_available=torch.cuda.is_available())

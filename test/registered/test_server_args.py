@@ -102,6 +102,19 @@ def test_cli_round_trip():
         prepare_server_args(["--dtype", "fp16"])
 
 
+def test_decode_graph_sizes_of_the_user_s_own():
+    a = prepare_server_args(["--model-path", "dsv4-tiny", "--cuda-graph-bs", "64", "1", "8", "1"])
+    assert a.cuda_graph_bs == (64, 1, 8, 1)
+    r = a.resolve(cuda_available=True, gpu_free_memory=80 * 2**30)
+    assert r.cuda_graph_bs == (1, 8, 64) and r.cuda_graph_max_bs == 64  # sorted, once each; the largest caps
+    # sizes no decode batch can reach (above the running requests) are left out, all of them: an error
+    few = dataclasses.replace(a, max_running_requests=16).resolve(cuda_available=True, gpu_free_memory=80 * 2**30)
+    assert few.cuda_graph_bs == (1, 8)
+    with pytest.raises(ValueError, match=r"--cuda-graph-bs \[64\]: every size is above --max-running-requests 16"):
+        ServerArgs(model_path="dsv4-tiny", cuda_graph_bs=[64], max_running_requests=16).resolve(cuda_available=False)
+    assert ServerArgs(model_path="dsv4-tiny").resolve(cuda_available=False).cuda_graph_bs is None  # the ladder
+
+
 def test_server_args_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         ServerArgs().page_size = 256
@@ -120,6 +133,9 @@ def test_server_args_are_frozen():
         ({"cuda_graph_max_bs": 0}, "--cuda-graph-max-bs must be positive"),
         ({"prefix_cache_state_gb": 0}, "--prefix-cache-state-gb must be positive"),
         ({"breakable_cuda_graph_tokens": [16, 0]}, "--breakable-cuda-graph-tokens must be positive"),
+        ({"cuda_graph_bs": [4, 0]}, "--cuda-graph-bs must be positive integers"),
+        ({"cuda_graph_bs": []}, "--cuda-graph-bs must be positive integers"),
+        ({"cuda_graph_bs": [8, 64], "cuda_graph_max_bs": 32}, "--cuda-graph-bs has 64, above --cuda-graph-max-bs 32"),
         ({"dp_size": 0}, "--dp-size must be >= 1"),
         ({"dp_size": 2}, "--dp-size > 1 needs --enable-dp-attention"),
         ({"nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "--node-rank must be in"),

@@ -85,6 +85,7 @@ class ServerArgs:
     breakable_cuda_graph_max_tokens: Optional[int] = None
     breakable_cuda_graph_tokens: Optional[Tuple[int, ...]] = None
     cuda_graph_max_bs: Optional[int] = None
+    cuda_graph_bs: Optional[Tuple[int, ...]] = None
     disable_cuda_graph: bool = False
     debug_cuda_graph: bool = False
     segment_kernels: str = "auto"
@@ -110,8 +111,9 @@ class ServerArgs:
     resolved: bool = False
 
     def __post_init__(self):
-        if self.breakable_cuda_graph_tokens is not None:  # lists from the CLI: keep it hashable
-            object.__setattr__(self, "breakable_cuda_graph_tokens", tuple(self.breakable_cuda_graph_tokens))
+        for name in ("breakable_cuda_graph_tokens", "cuda_graph_bs"):  # lists from the CLI: keep them hashable
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         _validate(self)
 
     # ---- resolution --------------------------------------------------------------------
@@ -230,7 +232,9 @@ class ServerArgs:
             # the host needs each step's accepted tokens before it can build the next
             disable_overlap_schedule=self.disable_overlap_schedule or self.speculative_algorithm is not None,
             breakable_cuda_graph_max_tokens=breakable_max,
-            cuda_graph_max_bs=self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick],
+            cuda_graph_max_bs=self.cuda_graph_max_bs or (max(self.cuda_graph_bs) if self.cuda_graph_bs
+                                                         else _DEFAULT_CUDA_GRAPH_MAX_BS[pick]),
+            cuda_graph_bs=_decode_graph_sizes(self.cuda_graph_bs, max_running),
             resolved=True,
         )
 
@@ -258,7 +262,8 @@ class ServerArgs:
                 self.breakable_cuda_graph_max_tokens or _DEFAULT_BREAKABLE_MAX_TOKENS[pick],))
             if self.enable_breakable_cuda_graph else 0,
             decode_graph_max_bs=0 if self.disable_cuda_graph else min(
-                self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS[pick], max_running),
+                self.cuda_graph_max_bs or (max(self.cuda_graph_bs) if self.cuda_graph_bs
+                                           else _DEFAULT_CUDA_GRAPH_MAX_BS[pick]), max_running),
             mem_fraction_static=self.mem_fraction_static, max_total_tokens=None,  # sized by this plan
             mtp_layers=model_config.num_mtp_layers, moe_backend=moe_backend,
         )
@@ -391,6 +396,12 @@ def _validate(a: ServerArgs) -> None:
         not a.breakable_cuda_graph_tokens or any(t <= 0 for t in a.breakable_cuda_graph_tokens)
     ):
         raise ValueError(f"--breakable-cuda-graph-tokens must be positive integers, got {a.breakable_cuda_graph_tokens}")
+    if a.cuda_graph_bs is not None:
+        if not a.cuda_graph_bs or any(not isinstance(b, int) or b <= 0 for b in a.cuda_graph_bs):
+            raise ValueError(f"--cuda-graph-bs must be positive integers, got {a.cuda_graph_bs}")
+        if a.cuda_graph_max_bs is not None and max(a.cuda_graph_bs) > a.cuda_graph_max_bs:
+            raise ValueError(f"--cuda-graph-bs has {max(a.cuda_graph_bs)}, above --cuda-graph-max-bs "
+                             f"{a.cuda_graph_max_bs}: give one of them")
     if a.dp_size < 1:
         raise ValueError(f"--dp-size must be >= 1, got {a.dp_size}")
     if a.load_balance_method == "cache_aware" and not resolve_prefix_caching(a):
@@ -447,6 +458,18 @@ def _check_dist_init_addr(addr: str) -> None:
     # port + 1 is node 0's DP controller (managers/dp/supervisor.py)
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65534:
         raise ValueError(f"--dist-init-addr must be host:port with a port in [1, 65534], got {addr!r}")
+
+
+def _decode_graph_sizes(sizes: Optional[Tuple[int, ...]], max_running: int) -> Optional[Tuple[int, ...]]:
+    """--cuda-graph-bs sorted, without the sizes no decode batch can reach (above the running
+    requests); an error when none is left."""
+    if not sizes:
+        return None
+    kept = tuple(sorted({b for b in sizes if b <= max_running}))
+    if not kept:
+        raise ValueError(f"--cuda-graph-bs {list(sizes)}: every size is above --max-running-requests {max_running}, "
+                         f"so no decode batch would replay a graph")
+    return kept
 
 
 def flag_name(name: str) -> str:

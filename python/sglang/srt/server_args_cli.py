@@ -86,6 +86,9 @@ HELP = {
     "breakable_cuda_graph_tokens": "explicit breakable-graph token buckets (default: a ladder up to "
                                    "--breakable-cuda-graph-max-tokens, neighbours at most 2x apart)",
     "cuda_graph_max_bs": "largest decode graph batch size (default 256 CUDA / 16 CPU)",
+    "cuda_graph_bs": "explicit decode-graph batch sizes (default: a ladder up to --cuda-graph-max-bs); a decode "
+                     "batch pads to the next one, and runs eagerly above the largest or beyond "
+                     "--max-running-requests",
     "disable_cuda_graph": "run decode batches eagerly instead of replaying decode CUDA graphs (captured on "
                           "CUDA only, for batch sizes up to --cuda-graph-max-bs)",
     "debug_cuda_graph": "check at every graph replay that no break op's tensor argument moved since capture "
@@ -160,7 +163,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action="store_true", help=help_)
         elif f.type in ("Optional[bool]", Optional[bool]):  # unset (None): resolve() decides
             parser.add_argument(flag, action="store_true", default=None, help=help_)
-        elif f.name == "breakable_cuda_graph_tokens":
+        elif f.name in ("breakable_cuda_graph_tokens", "cuda_graph_bs"):
             parser.add_argument(flag, type=int, nargs="+", default=None, help=help_)
         else:
             kind = int if f.name in _INT_FIELDS else float if f.name in _FLOAT_FIELDS else str

@@ -167,6 +167,17 @@ def test_model_runner_runs_what_the_dispatch_decides_and_counts_per_bucket(runne
     assert stats["forward_eager"] - before["forward_eager"] == 2
 
 
+def test_decode_graphs_capture_exactly_the_given_batch_sizes():
+    runner = ModelRunner(cpu_server_args(model_path="dsv4-tiny", context_length=512, max_total_tokens=4096,
+                                         max_running_requests=6, cuda_graph_bs=[4, 1]), cuda_graph_on_cpu=True)
+    assert runner.decode_graph_runner.buckets == [1, 4] and runner.graph_tables.decode_bs_buckets == (1, 4)
+    runner.forward(_batch(runner, [[5]] * 3, ForwardMode.DECODE, prefixes=[4] * 3))  # 3 -> bucket 4
+    runner.forward(_batch(runner, [[5]] * 5, ForwardMode.DECODE, prefixes=[4] * 5))  # 5 > 4: eager
+    stats = runner.get_stats()
+    assert stats["decode_graph_replays_by_bucket"] == {"4": 1}
+    assert stats["decode_graph_fallbacks"] == {"batch_too_large": 1}
+
+
 def test_forward_refuses_a_path_it_cannot_run(runner):
     from sglang.srt.model_executor.graph_dispatch import StepPath
 

@@ -104,7 +104,8 @@ class ModelRunner:
             buckets = args.breakable_cuda_graph_tokens or default_capture_num_tokens(args.breakable_cuda_graph_max_tokens)
             self.graph_runners[PathKind.BREAKABLE] = BreakableCudaGraphRunner(self, buckets, debug=args.debug_cuda_graph)
         if not args.disable_cuda_graph and (self.device.type == "cuda" or cuda_graph_on_cpu):
-            buckets = default_capture_bs(min(args.cuda_graph_max_bs, args.max_running_requests))
+            buckets = list(args.cuda_graph_bs or default_capture_bs(min(args.cuda_graph_max_bs,
+                                                                           args.max_running_requests)))
             self.graph_runners[PathKind.DECODE_GRAPH] = DecodeCudaGraphRunner(self, buckets, debug=args.debug_cuda_graph)
         if self.dp_groups is not None:  # every rank, with graphs or not: the gather is collective
             # Capture runs the MoE collectives once per bucket: ranks with other buckets would
