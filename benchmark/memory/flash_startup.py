@@ -64,7 +64,8 @@ def main(argv=None) -> None:
         context_length=a.context_length, max_running_requests=a.max_running_requests,
         chunked_prefill_size=a.chunked_prefill_size, breakable_max_tokens=a.breakable_cuda_graph_max_tokens,
         decode_graph_max_bs=a.cuda_graph_max_bs, mem_fraction_static=a.mem_fraction_static,
-        dp_size=1, page_size=ServerArgs.page_size, max_total_tokens=None)  # the server's page size; KV sized by the plan
+        dp_size=1, page_size=ServerArgs.page_size, max_total_tokens=None,  # the server's page size; KV sized by the plan
+        moe_backend="humming")  # what "auto" picks on an H200 with humming-kernels installed
     config = load_model_config("dsv4-flash", a.num_layers)
     print(json.dumps(dict(what="flash_config", num_layers=a.num_layers,
                           params_b=round(estimate_num_parameters(config) / 1e9, 1),

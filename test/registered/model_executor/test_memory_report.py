@@ -17,7 +17,8 @@ from sglang.test.runner_args import cpu_server_args
 # A CUDA server's defaults with breakable graphs on; each test replaces what its runner sets.
 SERVING = PlanSettings(weight_format="release", quant_numerics="release", kv_cache_dtype="auto", dp_size=1, page_size=128,
                        context_length=65536, max_running_requests=256, chunked_prefill_size=2048,
-                       breakable_max_tokens=4096, decode_graph_max_bs=256, mem_fraction_static=0.8, max_total_tokens=None)
+                       breakable_max_tokens=4096, decode_graph_max_bs=256, mem_fraction_static=0.8, max_total_tokens=None,
+                       moe_backend="triton")
 
 
 def test_startup_report_plans_from_the_runners_own_graphs(caplog):

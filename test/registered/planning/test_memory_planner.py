@@ -29,7 +29,8 @@ from sglang.srt.planning.memory_planner import (
 # The defaults of a CUDA server with breakable graphs on, at a 64K context.
 SERVING = PlanSettings(weight_format="release", quant_numerics="release", kv_cache_dtype="auto", dp_size=1, page_size=128,
                        context_length=65536, max_running_requests=256, chunked_prefill_size=2048,
-                       breakable_max_tokens=4096, decode_graph_max_bs=256, mem_fraction_static=0.8, max_total_tokens=None)
+                       breakable_max_tokens=4096, decode_graph_max_bs=256, mem_fraction_static=0.8, max_total_tokens=None,
+                       moe_backend="triton")
 # A lean serving setup: the least a model can be served with usefully. The static fraction leaves
 # the MoE's working set room: at Pro's 8 ranks a 1024-token step gathers 8192 tokens, and the
 # MoE kernels hold an fp32 partial output per (token, expert) pair (28 KiB at Pro's width).
@@ -178,6 +179,16 @@ def test_flash_needs_two_h200():
     assert plan.headroom >= 0
     parts = plan.weights + plan.per_request_state + plan.raw_window + plan.rope_tables + plan.kv_pool + plan.graph_pool
     assert parts + plan.activation_reserve + plan.headroom == H200_USABLE_BYTES
+
+
+def test_window_only_layers_keep_no_kv_per_token():
+    # Flash's first two layers read only their window (per-request rings): no KV grows with the
+    # tokens, so the pool is what the running requests could use, not a division by zero
+    two = load_model_config("dsv4-flash", 2)
+    assert [two.layer_compress_ratio(i) for i in range(2)] == [0, 0]
+    plan = plan_memory(two, SERVING, H200_USABLE_BYTES)
+    assert plan.kv_bytes_per_token == 0
+    assert plan.kv_pool_tokens == SERVING.context_length * SERVING.max_running_requests
 
 
 def test_humming_loading_holds_one_layer_s_gate_up_experts_once_more():

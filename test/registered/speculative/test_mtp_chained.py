@@ -252,7 +252,7 @@ def test_the_memory_planner_counts_both_modules_and_the_carried_rows(ckpt, spec_
                      kv_cache_dtype=a.kv_cache_dtype, dp_size=1, page_size=a.page_size,
                      context_length=a.context_length, max_running_requests=a.max_running_requests,
                      chunked_prefill_size=a.chunked_prefill_size, mem_fraction_static=0.8, max_total_tokens=None,
-                     mtp_layers=spec_runner.num_mtp_layers)
+                     mtp_layers=spec_runner.num_mtp_layers, moe_backend=a.moe_backend)
     pool = spec_runner.kv_pool
     # the pool (both modules' caches, their rings and the carried rows) and the target's streams for them
     assert kv_pool_bytes(spec_runner.config, s, pool.num_slots - a.page_size) == \

@@ -505,7 +505,7 @@ def _plan_settings(runner, **graphs):
                         kv_cache_dtype=a.kv_cache_dtype, dp_size=1, page_size=a.page_size,
                         context_length=a.context_length, max_running_requests=a.max_running_requests,
                         chunked_prefill_size=a.chunked_prefill_size, mem_fraction_static=0.8, max_total_tokens=None,
-                        mtp_layers=runner.num_mtp_layers, **graphs)
+                        mtp_layers=runner.num_mtp_layers, moe_backend=a.moe_backend, **graphs)
 
 
 def test_the_memory_planner_counts_the_mtp_layers_rings_and_streams(spec_runner):

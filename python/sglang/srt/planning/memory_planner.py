@@ -350,7 +350,7 @@ class PlanSettings:
     breakable_max_tokens: int = 0  # largest breakable-graph bucket; 0: breakable graphs off
     decode_graph_max_bs: int = 0  # largest decode-graph batch; 0: decode graphs off
     mtp_layers: int = 0  # MTP layers that run (speculative decoding): their caches and input streams
-    moe_backend: str = "triton"  # resolved --moe-backend: humming holds a layer's experts twice while loading
+    moe_backend: str  # humming re-lays out a layer's experts while loading (load_transient_bytes)
     mem_fraction_static: float
     max_total_tokens: Optional[int]  # the user's KV size; None: what the fraction leaves
 
@@ -406,7 +406,10 @@ def plan_memory(config, s: PlanSettings, free_memory: int, weights: Optional[Wei
             f"--max-running-requests {s.max_running_requests}, KV for one --context-length {s.context_length} request "
             f"{min_kv * per_token / GiB:.1f}): short by {(need - static_budget) / GiB:.1f} GiB; {fix}lower "
             f"--context-length or --max-running-requests, or raise --dp-size")
-    kv_tokens = (static_budget - fixed - padding_page) // per_token // s.page_size * s.page_size
+    if per_token:
+        kv_tokens = (static_budget - fixed - padding_page) // per_token // s.page_size * s.page_size
+    else:  # only window layers (their rows live in per-request rings): nothing grows with the tokens
+        kv_tokens = s.context_length * s.max_running_requests
     if s.max_total_tokens is not None:
         if s.max_total_tokens > kv_tokens:
             raise MemoryPlanError(
