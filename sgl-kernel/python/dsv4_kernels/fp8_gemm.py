@@ -18,7 +18,7 @@ Decode sizes on CUDA, by measurement at Flash's seven FP8 linear shapes and wo_a
   even on wq_b and wo_b, 7% behind on the indexer's wq_b (cuBLAS's ~18 µs floor at small M);
   the GEMV's per-row work makes it lose from two rows on;
 - 17..64 rows take these kernels after a separate quantization launch (H100, same benchmark,
-  `--m 16 32 64`): at 64 rows 1.3-1.5x cuBLAS at wq_a, wkv and the shared gate/up, 1.1x at
+  `--m 16 32 64`): at 64 rows 1.2-1.5x cuBLAS at wq_a, wkv and the shared gate/up, 1.1x at
   wo_b, 2-6% behind at wq_b and the shared down, 21% behind at the indexer's wq_b alone; as one
   stacked weight (Fp8RowStack) wq_a + wkv take 15.0 µs against cuBLAS's 19.0 + 19.5 apart and
   wq_b + the indexer's wq_b 29.5 against 25.9 + 13.0.
