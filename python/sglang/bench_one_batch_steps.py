@@ -317,7 +317,8 @@ def run_bench(a: argparse.Namespace, runner, steps: Steps) -> dict:
                 runner.req_to_token_pool.free_req(s)
     result = dict(model=a.model_path, device=str(dev),
                   device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                  limit_peaks=ceilings.name if ceilings is not None else None, dtype=runner.server_args.dtype, dp_size=steps.dp_size, rows=rows,
+                  limit_peaks=ceilings.name if ceilings is not None else None, dtype=runner.server_args.dtype,
+                  dp_size=steps.dp_size, rows=rows,
                   capture_seconds=breakable.capture_seconds, graph_memory_bytes=breakable.graph_memory_bytes,
                   capture_memory_bytes=breakable.capture_memory_bytes,
                   graph_memory_by_bucket=breakable.graph_memory_by_bucket,

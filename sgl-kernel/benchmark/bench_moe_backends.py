@@ -11,8 +11,9 @@ rounding, both expert GEMMs, SwiGLU, top-k sum) replayed from a CUDA graph with 
 
 Columns per T: each backend's median time (10th-90th percentile of REPS replays), and the
 limits: the HBM bound (the bytes of the distinct local experts hit, FP4 + scales, at the GPU's
-HBM peak, common.hbm_gbps) and the FLOP bounds (the local assignments' three GEMMs at the bf16 and FP8 dense peaks). "% of
-limit" divides max(HBM bound, the FLOP bound of that backend's tensor-core dtype) by the time.
+HBM peak, common.hbm_gbps) and the FLOP bounds (the local assignments' three GEMMs at the bf16
+and FP8 dense peaks). "% of limit" divides max(HBM bound, the FLOP bound of that backend's
+tensor-core dtype) by the time.
 Before timing, every backend's output is compared with the triton backend's at T = 64 (cosine).
 
     python sgl-kernel/benchmark/bench_moe_backends.py [--experts 256] [--t 1 4 16 64 ...] [--out moe.json]

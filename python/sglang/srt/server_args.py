@@ -232,11 +232,15 @@ class ServerArgs:
             # the host needs each step's accepted tokens before it can build the next
             disable_overlap_schedule=self.disable_overlap_schedule or self.speculative_algorithm is not None,
             breakable_cuda_graph_max_tokens=breakable_max,
-            cuda_graph_max_bs=self.cuda_graph_max_bs or (max(self.cuda_graph_bs) if self.cuda_graph_bs
-                                                         else _DEFAULT_CUDA_GRAPH_MAX_BS[pick]),
+            cuda_graph_max_bs=self._decode_graph_max_bs(pick),
             cuda_graph_bs=_decode_graph_sizes(self.cuda_graph_bs, max_running),
             resolved=True,
         )
+
+    def _decode_graph_max_bs(self, pick: int) -> int:
+        """The largest decode-graph batch: as given, else the largest of --cuda-graph-bs, else the default."""
+        return self.cuda_graph_max_bs or (max(self.cuda_graph_bs) if self.cuda_graph_bs
+                                          else _DEFAULT_CUDA_GRAPH_MAX_BS[pick])
 
     def _memory_plan(self, model_config, dtype: str, quant_numerics: str, kv_cache_dtype: str, free: int,
                      context_length: int, max_running: int, pick: int, moe_backend: str, check_only: bool = False):
@@ -261,9 +265,7 @@ class ServerArgs:
             breakable_max_tokens=max(self.breakable_cuda_graph_tokens or (
                 self.breakable_cuda_graph_max_tokens or _DEFAULT_BREAKABLE_MAX_TOKENS[pick],))
             if self.enable_breakable_cuda_graph else 0,
-            decode_graph_max_bs=0 if self.disable_cuda_graph else min(
-                self.cuda_graph_max_bs or (max(self.cuda_graph_bs) if self.cuda_graph_bs
-                                           else _DEFAULT_CUDA_GRAPH_MAX_BS[pick]), max_running),
+            decode_graph_max_bs=0 if self.disable_cuda_graph else min(self._decode_graph_max_bs(pick), max_running),
             mem_fraction_static=self.mem_fraction_static, max_total_tokens=None,  # sized by this plan
             mtp_layers=model_config.num_mtp_layers, moe_backend=moe_backend,
         )

@@ -119,11 +119,12 @@ class HummingFp4MoE(Fp4MoEBackend):
         weight_schema = Mxfp4WeightSchema().to_humming_schema(dtype)
         input_schema = HummingInputSchema(a_dtype=dtypes.float8e4m3, input_scale_group_size=128) if fp8 else None
         gemms = {}
-        w13 = torch.cat([experts.w1, experts.w3], dim=1), torch.cat([experts.w1_scale, experts.w3_scale], dim=1)
+        stacks = {
+            "w13": (torch.cat([experts.w1, experts.w3], dim=1), torch.cat([experts.w1_scale, experts.w3_scale], dim=1)),
+            "w2": (experts.w2, experts.w2_scale),
+        }
         for name in ("w1", "w3", "w1_scale", "w3_scale"):
             delattr(experts, name)  # the stacked copy holds them: one layer's gate/up is never held three times
-        stacks = {"w13": w13, "w2": (experts.w2, experts.w2_scale)}
-        del w13
         for name in ("w13", "w2"):
             w, s = stacks.pop(name)  # nothing keeps the gate/up copy once its layout exists
             n, k = w.shape[1], w.shape[2] * 2
